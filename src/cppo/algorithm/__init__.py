@@ -1,0 +1,39 @@
+"""The paper's ideas as pure functions over plain tensors: advantages, selection, allocation, loss."""
+
+from cppo.algorithm.advantages import (
+    SCALE_REWARDS,
+    check_scale_rewards,
+    combine_rewards,
+    group_advantages,
+    reward_stats,
+)
+from cppo.algorithm.allocation import StepShape, plan_step
+from cppo.algorithm.loss import LOSS_TYPES, masked_mean, per_token_policy_loss, reduce_loss
+from cppo.algorithm.selection import (
+    SCOPES,
+    SELECTION_RULES,
+    keep_highest_scores,
+    recompute_advantages_on_kept,
+    register_rule,
+    select_completions,
+)
+
+__all__ = [
+    "LOSS_TYPES",
+    "SCALE_REWARDS",
+    "SCOPES",
+    "SELECTION_RULES",
+    "StepShape",
+    "check_scale_rewards",
+    "combine_rewards",
+    "group_advantages",
+    "keep_highest_scores",
+    "masked_mean",
+    "per_token_policy_loss",
+    "plan_step",
+    "recompute_advantages_on_kept",
+    "reduce_loss",
+    "register_rule",
+    "reward_stats",
+    "select_completions",
+]

@@ -1,0 +1,110 @@
+"""Rewards -> group-relative advantages (GRPO), plus the reward metrics TRL logs.
+
+Shapes: N completions = Q questions x G completions per question (question-major: completion
+j of question i is flat row i * G + j). F reward functions.
+
+NaN policy: a reward function returns NaN where it does not apply (TRL's None). `combine_rewards`
+ignores those; a completion where *no* function applies gets NaN, and `group_advantages` refuses
+NaN rewards with an error naming the positions, so a missing reward never becomes a silent 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def combine_rewards(per_function: Tensor, weights: Tensor | None = None) -> Tensor:
+    """Weighted sum over reward functions, ignoring NaN entries (TRL's nansum of w * r).
+
+    per_function: (N, F) float, NaN = "this function does not apply". weights: (F,) or None
+    (all ones). Returns (N,). A row where every function is NaN gives NaN (TRL would give 0
+    with a warning); `group_advantages` then raises, naming the completion.
+    """
+    if per_function.dim() != 2:
+        raise ValueError(
+            f"per_function must be (num_completions, num_functions), got shape {tuple(per_function.shape)}"
+        )
+    num_functions = per_function.shape[1]
+    if weights is None:
+        weights = torch.ones(num_functions, dtype=per_function.dtype, device=per_function.device)
+    weights = torch.as_tensor(weights, dtype=per_function.dtype, device=per_function.device)
+    if weights.shape != (num_functions,):
+        raise ValueError(
+            f"weights must have shape ({num_functions},) = one per reward function, got {tuple(weights.shape)}"
+        )
+    if not torch.isfinite(weights).all():
+        raise ValueError(f"weights must be finite numbers, got {weights.tolist()}")
+    applies = ~torch.isnan(per_function)
+    weighted = torch.where(applies, per_function * weights, torch.zeros_like(per_function))
+    combined = weighted.sum(dim=1)
+    no_function_applies = ~applies.any(dim=1)
+    return combined.masked_fill(no_function_applies, float("nan"))
+
+
+def _check_rewards(rewards: Tensor) -> None:
+    if rewards.dim() != 2:
+        raise ValueError(
+            f"rewards must be (questions, group_size), got shape {tuple(rewards.shape)}; "
+            "reshape flat rewards with rewards.view(-1, group_size)"
+        )
+    nan_positions = torch.isnan(rewards).nonzero().tolist()
+    if nan_positions:
+        shown = [tuple(p) for p in nan_positions[:10]]
+        raise ValueError(
+            f"rewards are NaN at (question, completion) {shown}"
+            f"{' ...' if len(nan_positions) > 10 else ''}: no reward function applied to "
+            "these completions; every completion needs a reward"
+        )
+
+
+def check_scale_rewards(scale_rewards: str) -> None:
+    """Raise ValueError unless scale_rewards is one of 'group', 'batch', 'none'."""
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+
+
+def group_advantages(rewards: Tensor, scale_rewards: str = "group", eps: float = 1e-4) -> Tensor:
+    """GRPO advantages: A = r - mean(group), optionally divided by a std + eps.
+
+    rewards: (Q, G) -> (Q, G). scale_rewards 'group': unbiased std of each group; 'batch':
+    unbiased std of all Q * G rewards (mean stays per group, as TRL); 'none': no division.
+    A group of size 1 has A = 0 (std undefined, and r - mean = 0).
+    """
+    _check_rewards(rewards)
+    check_scale_rewards(scale_rewards)
+    group_size = rewards.shape[1]
+    if group_size < 2:
+        return torch.zeros_like(rewards)
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale_rewards == "none":
+        return centered
+    if scale_rewards == "group":
+        std = rewards.std(dim=1, keepdim=True)
+    else:
+        std = rewards.std()
+    return centered / (std + eps)
+
+
+def reward_stats(rewards: Tensor) -> dict[str, float]:
+    """TRL's reward metrics for rewards (Q, G).
+
+    reward: mean of all rewards; reward_std: mean over groups of the unbiased group std;
+    frac_reward_zero_std: fraction of groups whose rewards are all equal (these give A = 0).
+    Groups of size 1 count as zero std.
+    """
+    _check_rewards(rewards)
+    if rewards.numel() == 0:
+        return {"reward": float("nan"), "reward_std": float("nan"), "frac_reward_zero_std": float("nan")}
+    if rewards.shape[1] < 2:
+        group_std = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    else:
+        group_std = rewards.std(dim=1)
+    all_equal = (rewards == rewards[:, :1]).all(dim=1)
+    return {
+        "reward": rewards.mean().item(),
+        "reward_std": group_std.mean().item(),
+        "frac_reward_zero_std": all_equal.float().mean().item(),
+    }

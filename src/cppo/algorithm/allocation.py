@@ -1,0 +1,110 @@
+"""How many questions to sample, completions to score and completions to keep per step.
+
+B = completions_per_update (completions in one optimizer update: TRL's
+per_device_train_batch_size x gradient_accumulation_steps), G = group_size, P = pruning_rate.
+
+  P = 0 (GRPO):          Q = B / G, scored = kept = B.
+  allocation=False:      Q = B / G, scored = B; kept = max(1, round(B (1-P))) for scope 'step',
+                         Q * max(1, round(G (1-P))) for scope 'question'.
+  allocation=True (CPPO dynamic completion allocation, the kept completions fill the update):
+    scope 'step':        Q = ceil(B / (G (1-P))), scored = Q G, kept = B; works for any P, the
+                         effective pruning rate 1 - B / (Q G) is then >= P.
+    scope 'question':    keep_per_question = max(1, round(G (1-P))) must divide B; Q = B / it.
+
+Rounding: round half up (2.5 -> 3); round and ceil forgive float noise of 1e-9 so that e.g.
+P = 0.8 gives exactly 16 / (16 * 0.2) = 5 questions, not 6.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cppo.algorithm.selection import SCOPES
+_FLOAT_NOISE = 1e-9
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Counts for one optimizer step; keep_per_question is None for scope 'step'."""
+
+    questions_per_step: int
+    completions_scored: int
+    completions_kept: int
+    keep_per_question: int | None
+
+    @property
+    def group_size(self) -> int:
+        return self.completions_scored // self.questions_per_step
+
+    @property
+    def effective_pruning_rate(self) -> float:
+        """Fraction of scored completions that are pruned: 1 - kept / scored."""
+        return 1.0 - self.completions_kept / self.completions_scored
+
+
+def _round_half_up(value: float) -> int:
+    return math.floor(value + 0.5 + _FLOAT_NOISE)
+
+
+def _ceil(value: float) -> int:
+    return math.ceil(value - _FLOAT_NOISE)
+
+
+def plan_step(
+    *,
+    completions_per_update: int,
+    group_size: int,
+    pruning_rate: float,
+    allocation: bool,
+    scope: str,
+) -> StepShape:
+    """The StepShape for B = completions_per_update, G = group_size, P = pruning_rate (module doc)."""
+    batch, pruning = completions_per_update, pruning_rate
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"completions_per_update must be an int >= 1, got {batch!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    if not isinstance(pruning, (int, float)) or not 0.0 <= pruning < 1.0:
+        raise ValueError(f"pruning_rate must be in [0, 1), got {pruning!r}")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    if pruning > 0 and group_size < 2:
+        raise ValueError(
+            f"pruning_rate={pruning} needs group_size >= 2 (advantages of a group of 1 are all 0), "
+            f"got group_size={group_size}"
+        )
+
+    def questions_from_whole_groups() -> int:
+        if batch % group_size != 0:
+            raise ValueError(
+                f"completions_per_update={batch} must be divisible by group_size={group_size} "
+                f"(pruning_rate={pruning}, allocation={allocation}, scope={scope!r})"
+            )
+        return batch // group_size
+
+    keep_fraction = 1.0 - pruning
+    keep_per_question = max(1, _round_half_up(group_size * keep_fraction))
+    question_scope = scope == "question"
+
+    if pruning == 0:
+        questions = questions_from_whole_groups()
+        return StepShape(questions, batch, batch, group_size if question_scope else None)
+
+    if not allocation:
+        questions = questions_from_whole_groups()
+        kept = questions * keep_per_question if question_scope else max(1, _round_half_up(batch * keep_fraction))
+        return StepShape(questions, batch, kept, keep_per_question if question_scope else None)
+
+    if question_scope:
+        if batch % keep_per_question != 0:
+            raise ValueError(
+                f"completions_per_update={batch} must be divisible by keep_per_question="
+                f"{keep_per_question} (= round({group_size} * (1 - {pruning}))) for allocation with "
+                "scope='question'; change the batch or the pruning rate, or use scope='step'"
+            )
+        questions = batch // keep_per_question
+        return StepShape(questions, questions * group_size, batch, keep_per_question)
+
+    questions = _ceil(batch / (group_size * keep_fraction))
+    return StepShape(questions, questions * group_size, batch, None)

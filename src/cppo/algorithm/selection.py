@@ -1,0 +1,227 @@
+"""Which completions to keep (completion pruning), decided from rewards and advantages only.
+
+All tensors are (Q, G): Q questions x G completions each. The result is a bool keep_mask with
+exactly `num_keep` True entries. Scope:
+  'question': every question keeps num_keep // Q completions (num_keep must be divisible by Q);
+  'step':     one selection over all Q * G completions of the step (a question keeps 0..G),
+              as in the CPPO authors' code.
+
+Rules (registry SELECTION_RULES; add one with `@register_rule("name")`):
+  largest_abs   CPPO default: keep the largest |A| (they carry the most policy gradient).
+  smallest_abs  ablation: keep the smallest |A|.
+  random        ablation: uniformly random, reproducible with a seeded torch.Generator.
+  max_variance  PODS (Xu et al., 2025): per question keep the subset with maximum reward
+                variance; 'question' scope only. Advantages should then be recomputed on the kept
+                subset with `recompute_advantages_on_kept`.
+
+Tie-breaking (deterministic, never torch.topk): score-based rules sort with a stable sort, so
+among exactly equal scores the lower flat index wins -- question-major, then completion index
+(for 'question' scope: the lower completion index). max_variance sorts each question's rewards
+ascending with a stable sort (equal rewards: lower completion index first), keeps the first
+m - i and the last i entries of that order (so among equal high rewards the higher index is
+kept), and takes the smallest i among equal variances. Scores compare by exact float equality.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor
+
+from cppo.algorithm.advantages import check_scale_rewards
+
+SCOPES = ("question", "step")
+
+
+class SelectionRule(Protocol):
+    def __call__(
+        self,
+        advantages: Tensor,
+        rewards: Tensor,
+        *,
+        num_keep: int,
+        scope: str,
+        generator: torch.Generator | None,
+    ) -> Tensor: ...
+
+
+SELECTION_RULES: dict[str, SelectionRule] = {}
+
+
+def register_rule(name: str) -> Callable[[SelectionRule], SelectionRule]:
+    """Decorator adding a rule to SELECTION_RULES under `name`.
+
+    A rule takes (advantages, rewards, *, num_keep, scope, generator), all (Q, G) tensors,
+    arguments already validated, and returns a bool keep_mask (Q, G) with num_keep True.
+    """
+
+    def add(rule: SelectionRule) -> SelectionRule:
+        if name in SELECTION_RULES:
+            raise ValueError(f"selection rule {name!r} is already registered")
+        SELECTION_RULES[name] = rule
+        return rule
+
+    return add
+
+
+def keep_highest_scores(scores: Tensor, *, num_keep: int, scope: str) -> Tensor:
+    """keep_mask (Q, G) of the num_keep highest scores (per question or over the step).
+
+    Ties: stable descending sort, so the lower (flat) index wins among equal scores.
+    """
+    num_questions, group_size = scores.shape
+    if scope == "question":
+        keep_per_question = num_keep // max(num_questions, 1)
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+        keep_mask = torch.zeros_like(scores, dtype=torch.bool)
+        keep_mask.scatter_(1, order[:, :keep_per_question], True)
+        return keep_mask
+    order = torch.sort(scores.flatten(), descending=True, stable=True).indices
+    keep_mask = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
+    keep_mask[order[:num_keep]] = True
+    return keep_mask.view(num_questions, group_size)
+
+
+@register_rule("largest_abs")
+def keep_largest_abs_advantage(advantages, rewards, *, num_keep, scope, generator):
+    """CPPO: keep the completions with the largest |A|; all-equal groups (A = 0) go first."""
+    return keep_highest_scores(advantages.abs(), num_keep=num_keep, scope=scope)
+
+
+@register_rule("smallest_abs")
+def keep_smallest_abs_advantage(advantages, rewards, *, num_keep, scope, generator):
+    """Ablation: keep the completions with the smallest |A|."""
+    return keep_highest_scores(-advantages.abs(), num_keep=num_keep, scope=scope)
+
+
+@register_rule("random")
+def keep_random(advantages, rewards, *, num_keep, scope, generator):
+    """Ablation: keep a uniformly random subset (reproducible with a seeded generator)."""
+    device = generator.device if generator is not None else advantages.device
+    scores = torch.rand(advantages.shape, generator=generator, device=device)
+    return keep_highest_scores(scores.to(advantages.device), num_keep=num_keep, scope=scope)
+
+
+@register_rule("max_variance")
+def keep_max_reward_variance(advantages, rewards, *, num_keep, scope, generator):
+    """PODS: per question keep the m rewards of maximum variance = the i highest + m - i lowest.
+
+    The best i in 0..m is found by scanning; equal variances keep the smallest i.
+    """
+    if scope != "question":
+        raise ValueError(
+            f"rule 'max_variance' (PODS) selects within each question and needs scope='question', got scope={scope!r}"
+        )
+    num_questions, group_size = rewards.shape
+    keep_per_question = num_keep // max(num_questions, 1)
+    if keep_per_question == 0:
+        return torch.zeros_like(rewards, dtype=torch.bool)
+    ascending = torch.sort(rewards, dim=1, stable=True).indices  # (Q, G)
+    sorted_rewards = rewards.gather(1, ascending).double()
+    variances = []
+    for num_highest in range(keep_per_question + 1):
+        num_lowest = keep_per_question - num_highest
+        subset = torch.cat(
+            [sorted_rewards[:, :num_lowest], sorted_rewards[:, group_size - num_highest :]], dim=1
+        )
+        variances.append(subset.var(dim=1, unbiased=False))
+    best_num_highest = torch.stack(variances, dim=1).argmax(dim=1)  # first max = smallest i, (Q,)
+    position = torch.arange(group_size, device=rewards.device)  # position in ascending order
+    num_lowest = (keep_per_question - best_num_highest).unsqueeze(1)
+    keep_sorted = (position < num_lowest) | (position >= group_size - best_num_highest.unsqueeze(1))
+    keep_mask = torch.zeros_like(rewards, dtype=torch.bool)
+    keep_mask.scatter_(1, ascending, keep_sorted)
+    return keep_mask
+
+
+def _is_int(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def select_completions(
+    advantages: Tensor,
+    rewards: Tensor,
+    *,
+    num_keep: int,
+    scope: str,
+    rule: str = "largest_abs",
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """keep_mask (Q, G) bool with exactly num_keep True, chosen by `rule` within `scope`.
+
+    advantages, rewards: (Q, G). scope 'question' needs num_keep divisible by Q.
+    num_keep = 0 keeps nothing (the caller then skips the update).
+    """
+    if advantages.dim() != 2:
+        raise ValueError(f"advantages must be (questions, group_size), got shape {tuple(advantages.shape)}")
+    if rewards.shape != advantages.shape:
+        raise ValueError(
+            f"rewards shape {tuple(rewards.shape)} must equal advantages shape {tuple(advantages.shape)}"
+        )
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    if rule not in SELECTION_RULES:
+        raise ValueError(f"unknown selection rule {rule!r}; registered rules: {sorted(SELECTION_RULES)}")
+    num_questions, group_size = advantages.shape
+    total = num_questions * group_size
+    if not _is_int(num_keep) or not 0 <= num_keep <= total:
+        raise ValueError(
+            f"num_keep must be an int in [0, {total}] (= questions {num_questions} x group_size {group_size}), got {num_keep!r}"
+        )
+    if scope == "question" and num_questions > 0 and num_keep % num_questions != 0:
+        raise ValueError(
+            f"scope='question' keeps the same number per question: num_keep={num_keep} must be "
+            f"divisible by the number of questions {num_questions}"
+        )
+    num_keep = operator.index(num_keep)
+    keep_mask = SELECTION_RULES[rule](
+        advantages, rewards, num_keep=num_keep, scope=scope, generator=generator
+    )
+    if keep_mask.shape != advantages.shape or int(keep_mask.sum()) != num_keep:
+        raise RuntimeError(
+            f"selection rule {rule!r} returned a mask of shape {tuple(keep_mask.shape)} with "
+            f"{int(keep_mask.sum())} kept; expected shape {tuple(advantages.shape)} with {num_keep} kept"
+        )
+    return keep_mask
+
+
+def recompute_advantages_on_kept(
+    rewards: Tensor, keep_mask: Tensor, scale_rewards: str = "group", eps: float = 1e-4
+) -> Tensor:
+    """PODS: advantages recomputed within each question's kept subset; 0 where not kept.
+
+    rewards, keep_mask: (Q, G) -> (Q, G). Mean (and for 'group' the unbiased std) over the kept
+    completions of each question; 'batch' divides by the unbiased std of all kept rewards.
+    A question keeping 0 or 1 completions gets A = 0. Rewards of pruned completions are ignored
+    (they may be NaN).
+    """
+    check_scale_rewards(scale_rewards)
+    if rewards.dim() != 2 or keep_mask.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and keep_mask must both be (questions, group_size); got {tuple(rewards.shape)} "
+            f"and {tuple(keep_mask.shape)}"
+        )
+    kept = keep_mask.bool()
+    if torch.isnan(rewards[kept]).any():
+        raise ValueError("rewards of kept completions must not be NaN")
+    kept_rewards = torch.where(kept, rewards, torch.zeros_like(rewards))
+    count = kept.sum(dim=1, keepdim=True).to(rewards.dtype)
+    mean = kept_rewards.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centered = torch.where(kept, rewards - mean, torch.zeros_like(rewards))
+    if scale_rewards == "none":
+        return centered
+    if scale_rewards == "group":
+        variance = centered.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+        std = variance.sqrt()
+    else:
+        values = rewards[kept]
+        std = values.std() if values.numel() > 1 else rewards.new_zeros(())
+    return centered / (std + eps)

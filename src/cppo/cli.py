@@ -1,0 +1,206 @@
+"""`cppo` command line: train | eval | pretrain | bench | export-data.
+
+Every field of a command's config dataclass is a `--name value` option; `cppo train` also takes
+`--config run.yaml` (command-line values override the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cppo.config import ConfigError, CPPOConfig, build_dataclass, read_yaml
+
+
+def _f(default, help: str, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class EvalConfig:
+    model: str = _f("embedded", "Model: 'embedded', a local directory or a hub id.")
+    dataset_name: str = _f("embedded", "Held-out data (same choices as `cppo train`).")
+    eval_dataset_split: str = _f("test", "Split to evaluate on.")
+    prompt_style: str = _f("r1", "Prompt for gsm8k/math.", ("r1", "boxed", "none"))
+    task_level: int = _f(3, "Embedded task level.")
+    eval_num_questions: int | None = _f(None, "Evaluate on the first N questions (None: all).")
+    k: int = _f(16, "k of pass@k (0: greedy only).")
+    temperature: float = _f(1.0, "Sampling temperature for pass@k.")
+    max_completion_length: int | None = _f(None, "Max new tokens (None: the task's need, or 256).")
+    batch_size: int = _f(4096, "Completions decoded together.")
+    seed: int = _f(0, "Sampling seed.")
+    output_json: str | None = _f(None, "Write the result as JSON here.")
+    torch_dtype: str = _f("float32", "Model dtype.", ("float32", "bfloat16", "float16", "auto"))
+    attn_implementation: str | None = _f(None, "Attention implementation.")
+
+    def __post_init__(self):
+        if self.k < 0:
+            raise ConfigError(f"'k' is {self.k}; must be >= 0")
+        if self.batch_size < 1:
+            raise ConfigError(f"'batch_size' is {self.batch_size}; must be >= 1")
+        if self.temperature <= 0:
+            raise ConfigError(f"'temperature' is {self.temperature}; must be > 0")
+
+
+@dataclass
+class ExportConfig:
+    output: str = _f("embedded_task.jsonl", "Output .jsonl file.")
+    task_level: int = _f(3, "Embedded task level.")
+    split: str = _f("train", "Split: train or test.", ("train", "test"))
+    n: int | None = _f(None, "Number of problems (None: the whole split).")
+    seed: int = _f(0, "Order seed.")
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls) -> None:
+    group = parser.add_argument_group(f"{cls.__name__} fields (--name value)")
+    for fld in dataclasses.fields(cls):
+        default = fld.default if fld.default is not dataclasses.MISSING else fld.default_factory()
+        choices = fld.metadata.get("choices")
+        text = fld.metadata.get("help", "")
+        if choices:
+            text += f" Choices: {', '.join(map(str, choices))}."
+        text += f" (default: {default})"
+        is_bool = str(fld.type).startswith("bool")
+        group.add_argument(f"--{fld.name}", dest=fld.name, default=argparse.SUPPRESS,
+                           metavar="BOOL" if is_bool else "VALUE",
+                           nargs="?" if is_bool else None, const="true" if is_bool else None,
+                           help=text.replace("%", "%%"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cppo", description="Fast GRPO fine-tuning with completion pruning (CPPO).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = sub.add_parser("train", help="GRPO/CPPO training (no arguments: the embedded default)",
+                           description="Train with GRPO + completion pruning. With no arguments: "
+                           "CPPO P=0.875 with allocation on the shipped tiny model and task.")
+    train.add_argument("--config", default=None, help="YAML file of field: value (overridden by "
+                       "command-line options).")
+    _add_fields(train, CPPOConfig)
+    ev = sub.add_parser("eval", help="held-out greedy accuracy and pass@k of a model")
+    _add_fields(ev, EvalConfig)
+    from cppo.pretrain import PretrainConfig
+    pre = sub.add_parser("pretrain", help="supervised pretraining of the tiny base model")
+    _add_fields(pre, PretrainConfig)
+    bench = sub.add_parser("bench", help="the CPPO paper table on the embedded task "
+                           "(benchmarks/cppo_table.py)", add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    exp = sub.add_parser("export-data", help="write the embedded task as jsonl for other tools")
+    _add_fields(exp, ExportConfig)
+    return parser
+
+
+def _overrides(args: argparse.Namespace, cls) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def cmd_train(args) -> int:
+    values = read_yaml(args.config) if args.config else {}
+    source = args.config or "command line"
+    values.update(_overrides(args, CPPOConfig))
+    cfg = build_dataclass(CPPOConfig, values, source=source)
+    from cppo.trainer import train
+    summary = train(cfg)
+    return 0 if summary.get("status") in ("completed", "interrupted") else 1
+
+
+def cmd_eval(args) -> int:
+    cfg = build_dataclass(EvalConfig, _overrides(args, EvalConfig), source="command line",
+                          command="eval")
+    from cppo.data.sources import load_task
+    from cppo.evaluate import evaluate
+    from cppo.models import load_model, load_tokenizer
+    from cppo.rewards import get_reward_function
+
+    task_cfg = CPPOConfig(dataset_name=cfg.dataset_name, task_level=cfg.task_level,
+                          eval_dataset_split=cfg.eval_dataset_split, prompt_style=cfg.prompt_style,
+                          eval_num_questions=cfg.eval_num_questions, seed=cfg.seed)
+    task = load_task(task_cfg)
+    if not task.eval_rows:
+        raise ConfigError(f"no held-out rows in split '{cfg.eval_dataset_split}' of "
+                          f"'{cfg.dataset_name}'")
+    model = load_model(cfg.model, torch_dtype=cfg.torch_dtype,
+                       attn_implementation=cfg.attn_implementation)
+    tokenizer = load_tokenizer(cfg.model)
+    max_new = cfg.max_completion_length or task.max_answer_tokens or 256
+    result = evaluate(model, tokenizer, task.eval_rows, get_reward_function(task.accuracy_reward),
+                      k=cfg.k, temperature=cfg.temperature, max_new_tokens=max_new,
+                      batch_size=cfg.batch_size, seed=cfg.seed)
+    print(f"{cfg.model} on {task.description} ({cfg.eval_dataset_split}): {result.summary()}")
+    if cfg.output_json:
+        Path(cfg.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output_json).write_text(json.dumps(
+            {"model": cfg.model, "dataset": task.description, **result.to_dict()}, indent=2))
+        print(f"wrote {cfg.output_json}")
+    return 0
+
+
+def cmd_pretrain(args) -> int:
+    from cppo.pretrain import PretrainConfig, command_line, pretrain
+    cfg = build_dataclass(PretrainConfig, _overrides(args, PretrainConfig),
+                          source="command line", command="pretrain")
+    report = pretrain(cfg, command=command_line())
+    ev = report["eval"]
+    print(f"pretrained in {report['train_seconds']} s: greedy {100 * ev['greedy_accuracy']:.1f}%, "
+          f"pass@{ev['k']} {100 * ev['pass_at_k']:.1f}% -> {cfg.output_dir}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from cppo.data import arithmetic
+    cfg = build_dataclass(ExportConfig, _overrides(args, ExportConfig), source="command line",
+                          command="export-data")
+    problems = arithmetic.generate(cfg.task_level, cfg.split, n=cfg.n, seed=cfg.seed)
+    path = arithmetic.export_jsonl(problems, cfg.output)
+    print(f"wrote {len(problems)} {cfg.split} problems (level {cfg.task_level}) to {path}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import runpy
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "cppo_table.py"
+    if not script.is_file():
+        raise ConfigError(f"benchmarks/cppo_table.py not found next to the package ({script}); "
+                          "run it from a source checkout")
+    sys.argv = [str(script)] + args.rest
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def _unknown_option(parser, command: str, unknown: list[str]) -> int:
+    import difflib
+    sub = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == command)[1]
+    options = [o for a in sub._actions for o in a.option_strings]
+    bad = next((u for u in unknown if u.startswith("--")), unknown[0])
+    hint = difflib.get_close_matches(bad.split("=")[0], options, n=1)
+    extra = f"; did you mean {hint[0]}?" if hint else ""
+    print(f"cppo {command}: error: unknown option {bad}{extra} (see `cppo {command} --help`)",
+          file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if unknown and args.command != "bench":
+        return _unknown_option(parser, args.command, unknown)
+    handlers = {"train": cmd_train, "eval": cmd_eval, "pretrain": cmd_pretrain,
+                "export-data": cmd_export, "bench": cmd_bench}
+    try:
+        return handlers[args.command](args)
+    except ConfigError as err:
+        print(f"cppo {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

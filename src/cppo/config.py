@@ -1,0 +1,352 @@
+"""One configuration dataclass: TRL GRPOConfig names plus the CPPO fields.
+
+Defaults are the embedded recipe (`cppo train` with no arguments): CPPO with P = 0.875 and
+dynamic completion allocation on the shipped tiny model and the embedded arithmetic task.
+A config comes from defaults, then a YAML file (`--config run.yaml`), then `--name value`
+overrides; every value is checked where it enters and a bad one raises `ConfigError` naming the
+key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message names it and what is allowed."""
+
+
+def _f(default, help: str, choices: tuple | None = None, **kw):
+    """A dataclass field carrying its help text (and allowed choices) in metadata."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+SELECTION_RULES = ("largest_abs", "smallest_abs", "random", "max_variance")
+SELECTION_SCOPES = ("question", "step", "global")
+LR_SCHEDULERS = ("constant", "linear", "cosine", "constant_with_warmup")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass
+class CPPOConfig:
+    """Everything a run needs. Names follow TRL's GRPOConfig where TRL has the concept."""
+
+    # --- model -----------------------------------------------------------------------------
+    model: str = _f("embedded", "Model: 'embedded' (the shipped tiny model), a local directory, "
+                    "or a Hugging Face hub id loaded with transformers AutoModelForCausalLM.")
+    torch_dtype: str = _f("float32", "Weights dtype for the policy.", DTYPES)
+    attn_implementation: Optional[str] = _f(None, "Attention implementation passed to transformers "
+                                            "(sdpa, eager, eca, flash_attention_2, ...). None: "
+                                            "the model's default.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    bf16: bool = _f(False, "Autocast the forward passes to bfloat16 (TRL name).")
+    use_peft: bool = _f(False, "Train LoRA adapters (needs `pip install cppo[peft]`); the reference "
+                        "model is the base with adapters disabled.")
+    lora_r: int = _f(16, "LoRA rank.")
+    lora_alpha: int = _f(32, "LoRA alpha.")
+    lora_dropout: float = _f(0.05, "LoRA dropout.")
+    lora_target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"],
+                                         "Module names that get LoRA adapters.")
+
+    # --- data and rewards ------------------------------------------------------------------
+    dataset_name: str = _f("embedded", "Training data: 'embedded' (the arithmetic task), 'gsm8k', "
+                           "'math', a local .jsonl/.json/.parquet file, or a datasets name/dir "
+                           "with a 'prompt' column.")
+    dataset_split: str = _f("train", "Split of dataset_name to train on.")
+    eval_dataset_split: str = _f("test", "Held-out split used for evaluation.")
+    prompt_style: str = _f("r1", "Prompt for gsm8k/math: 'r1' (<think>/<answer>), 'boxed', 'none'.",
+                           ("r1", "boxed", "none"))
+    task_level: int = _f(3, "Embedded task difficulty: 1 add 2-digit, 2 mul 2x1 digit, "
+                         "3 mul 2x2 digit, 4 two-step ab*cd+ef.")
+    num_train_questions: Optional[int] = _f(None, "Use only the first N training questions "
+                                            "(one pass = one epoch). None: all.")
+    reward_funcs: list[str] = _f(["arithmetic"], "Reward functions: registry names "
+                                 "(arithmetic, gsm8k_accuracy, math_accuracy, format, ...) or "
+                                 "'package.module:function' with TRL's signature.")
+    reward_weights: Optional[list[float]] = _f(None, "One weight per reward function "
+                                               "(None: all 1.0).")
+
+    # --- generation ------------------------------------------------------------------------
+    num_generations: int = _f(16, "G: completions sampled per question.")
+    max_prompt_length: Optional[int] = _f(512, "Prompts longer than this are left-truncated.")
+    max_completion_length: int = _f(8, "Maximum new tokens per completion (the embedded task "
+                                    "needs 5; use 256-1024 for real reasoning tasks).")
+    temperature: float = _f(1.0, "Sampling temperature.")
+    top_p: float = _f(1.0, "Nucleus sampling threshold (1.0: off).")
+    top_k: int = _f(0, "Top-k sampling (0: off).")
+    generation_batch_size: Optional[int] = _f(None, "Completions generated per forward batch "
+                                              "(None: all of a step at once).")
+    use_vllm: bool = _f(False, "Generate with vLLM (needs `pip install cppo[vllm]`).")
+    vllm_mode: str = _f("colocate", "vLLM mode.", ("colocate", "server"))
+
+    # --- GRPO loss -------------------------------------------------------------------------
+    beta: float = _f(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.")
+    epsilon: float = _f(0.2, "Lower clip range of the ratio.")
+    epsilon_high: Optional[float] = _f(None, "Upper clip range (None: same as epsilon).")
+    loss_type: str = _f("dapo", "Loss normalisation.", LOSS_TYPES)
+    scale_rewards: str = _f("group", "Advantage scaling by reward std.", SCALE_REWARDS)
+    num_iterations: int = _f(1, "mu: optimizer steps per generation batch.")
+    mask_truncated_completions: bool = _f(False, "Exclude completions without EOS from the loss.")
+
+    # --- CPPO ------------------------------------------------------------------------------
+    pruning_rate: float = _f(0.875, "P: fraction of completions pruned (smallest |A| first) "
+                             "before any forward pass. 0: plain GRPO.")
+    allocation: bool = _f(True, "Dynamic completion allocation: sample more questions so that "
+                          "kept completions fill the update batch.")
+    selection_rule: str = _f("largest_abs", "Which completions to keep.", SELECTION_RULES)
+    selection_scope: str = _f("step", "Where selection ranks completions: per question, over the "
+                              "process's step, or over all processes.", SELECTION_SCOPES)
+
+    # --- optimisation ----------------------------------------------------------------------
+    per_device_train_batch_size: int = _f(256, "Completions per micro-batch on each device "
+                                          "(TRL: counts completions, not prompts).")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
+    learning_rate: float = _f(3e-5, "AdamW learning rate.")
+    lr_scheduler_type: str = _f("constant", "Learning-rate schedule.", LR_SCHEDULERS)
+    warmup_ratio: float = _f(0.0, "Fraction of steps of linear warm-up.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.99, "AdamW beta2.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm (0: off).")
+    num_train_epochs: float = _f(1.0, "Passes over the training questions.")
+    max_steps: int = _f(200, "Optimizer steps (-1: derived from num_train_epochs).")
+    seed: int = _f(42, "Random seed (data order, sampling, selection).")
+
+    # --- evaluation, logging, checkpoints --------------------------------------------------
+    output_dir: str = _f("runs/cppo", "Run directory: metrics, plots, checkpoints, summary.")
+    eval_steps: int = _f(50, "Held-out evaluation every N steps (0: only before and after).")
+    eval_num_questions: Optional[int] = _f(None, "Held-out questions per evaluation (None: all).")
+    logging_steps: int = _f(1, "Write metrics every N steps.")
+    save_steps: int = _f(100, "Checkpoint every N steps (and always at the end).")
+    save_total_limit: int = _f(2, "Keep this many most recent checkpoints.")
+    report_to: list[str] = _f(["jsonl"], "Metric sinks: jsonl, tensorboard.")
+    log_completions: bool = _f(True, "Log sample completions every logging step.")
+    resume: bool = _f(False, "Continue from the latest checkpoint in output_dir.")
+    max_consecutive_nonfinite: int = _f(5, "Stop (with a checkpoint) after this many steps in a "
+                                        "row with NaN/inf loss or gradients.")
+    progress_bar: bool = _f(True, "Show a progress bar.")
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    # convenience ----------------------------------------------------------------------------
+    @property
+    def effective_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def completions_per_update(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, source: str = "config") -> "CPPOConfig":
+        return build_dataclass(cls, values, source=source)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None
+             ) -> "CPPOConfig":
+        """Defaults, then a YAML file, then overrides (strings from the command line are parsed)."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            values.update(read_yaml(path))
+        values.update(overrides or {})
+        return cls.from_dict(values, source=str(path) if path else "config")
+
+
+def build_dataclass(cls, values: dict[str, Any], *, source: str = "config", command: str = "train"):
+    """Instantiate a config dataclass from raw values, naming unknown keys and bad values."""
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, raw in values.items():
+        if key not in known:
+            hint = difflib.get_close_matches(key, known, n=1)
+            extra = f"; did you mean '{hint[0]}'?" if hint else ""
+            raise ConfigError(f"{source}: unknown key '{key}'{extra} "
+                              f"(run `cppo {command} --help` for the list)")
+        kwargs[key] = coerce(known[key], raw, source=source, cls=cls)
+    return cls(**kwargs)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of key: value, "
+                          f"got {type(data).__name__}")
+    return data
+
+
+def field_types(cls=CPPOConfig) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unwrap_optional(tp) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+_TRUE = {"true", "yes", "1", "on"}
+_FALSE = {"false", "no", "0", "off"}
+
+
+def _scalar(base, raw, key: str, source: str):
+    expected = base.__name__
+    if isinstance(raw, str):
+        text = raw.strip()
+        if base is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+        elif base is int:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        elif base is float:
+            try:
+                return float(text)
+            except ValueError:
+                pass
+        elif base is str:
+            return text
+    else:
+        if base is bool and isinstance(raw, bool):
+            return raw
+        if base is int and isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if base is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+        if base is str and isinstance(raw, str):
+            return raw
+    raise ConfigError(f"{source}: '{key}' expects {expected}, got {raw!r}")
+
+
+def coerce(fld: dataclasses.Field, raw: Any, *, source: str = "config", cls=None) -> Any:
+    """Parse a YAML or command-line value into the field's type, or raise ConfigError."""
+    tp, optional = _unwrap_optional(field_types(cls or CPPOConfig)[fld.name])
+    if raw is None or (optional and isinstance(raw, str) and raw.strip().lower() in ("none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{source}: '{fld.name}' may not be None")
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        items = raw
+        if isinstance(raw, str):
+            items = [s for s in (p.strip() for p in raw.split(",")) if s]
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{source}: '{fld.name}' expects a list of {item.__name__}, got {raw!r}")
+        return [_scalar(item, v, fld.name, source) for v in items]
+    return _scalar(tp, raw, fld.name, source)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: CPPOConfig) -> None:
+    """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
+    hints = field_types()
+    for fld in dataclasses.fields(cfg):
+        value = getattr(cfg, fld.name)
+        choices = fld.metadata.get("choices")
+        if choices and value is not None and value not in choices:
+            raise ConfigError(f"'{fld.name}' is {value!r}; allowed: {', '.join(map(str, choices))}")
+        tp, optional = _unwrap_optional(hints[fld.name])
+        if tp in (int, float) and value is not None and not isinstance(value, bool):
+            _check(isinstance(value, (int, float)) and math.isfinite(value),
+                   f"'{fld.name}' must be a finite number, got {value!r}")
+    _check(0.0 <= cfg.pruning_rate < 1.0,
+           f"'pruning_rate' is {cfg.pruning_rate}; allowed: 0 <= pruning_rate < 1 "
+           f"(1 would prune every completion)")
+    _check(cfg.num_generations >= 1, f"'num_generations' is {cfg.num_generations}; must be >= 1")
+    _check(not (cfg.num_generations < 2 and cfg.pruning_rate > 0),
+           f"'num_generations' is {cfg.num_generations}; pruning needs >= 2 completions per "
+           f"question (advantages are zero for a group of one)")
+    _check(cfg.per_device_train_batch_size >= 1,
+           f"'per_device_train_batch_size' is {cfg.per_device_train_batch_size}; must be >= 1")
+    _check(cfg.gradient_accumulation_steps >= 1,
+           f"'gradient_accumulation_steps' is {cfg.gradient_accumulation_steps}; must be >= 1")
+    if cfg.pruning_rate == 0 or not cfg.allocation:
+        _check(cfg.completions_per_update % cfg.num_generations == 0,
+               f"per_device_train_batch_size x gradient_accumulation_steps = "
+               f"{cfg.completions_per_update} completions is not divisible by num_generations = "
+               f"{cfg.num_generations}; each question needs all its {cfg.num_generations} completions")
+    _check(cfg.learning_rate > 0, f"'learning_rate' is {cfg.learning_rate}; must be > 0")
+    _check(0.0 <= cfg.warmup_ratio < 1.0, f"'warmup_ratio' is {cfg.warmup_ratio}; allowed: [0, 1)")
+    _check(cfg.beta >= 0, f"'beta' is {cfg.beta}; must be >= 0")
+    _check(cfg.epsilon > 0, f"'epsilon' is {cfg.epsilon}; must be > 0")
+    _check(cfg.epsilon_high is None or cfg.epsilon_high > 0,
+           f"'epsilon_high' is {cfg.epsilon_high}; must be > 0 or None")
+    _check(cfg.num_iterations >= 1, f"'num_iterations' is {cfg.num_iterations}; must be >= 1")
+    _check(cfg.temperature > 0, f"'temperature' is {cfg.temperature}; must be > 0")
+    _check(0 < cfg.top_p <= 1, f"'top_p' is {cfg.top_p}; allowed: 0 < top_p <= 1")
+    _check(cfg.top_k >= 0, f"'top_k' is {cfg.top_k}; must be >= 0 (0: off)")
+    _check(cfg.max_completion_length >= 1,
+           f"'max_completion_length' is {cfg.max_completion_length}; must be >= 1")
+    _check(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1,
+           f"'max_prompt_length' is {cfg.max_prompt_length}; must be >= 1 or None")
+    _check(cfg.max_steps == -1 or cfg.max_steps >= 1,
+           f"'max_steps' is {cfg.max_steps}; must be >= 1, or -1 to use num_train_epochs")
+    _check(cfg.num_train_epochs > 0, f"'num_train_epochs' is {cfg.num_train_epochs}; must be > 0")
+    _check(1 <= cfg.task_level <= 4, f"'task_level' is {cfg.task_level}; allowed: 1, 2, 3, 4")
+    _check(cfg.num_train_questions is None or cfg.num_train_questions >= 1,
+           f"'num_train_questions' is {cfg.num_train_questions}; must be >= 1 or None")
+    _check(cfg.eval_num_questions is None or cfg.eval_num_questions >= 1,
+           f"'eval_num_questions' is {cfg.eval_num_questions}; must be >= 1 or None")
+    _check(len(cfg.reward_funcs) >= 1, "'reward_funcs' is empty; name at least one reward function")
+    if cfg.reward_weights is not None:
+        _check(len(cfg.reward_weights) == len(cfg.reward_funcs),
+               f"'reward_weights' has {len(cfg.reward_weights)} values but 'reward_funcs' has "
+               f"{len(cfg.reward_funcs)}; give one weight per function")
+    for key in ("eval_steps", "save_steps", "logging_steps"):
+        _check(getattr(cfg, key) >= 0, f"'{key}' is {getattr(cfg, key)}; must be >= 0")
+    _check(cfg.save_total_limit >= 1, f"'save_total_limit' is {cfg.save_total_limit}; must be >= 1")
+    _check(cfg.max_grad_norm >= 0, f"'max_grad_norm' is {cfg.max_grad_norm}; must be >= 0")
+    _check(cfg.max_consecutive_nonfinite >= 1,
+           f"'max_consecutive_nonfinite' is {cfg.max_consecutive_nonfinite}; must be >= 1")
+    for sink in cfg.report_to:
+        _check(sink in ("jsonl", "tensorboard", "none"),
+               f"'report_to' has {sink!r}; allowed: jsonl, tensorboard, none")
+    if cfg.selection_rule == "max_variance":
+        _check(cfg.selection_scope == "question",
+               "'selection_rule' max_variance (PODS) ranks within a question; set "
+               "selection_scope=question")
+    if cfg.selection_scope == "question" and cfg.pruning_rate > 0:
+        keep = max(1, round(cfg.num_generations * (1 - cfg.pruning_rate)))
+        if cfg.allocation:
+            _check(cfg.completions_per_update % keep == 0,
+                   f"selection_scope=question keeps {keep} of {cfg.num_generations} completions "
+                   f"per question, which does not divide the update batch of "
+                   f"{cfg.completions_per_update} completions")
+    _check(cfg.lora_r >= 1, f"'lora_r' is {cfg.lora_r}; must be >= 1")

@@ -1,0 +1,78 @@
+"""Held-out accuracy: greedy accuracy and pass@k with sampling."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from cppo.rollout import encode_prompts, sample_completions
+
+
+@dataclass
+class EvalResult:
+    num_questions: int
+    greedy_accuracy: float
+    pass_at_k: float | None
+    k: int
+    sample_accuracy: float | None  # mean accuracy of the k sampled completions (pass@1 sampled)
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        text = f"greedy accuracy {100 * self.greedy_accuracy:.1f}% on {self.num_questions} questions"
+        if self.pass_at_k is not None:
+            text += (f", pass@{self.k} {100 * self.pass_at_k:.1f}%, sampled accuracy "
+                     f"{100 * self.sample_accuracy:.1f}%")
+        return text + f" ({self.seconds:.1f} s)"
+
+
+def _correct(reward_fn, rows, texts, group: int) -> torch.Tensor:
+    """(Q, group) bool: reward >= 1 means correct."""
+    columns = {k: [r[k] for r in rows for _ in range(group)] for k in rows[0] if k != "prompt"}
+    prompts = [r["prompt"] for r in rows for _ in range(group)]
+    rewards = reward_fn(prompts=prompts, completions=texts, **columns)
+    scores = torch.tensor([float("nan") if v is None else v for v in rewards])
+    return (scores >= 1.0).view(len(rows), group)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16, temperature: float = 1.0,
+             max_new_tokens: int = 8, batch_size: int = 4096, seed: int = 0,
+             max_prompt_length: int | None = None, progress: bool = True) -> EvalResult:
+    """Greedy accuracy and (k > 0) pass@k over rows with a 'prompt' column, in batches."""
+    import time
+    start = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    greedy_hits, pass_hits, sample_hits = 0, 0, 0.0
+    per_batch = max(1, batch_size // max(k, 1))
+    bar = tqdm(total=len(rows), desc="eval", unit="q", disable=not progress, leave=False)
+    for s in range(0, len(rows), per_batch):
+        chunk = rows[s:s + per_batch]
+        prompts = encode_prompts(tokenizer, [r["prompt"] for r in chunk], max_prompt_length)
+        common = dict(max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+        greedy = sample_completions(model, prompts, num_generations=1, greedy=True, **common)
+        texts = tokenizer.batch_decode(greedy.ids, skip_special_tokens=True)
+        greedy_hits += int(_correct(reward_fn, chunk, texts, 1).sum())
+        if k > 0:
+            sampled = sample_completions(model, prompts, num_generations=k, temperature=temperature,
+                                         generator=generator, **common)
+            texts = tokenizer.batch_decode(sampled.ids, skip_special_tokens=True)
+            hits = _correct(reward_fn, chunk, texts, k)
+            pass_hits += int(hits.any(1).sum())
+            sample_hits += float(hits.float().mean(1).sum())
+        bar.update(len(chunk))
+    bar.close()
+    model.train(was_training)
+    n = len(rows)
+    return EvalResult(num_questions=n, greedy_accuracy=greedy_hits / n,
+                      pass_at_k=pass_hits / n if k > 0 else None, k=k,
+                      sample_accuracy=sample_hits / n if k > 0 else None,
+                      seconds=time.perf_counter() - start)

@@ -1,0 +1,93 @@
+"""Calls reward functions with TRL's signature and checks what they return.
+
+f(prompts, completions, completion_ids, **columns) -> list[float | None]; None means "does not
+apply to this sample" and becomes NaN, ignored by the weighted sum. A function that raises,
+returns the wrong number of values, or a NaN/inf/non-number is reported by name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+
+class RewardError(RuntimeError):
+    """A reward function misbehaved; the message names it and what was wrong."""
+
+
+class RewardRunner:
+    def __init__(self, funcs: Sequence[str | Callable], weights: Sequence[float] | None = None):
+        from cppo.rewards import get_reward_function
+        if not funcs:
+            raise ValueError("reward_funcs is empty; give at least one reward function")
+        self.funcs = [get_reward_function(f) if isinstance(f, str) else f for f in funcs]
+        self.names = [f if isinstance(f, str) and ":" not in f else getattr(fn, "__name__", str(fn))
+                      for f, fn in zip(funcs, self.funcs)]
+        for name, fn in zip(self.names, self.funcs):
+            if not callable(fn):
+                raise ValueError(f"reward function '{name}' is not callable")
+        if weights is not None and len(weights) != len(self.funcs):
+            raise ValueError(f"{len(weights)} reward_weights for {len(self.funcs)} reward functions")
+        self.weights = torch.tensor(weights if weights is not None else [1.0] * len(self.funcs))
+
+    def __call__(self, rows: list[dict], texts: list[str], completion_ids: torch.Tensor | None,
+                 group_size: int, conversational: bool = False) -> torch.Tensor:
+        """Rewards (N, F), N = len(rows) * group_size, NaN where a function returned None."""
+        n = len(rows) * group_size
+        if len(texts) != n:
+            raise ValueError(f"{len(texts)} completions for {len(rows)} questions x {group_size}")
+        prompts = [r["prompt"] for r in rows for _ in range(group_size)]
+        columns = {k: [r[k] for r in rows for _ in range(group_size)]
+                   for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        completions = ([[{"role": "assistant", "content": t}] for t in texts]
+                       if conversational else list(texts))
+        ids = completion_ids.tolist() if completion_ids is not None else [[] for _ in texts]
+        out = torch.empty(n, len(self.funcs))
+        for j, (name, fn) in enumerate(zip(self.names, self.funcs)):
+            try:
+                values = fn(prompts=prompts, completions=completions, completion_ids=ids, **columns)
+            except Exception as err:  # noqa: BLE001 -- re-raised with the function's name
+                raise RewardError(f"reward function '{name}' raised {type(err).__name__}: {err}") from err
+            out[:, j] = self._check(name, values, n)
+        return out
+
+    @staticmethod
+    def _check(name: str, values, n: int) -> torch.Tensor:
+        if not isinstance(values, (list, tuple)) and not torch.is_tensor(values):
+            raise RewardError(f"reward function '{name}' returned {type(values).__name__}; "
+                              f"expected a list of {n} floats (or None)")
+        values = list(values.tolist() if torch.is_tensor(values) else values)
+        if len(values) != n:
+            raise RewardError(f"reward function '{name}' returned {len(values)} values for {n} "
+                              f"completions")
+        clean = []
+        for i, v in enumerate(values):
+            if v is None:
+                clean.append(math.nan)
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise RewardError(f"reward function '{name}' returned {v!r} for completion {i}; "
+                                  f"expected a float or None")
+            if not math.isfinite(v):
+                raise RewardError(f"reward function '{name}' returned {v} for completion {i}; "
+                                  f"rewards must be finite (use None for 'does not apply')")
+            clean.append(float(v))
+        return torch.tensor(clean)
+
+    def means(self, per_function: torch.Tensor) -> dict[str, float]:
+        """TRL's rewards/<name>/mean (NaN-aware) for each function."""
+        out = {}
+        for j, name in enumerate(self.names):
+            col = per_function[:, j]
+            col = col[~torch.isnan(col)]
+            out[f"rewards/{name}/mean"] = float(col.mean()) if col.numel() else math.nan
+        return out
+
+    def preflight(self, rows: list[dict], tokenizer=None) -> None:
+        """Call every function once on a few rows before training, so errors show up early."""
+        if not rows:
+            return
+        conversational = not isinstance(rows[0]["prompt"], str)
+        self(rows, ["" for _ in rows], None, 1, conversational=conversational)

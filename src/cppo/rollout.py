@@ -1,0 +1,201 @@
+"""Sampling completions and scoring their log-probabilities with any transformers causal LM.
+
+The G completions of a question share its prompt, so the prompt is run through the model once
+per question (prefill), its key/value cache is repeated G times, and then all Q*G completions are
+decoded together, one token per forward pass, with a cache. `transformers.generate` with
+`num_return_sequences=G` instead repeats the prompt G times before the prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class PromptBatch:
+    """Left-padded prompts: ids and mask (Q, Lp)."""
+
+    ids: Tensor
+    mask: Tensor
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def select(self, index: Tensor) -> "PromptBatch":
+        return PromptBatch(self.ids[index], self.mask[index])
+
+
+@dataclass
+class Completions:
+    """Sampled completions, question-major: row q*G + g is completion g of question q.
+
+    ids (N, T) padded after EOS; mask (N, T) 1 on tokens up to and including EOS;
+    truncated (N,) True where no EOS was produced within the length limit."""
+
+    ids: Tensor
+    mask: Tensor
+    truncated: Tensor
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.mask.sum(-1)
+
+
+def prompt_text(tokenizer, prompt) -> str:
+    """A row's prompt as text: chat messages go through the tokenizer's chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the prompt is a list of chat messages but the tokenizer has no "
+                             "chat_template; give plain-text prompts or a chat model")
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    raise ValueError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+
+
+def encode_prompts(tokenizer, prompts: Sequence, max_prompt_length: int | None = None) -> PromptBatch:
+    """Tokenise and left-pad prompts; left-truncate to max_prompt_length tokens."""
+    texts = [prompt_text(tokenizer, p) for p in prompts]
+    chat = [not isinstance(p, str) for p in prompts]
+    rows = []
+    for text, is_chat in zip(texts, chat):
+        # chat templates already contain the BOS text; plain prompts get the tokenizer's specials
+        ids = tokenizer(text, add_special_tokens=not is_chat)["input_ids"]
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            ids = ids[-max_prompt_length:]
+        rows.append(ids)
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+    return PromptBatch(ids, mask)
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Mask logits (N, V) outside the top-k set and outside the top-p nucleus with -inf."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set whose mass reaches top_p
+        drop_orig = torch.zeros_like(drop).scatter(-1, order, drop)
+        logits = logits.masked_fill(drop_orig, float("-inf"))
+    return logits
+
+
+def _next_tokens(logits: Tensor, *, greedy: bool, temperature: float, top_k: int, top_p: float,
+                 generator: torch.Generator | None) -> Tensor:
+    if greedy:
+        return logits.argmax(-1)
+    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max_new_tokens: int,
+                       eos_token_id: int | Sequence[int], pad_token_id: int, temperature: float = 1.0,
+                       top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+                       generator: torch.Generator | None = None,
+                       batch_size: int | None = None) -> Completions:
+    """G completions for each of Q prompts: prefill each prompt once, share its KV cache.
+
+    batch_size bounds the number of completions decoded together (None: all Q*G at once)."""
+    q = len(prompts)
+    per_chunk = q if batch_size is None else max(1, batch_size // num_generations)
+    parts = [_sample_chunk(model, prompts.select(slice(s, s + per_chunk)), num_generations,
+                           max_new_tokens, eos_token_id, pad_token_id, temperature, top_p, top_k,
+                           greedy, generator)
+             for s in range(0, q, per_chunk)]
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.ids.shape[1] for p in parts)
+    return Completions(
+        ids=torch.cat([F.pad(p.ids, (0, width - p.ids.shape[1]), value=pad_token_id) for p in parts]),
+        mask=torch.cat([F.pad(p.mask, (0, width - p.mask.shape[1])) for p in parts]),
+        truncated=torch.cat([p.truncated for p in parts]))
+
+
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.2x names the KV cache argument `cache`; older releases `past_key_values`."""
+    import inspect
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _sample_chunk(model, prompts, group, max_new_tokens, eos_token_id, pad_token_id, temperature,
+                  top_p, top_k, greedy, generator) -> Completions:
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    positions = (prompts.mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=prompts.ids, attention_mask=prompts.mask, position_ids=positions,
+                use_cache=True, logits_to_keep=1)
+    cache_arg = _cache_kwarg(model)
+    cache = getattr(out, cache_arg)
+    if group > 1:
+        cache.batch_repeat_interleave(group)
+    logits = out.logits[:, -1].repeat_interleave(group, 0)
+    attention = prompts.mask.repeat_interleave(group, 0)
+    position = positions[:, -1:].repeat_interleave(group, 0) + 1
+    n = logits.shape[0]
+    finished = torch.zeros(n, dtype=torch.bool)
+    tokens = []
+    for step in range(max_new_tokens):
+        tok = _next_tokens(logits, greedy=greedy, temperature=temperature, top_k=top_k,
+                           top_p=top_p, generator=generator)
+        tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
+        tokens.append(tok)
+        finished |= torch.isin(tok, eos)
+        if finished.all() or step == max_new_tokens - 1:
+            break
+        attention = F.pad(attention, (0, 1), value=1)
+        out = model(input_ids=tok[:, None], attention_mask=attention, position_ids=position,
+                    use_cache=True, **{cache_arg: cache})
+        logits = out.logits[:, -1]
+        position = position + 1
+    ids = torch.stack(tokens, dim=1)
+    is_eos = torch.isin(ids, eos)
+    # mask: 1 up to and including the first EOS
+    after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+    mask = (~after_eos).long()
+    return Completions(ids=ids, mask=mask, truncated=~is_eos.any(1))
+
+
+def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
+    """log_softmax(logits)[..., index] without materialising the full (N, T, V) log-probs."""
+    if logits.dtype in (torch.float32, torch.float64):
+        return logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    rows = [F.log_softmax(lg.float(), -1).gather(-1, ix.unsqueeze(-1)).squeeze(-1)
+            for lg, ix in zip(logits, index)]
+    return torch.stack(rows)
+
+
+def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                        completion_mask: Tensor, *, temperature: float = 1.0,
+                        batch_size: int | None = None) -> Tensor:
+    """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp).
+
+    Logits are divided by the sampling temperature, as TRL does. Runs with grad if enabled."""
+    n, t = completion_ids.shape
+    step = n if batch_size is None else batch_size
+    out = []
+    for s in range(0, n, step):
+        ids = torch.cat([prompt_ids[s:s + step], completion_ids[s:s + step]], dim=1)
+        mask = torch.cat([prompt_mask[s:s + step], completion_mask[s:s + step]], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                       use_cache=False, logits_to_keep=t + 1).logits[:, :-1]
+        if temperature != 1.0:
+            logits = logits / temperature
+        out.append(selective_log_softmax(logits, completion_ids[s:s + step]))
+    return torch.cat(out)

@@ -1,0 +1,551 @@
+"""The training loop: GRPO with completion pruning (CPPO) and dynamic completion allocation.
+
+One step reads top to bottom:
+
+    questions -> rollout (G completions each) -> rewards -> advantages -> selection (keep_mask)
+              -> log-probs on the kept completions only (old policy, reference) -> loss -> update
+
+Pruning happens right after scoring, before any policy, old-policy or reference forward pass, so
+those passes see only the kept rows. The algorithm pieces are pure functions in cppo.algorithm;
+this file wires them to a model, an optimizer, data, checkpoints and logs.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from cppo import checkpoint as ckpt
+from cppo.algorithm import (combine_rewards, group_advantages, per_token_policy_loss, plan_step,
+                            reduce_loss, reward_stats, select_completions)
+from cppo.algorithm.selection import recompute_advantages_on_kept
+from cppo.config import CPPOConfig
+from cppo.data.sources import TaskData, check_rows, load_task
+from cppo.distributed import Distributed
+from cppo.evaluate import evaluate
+from cppo.rewards_runner import RewardRunner
+from cppo.rollout import Completions, PromptBatch, completion_logprobs, encode_prompts, sample_completions
+from cppo.tracking import MetricsLog, PhaseTimer, write_plots
+
+
+@dataclass
+class StepBatch:
+    """The kept completions of one step, ready for the forward passes (K kept rows)."""
+
+    prompt_ids: torch.Tensor       # (K, Lp)
+    prompt_mask: torch.Tensor      # (K, Lp)
+    completion_ids: torch.Tensor   # (K, T)
+    completion_mask: torch.Tensor  # (K, T) loss mask (truncated ones zeroed if asked)
+    advantages: torch.Tensor       # (K,)
+    old_logps: torch.Tensor | None = None  # (K, T), only when num_iterations > 1
+    ref_logps: torch.Tensor | None = None  # (K, T), only when beta > 0
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def micro_batches(self, size: int):
+        for s in range(0, len(self), size):
+            sl = slice(s, s + size)
+            yield StepBatch(self.prompt_ids[sl], self.prompt_mask[sl], self.completion_ids[sl],
+                            self.completion_mask[sl], self.advantages[sl],
+                            None if self.old_logps is None else self.old_logps[sl],
+                            None if self.ref_logps is None else self.ref_logps[sl])
+
+
+class QuestionStream:
+    """Training questions in a seeded random order, epoch after epoch; its state is resumable."""
+
+    def __init__(self, num_rows: int, seed: int) -> None:
+        self.num_rows, self.seed = num_rows, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.num_rows, generator=gen).tolist()
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            if self.position == self.num_rows:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation()
+            grab = min(n - len(out), self.num_rows - self.position)
+            out += self._order[self.position:self.position + grab]
+            self.position += grab
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._permutation()
+
+
+class CPPOTrainer:
+    """TRL-style entry point: CPPOTrainer(model=..., reward_funcs=[...], args=CPPOConfig(...),
+    train_dataset=...).train(). Model and rewards may be names (strings) or objects."""
+
+    def __init__(self, model=None, reward_funcs=None, args: CPPOConfig | None = None,
+                 train_dataset=None, eval_dataset=None, processing_class=None,
+                 peft_config=None) -> None:
+        self.args = args = args or CPPOConfig()
+        self.dist = Distributed.from_environment()
+        torch.manual_seed(args.seed + self.dist.rank)
+        self.policy, self.tokenizer = self._load_policy(model, processing_class, peft_config)
+        self.reference = self._load_reference(model)
+        self.task = self._load_data(train_dataset, eval_dataset)
+        funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
+        self.rewards = RewardRunner(funcs if isinstance(funcs, (list, tuple)) else [funcs],
+                                    args.reward_weights)
+        self.rewards.preflight(self.task.train_rows[:4], self.tokenizer)
+        self.plan = plan_step(completions_per_update=args.completions_per_update,
+                              group_size=args.num_generations, pruning_rate=args.pruning_rate,
+                              allocation=args.allocation,
+                              scope="step" if args.selection_scope == "global" else args.selection_scope)
+        self.total_steps = self._total_steps()
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.policy.parameters() if p.requires_grad], lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
+        from transformers import get_scheduler
+        self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer,
+                                       num_warmup_steps=int(args.warmup_ratio * self.total_steps),
+                                       num_training_steps=self.total_steps)
+        self.questions = QuestionStream(len(self.task.train_rows), args.seed)
+        self.sampling = torch.Generator().manual_seed(args.seed * 7919 + self.dist.rank)
+        self.output_dir = Path(args.output_dir)
+        self.timer = PhaseTimer()
+        self.step = 0                     # optimizer steps done
+        self.counters = {"skipped_steps": 0, "nonfinite_steps": 0, "questions_seen": 0,
+                         "completions_scored": 0, "completions_trained": 0, "tokens_generated": 0}
+        self.train_seconds = 0.0          # wall time of training phases (excludes eval, checkpoints)
+        self.history: list[dict] = []     # held-out evaluations
+        self.stop_requested = False
+
+    # ---------------------------------------------------------------- setup -----------------
+    def _load_policy(self, model, processing_class, peft_config):
+        from cppo.models import load_model, load_tokenizer
+        args = self.args
+        name = model if isinstance(model, str) else (args.model if model is None else None)
+        policy = model if name is None else load_model(
+            name, torch_dtype=args.torch_dtype, attn_implementation=args.attn_implementation)
+        tokenizer = processing_class or load_tokenizer(
+            name or getattr(policy.config, "_name_or_path", None) or args.model)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "left"
+        if args.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
+            policy.config.use_cache = False
+        if args.use_peft or peft_config is not None:
+            from cppo.models.lora import wrap_with_lora
+            policy = wrap_with_lora(policy, args, peft_config)
+        policy.train()
+        return policy, tokenizer
+
+    def _load_reference(self, model):
+        """No reference when beta = 0; with LoRA the base (adapters disabled) is the reference."""
+        if self.args.beta == 0 or self.args.use_peft:
+            return None
+        import copy
+        reference = copy.deepcopy(self.policy).eval()
+        for p in reference.parameters():
+            p.requires_grad_(False)
+        return reference
+
+    def _load_data(self, train_dataset, eval_dataset) -> TaskData:
+        if train_dataset is None:
+            return load_task(self.args)
+        rows = [dict(r) for r in train_dataset]
+        check_rows(rows, name="train_dataset")
+        evals = [dict(r) for r in eval_dataset] if eval_dataset is not None else []
+        if self.args.num_train_questions is not None:
+            rows = rows[:self.args.num_train_questions]
+        return TaskData(train_rows=rows, eval_rows=evals, accuracy_reward="", description="user data")
+
+    def _total_steps(self) -> int:
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        per_epoch = math.ceil(len(self.task.train_rows) / self.plan.questions_per_step)
+        return max(1, int(per_epoch * self.args.num_train_epochs) * self.args.num_iterations)
+
+    # ---------------------------------------------------------------- one step --------------
+    def generate(self, rows: list[dict]) -> tuple[PromptBatch, Completions]:
+        args = self.args
+        prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows], args.max_prompt_length)
+        eos = self.tokenizer.eos_token_id
+        self.policy.eval()
+        completions = sample_completions(
+            self.policy, prompts, num_generations=args.num_generations,
+            max_new_tokens=args.max_completion_length, eos_token_id=eos,
+            pad_token_id=self.tokenizer.pad_token_id, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, generator=self.sampling,
+            batch_size=args.generation_batch_size)
+        self.policy.train()
+        return prompts, completions
+
+    def score(self, rows: list[dict], completions: Completions) -> tuple[torch.Tensor, dict]:
+        """Rewards (Q, G) of the weighted reward functions, plus per-function means."""
+        texts = self.tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
+        per_function = self.rewards(rows, texts, completions.ids, self.args.num_generations,
+                                    conversational=not isinstance(rows[0]["prompt"], str))
+        rewards = combine_rewards(per_function, self.rewards.weights)
+        return rewards.view(len(rows), self.args.num_generations), self.rewards.means(per_function)
+
+    def select(self, advantages: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+        """keep_mask (Q, G): which completions go on to the forward passes."""
+        args = self.args
+        if args.pruning_rate == 0:
+            return torch.ones_like(advantages, dtype=torch.bool)
+        if args.selection_scope == "global" and self.dist.world_size > 1:
+            return self.dist.select_global(advantages, rewards, self.plan.completions_kept,
+                                           args.selection_rule, self.sampling)
+        scope = "step" if args.selection_scope == "global" else args.selection_scope
+        return select_completions(advantages, rewards, num_keep=self.plan.completions_kept,
+                                  scope=scope, rule=args.selection_rule, generator=self.sampling)
+
+    def build_batch(self, prompts: PromptBatch, completions: Completions, advantages: torch.Tensor,
+                    keep_mask: torch.Tensor) -> StepBatch:
+        kept = keep_mask.flatten().nonzero().squeeze(1)          # rows of the (Q*G) completions
+        question = kept // self.args.num_generations
+        mask = completions.mask[kept]
+        if self.args.mask_truncated_completions:
+            mask = mask * (~completions.truncated[kept]).long()[:, None]
+        return StepBatch(prompts.ids[question], prompts.mask[question], completions.ids[kept],
+                         mask, advantages.flatten()[kept].float())
+
+    def logprobs(self, model, batch: StepBatch) -> torch.Tensor:
+        return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                   batch.completion_mask, temperature=self.args.temperature,
+                                   batch_size=self.args.per_device_train_batch_size)
+
+    @torch.no_grad()
+    def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
+        """Old-policy log-probs (once per generation batch, when mu > 1) and reference ones."""
+        if self.args.num_iterations > 1:
+            self.policy.eval()
+            batch.old_logps = self.logprobs(self.policy, batch)
+            self.policy.train()
+        if self.args.beta > 0:
+            if self.reference is not None:
+                batch.ref_logps = self.logprobs(self.reference, batch)
+            else:  # LoRA: the base model with adapters disabled is the reference
+                with self.policy.disable_adapter():
+                    batch.ref_logps = self.logprobs(self.policy, batch)
+
+    def update(self, batch: StepBatch) -> dict:
+        """One optimizer step over the kept batch, in micro-batches (gradient accumulation)."""
+        args = self.args
+        total_sequences = self.dist.sum(len(batch))
+        total_tokens = self.dist.sum(int(batch.completion_mask.sum()))
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0}
+        autocast = torch.autocast("cpu" if not torch.cuda.is_available() else "cuda",
+                                  dtype=torch.bfloat16, enabled=args.bf16)
+        for micro in batch.micro_batches(args.per_device_train_batch_size):
+            with autocast:
+                logps = self.logprobs(self.policy, micro)
+            per_token, stats = per_token_policy_loss(
+                logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
+                epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps)
+            loss = reduce_loss(per_token, micro.completion_mask, args.loss_type,
+                               max_completion_length=args.max_completion_length,
+                               total_sequences=total_sequences, total_tokens=total_tokens)
+            loss = loss * self.dist.world_size   # DDP averages gradients over processes
+            loss.backward()
+            m = micro.completion_mask.bool()
+            sums["loss"] += loss.item() / self.dist.world_size
+            sums["kl"] += float(stats["kl"][m].sum())
+            sums["low"] += float(stats["is_low_clipped"][m].sum())
+            sums["high"] += float(stats["is_high_clipped"][m].sum())
+            sums["region"] += float(stats["is_region_clipped"][m].sum())
+            sums["tokens"] += int(m.sum())
+        self.dist.average_gradients(self.policy)
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        if args.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                [p for p in self.policy.parameters() if p.grad is not None], args.max_grad_norm))
+        else:
+            grad_norm = float(torch.linalg.vector_norm(
+                torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        tokens = max(sums["tokens"], 1)
+        metrics = {"loss": sums["loss"], "grad_norm": grad_norm,
+                   "clip_ratio/low_mean": sums["low"] / tokens,
+                   "clip_ratio/high_mean": sums["high"] / tokens,
+                   "clip_ratio/region_mean": sums["region"] / tokens,
+                   "learning_rate": self.scheduler.get_last_lr()[0]}
+        if args.beta > 0:
+            metrics["kl"] = sums["kl"] / tokens
+        if not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)   # never apply a NaN/inf update
+            metrics["nonfinite"] = True
+            return metrics
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics
+
+    def training_round(self) -> dict:
+        """Generate for a batch of questions, score, prune, and run num_iterations updates."""
+        args, plan, timer = self.args, self.plan, self.timer
+        rows = [self.task.train_rows[i] for i in self.questions.take(plan.questions_per_step)]
+        with timer("generate"):
+            prompts, completions = self.generate(rows)
+        with timer("score"):
+            rewards, per_function_means = self.score(rows, completions)
+            advantages = group_advantages(rewards, args.scale_rewards)
+            keep_mask = self.select(advantages, rewards)
+            if args.selection_rule == "max_variance":
+                advantages = recompute_advantages_on_kept(rewards, keep_mask, args.scale_rewards)
+            batch = self.build_batch(prompts, completions, advantages, keep_mask)
+        metrics = self.step_metrics(rows, rewards, per_function_means, advantages, keep_mask,
+                                    completions)
+        nothing_to_learn = len(batch) == 0 or self.dist.all_zero(batch.advantages)
+        if nothing_to_learn:  # every kept advantage is 0: the policy gradient is 0; skip
+            self.counters["skipped_steps"] += args.num_iterations
+            self.step += args.num_iterations
+            for _ in range(args.num_iterations):
+                self.scheduler.step()
+            metrics["cppo/skipped"] = 1
+            return metrics
+        with timer("logprobs"):
+            self.fill_old_and_ref_logprobs(batch)
+        for _ in range(args.num_iterations):
+            with timer("update"):
+                update = self.update(batch)
+            self.step += 1
+            if update.pop("nonfinite", False):
+                self.counters["nonfinite_steps"] += 1
+                self.consecutive_nonfinite += 1
+                metrics["cppo/nonfinite"] = 1
+            else:
+                self.consecutive_nonfinite = 0
+            metrics.update(update)
+        self.counters["completions_trained"] += len(batch) * args.num_iterations
+        return metrics
+
+    def step_metrics(self, rows, rewards, per_function_means, advantages, keep_mask,
+                     completions) -> dict:
+        lengths = completions.lengths.float()
+        abs_adv = advantages.abs()
+        pruned = ~keep_mask
+        metrics = {**reward_stats(rewards), **per_function_means,
+                   "completions/mean_length": float(lengths.mean()),
+                   "completions/max_length": float(lengths.max()),
+                   "completions/clipped_ratio": float(completions.truncated.float().mean()),
+                   "cppo/questions_per_step": len(rows),
+                   "cppo/completions_scored": rewards.numel(),
+                   "cppo/completions_kept": int(keep_mask.sum()),
+                   "cppo/kept_fraction": float(keep_mask.float().mean()),
+                   "cppo/mean_abs_advantage_kept": float(abs_adv[keep_mask].mean()) if keep_mask.any() else 0.0,
+                   "cppo/mean_abs_advantage_pruned": float(abs_adv[pruned].mean()) if pruned.any() else 0.0}
+        self.counters["questions_seen"] += len(rows)
+        self.counters["completions_scored"] += rewards.numel()
+        self.counters["tokens_generated"] += int(lengths.sum())
+        return metrics
+
+    # ---------------------------------------------------------------- the loop --------------
+    def train(self) -> dict:
+        args = self.args
+        self.consecutive_nonfinite = 0
+        log = MetricsLog(self.output_dir, args.report_to) if self.dist.is_main else None
+        resumed_from = self._maybe_resume(log)
+        if self.dist.is_main:
+            args.to_yaml(self.output_dir / "config.yaml")
+        start_wall = time.perf_counter() - self.wall_offset
+        if not self.history:
+            self._evaluate(log, start_wall, label="before")
+        previous_handler = signal.signal(signal.SIGINT, self._request_stop) \
+            if _in_main_thread() else None
+        status = "completed"
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="cppo train", unit="step",
+                   disable=not (args.progress_bar and self.dist.is_main), dynamic_ncols=True)
+        try:
+            while self.step < self.total_steps:
+                round_start = time.perf_counter()
+                metrics = self.training_round()
+                self.train_seconds += time.perf_counter() - round_start
+                phases = self.timer.pop_last()
+                self._log_step(log, metrics, phases, start_wall)
+                bar.update(self.step - bar.n)
+                bar.set_postfix(self._postfix(metrics), refresh=False)
+                if self.consecutive_nonfinite >= args.max_consecutive_nonfinite:
+                    status = "stopped_nonfinite"
+                    print(f"\nstopping: {self.consecutive_nonfinite} steps in a row had NaN/inf "
+                          f"loss or gradients (max_consecutive_nonfinite="
+                          f"{args.max_consecutive_nonfinite}); the last checkpoint holds the "
+                          f"parameters before them")
+                    break
+                if args.eval_steps and self._crossed(args.eval_steps):
+                    self._evaluate(log, start_wall, label=f"step {self.step}")
+                if self.stop_requested:
+                    status = "interrupted"
+                    break
+                if args.save_steps and self._crossed(args.save_steps) and self.step < self.total_steps:
+                    self.save(start_wall)
+            self.last_round_step = self.step
+        finally:
+            bar.close()
+            if previous_handler is not None:
+                signal.signal(signal.SIGINT, previous_handler)
+        if status != "stopped_nonfinite":
+            self.save(start_wall)
+        if status == "completed" and (not self.history or self.history[-1]["step"] != self.step):
+            self._evaluate(log, start_wall, label="after")
+        summary = self._summary(status, start_wall, resumed_from, log)
+        if log is not None:
+            log.close()
+        return summary
+
+    def _crossed(self, every: int) -> bool:
+        """True when the last round crossed a multiple of `every` optimizer steps."""
+        before = self.step - self.args.num_iterations
+        return self.step // every > before // every
+
+    def _request_stop(self, signum, frame) -> None:
+        if self.stop_requested:  # second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        print("\nCtrl-C: finishing this step, saving a checkpoint and exiting "
+              "(press again to abort without saving)")
+
+    def _postfix(self, metrics: dict) -> dict:
+        post = {"reward": f"{metrics.get('reward', 0):.3f}",
+                "kept": metrics.get("cppo/completions_kept", 0)}
+        if self.history:
+            post["acc"] = f"{100 * self.history[-1]['accuracy']:.1f}%"
+        return post
+
+    def _log_step(self, log, metrics: dict, phases: dict, start_wall: float) -> None:
+        if log is None or not self.args.logging_steps or not self._crossed(self.args.logging_steps):
+            return
+        took = sum(phases.values()) or 1e-9
+        record = {"step": self.step, "wall_time": round(time.perf_counter() - start_wall, 3),
+                  **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()},
+                  **{f"timing/{k}": round(v, 4) for k, v in phases.items()},
+                  "throughput/tokens_per_s": round(
+                      metrics["completions/mean_length"] * metrics["cppo/completions_scored"] / took, 1),
+                  "cppo/skipped_steps": self.counters["skipped_steps"]}
+        log.log(record)
+
+    def _evaluate(self, log, start_wall: float, label: str) -> None:
+        rows = self.task.eval_rows
+        if not rows or not self.dist.is_main:
+            return
+        from cppo.rewards import get_reward_function
+        reward = get_reward_function(self.task.accuracy_reward or self.args.reward_funcs[0])
+        with self.timer("eval"):
+            result = evaluate(self.policy, self.tokenizer, rows, reward, k=0,
+                              max_new_tokens=self.args.max_completion_length,
+                              max_prompt_length=self.args.max_prompt_length, progress=False)
+        self.timer.pop_last()
+        entry = {"step": self.step, "accuracy": result.greedy_accuracy,
+                 "wall_time": round(time.perf_counter() - start_wall, 3),
+                 "train_seconds": round(self.train_seconds, 3), "label": label}
+        self.history.append(entry)
+        if log is not None:
+            log.log({"step": self.step, "wall_time": entry["wall_time"],
+                     "train_seconds": entry["train_seconds"], "eval/accuracy": result.greedy_accuracy})
+
+    # ---------------------------------------------------------------- checkpoints -----------
+    def save(self, start_wall: float) -> Path | None:
+        if not self.dist.is_main:
+            self.dist.barrier()
+            return None
+        with self.timer("checkpoint"):
+            state = {"step": self.step, "questions": self.questions.state(),
+                     "counters": self.counters, "train_seconds": self.train_seconds,
+                     "wall_time": time.perf_counter() - start_wall, "history": self.history,
+                     "config": self.args.to_dict()}
+            rng = {"sampling": self.sampling.get_state(), "torch": torch.get_rng_state()}
+            path = ckpt.save_checkpoint(self.output_dir, self.step, model=self.policy,
+                                        tokenizer=self.tokenizer, optimizer=self.optimizer,
+                                        scheduler=self.scheduler, rng_states=rng,
+                                        trainer_state=state, keep=self.args.save_total_limit)
+        self.timer.pop_last()
+        self.dist.barrier()
+        return path
+
+    wall_offset = 0.0
+
+    def _maybe_resume(self, log) -> str | None:
+        if not self.args.resume:
+            return None
+        latest = ckpt.latest_checkpoint(self.output_dir)
+        if latest is None:
+            print(f"--resume: no checkpoint in {self.output_dir}; starting from scratch")
+            return None
+        ckpt.load_model_weights(self.policy, latest)
+        self.optimizer.load_state_dict(ckpt.load_tensors(latest / "optimizer.pt"))
+        self.scheduler.load_state_dict(ckpt.load_tensors(latest / "scheduler.pt"))
+        rng = ckpt.load_tensors(latest / "rng_state.pt")
+        self.sampling.set_state(rng["sampling"])
+        torch.set_rng_state(rng["torch"])
+        state = ckpt.load_trainer_state(latest)
+        self.step = state["step"]
+        self.questions.load_state(state["questions"])
+        self.counters.update(state["counters"])
+        self.train_seconds = state["train_seconds"]
+        self.history = state["history"]
+        self.wall_offset = state["wall_time"]
+        if log is not None:
+            log.truncate_after(self.step)
+        print(f"resumed from {latest} at step {self.step}")
+        return str(latest)
+
+    # ---------------------------------------------------------------- summary ---------------
+    def _summary(self, status: str, start_wall: float, resumed_from, log) -> dict:
+        wall = time.perf_counter() - start_wall
+        phases = {k: round(v, 2) for k, v in self.timer.totals.items()}
+        before = self.history[0]["accuracy"] if self.history else None
+        after = self.history[-1]["accuracy"] if self.history else None
+        summary = {"status": status, "steps": self.step, "total_steps": self.total_steps,
+                   "accuracy_before": before, "accuracy_after": after,
+                   "wall_seconds": round(wall, 1), "train_seconds": round(self.train_seconds, 1),
+                   "phase_seconds_this_session": phases, **self.counters,
+                   "questions_per_step": self.plan.questions_per_step,
+                   "completions_kept_per_step": self.plan.completions_kept,
+                   "effective_pruning_rate": round(self.plan.effective_pruning_rate, 4),
+                   "resumed_from": resumed_from, "output_dir": str(self.output_dir),
+                   "skipped_data_rows": len(self.task.skipped_rows), "history": self.history}
+        if self.dist.is_main:
+            import json
+            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            plots = write_plots(log.read() if log else [], self.output_dir)
+            print(format_summary(summary, plots))
+        return summary
+
+
+def format_summary(summary: dict, plots: Sequence[Path] = ()) -> str:
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"
+    lines = [f"\n== cppo train: {summary['status']} after {summary['steps']}/{summary['total_steps']} steps ==",
+             f"held-out greedy accuracy: {pct(summary['accuracy_before'])} -> "
+             f"{pct(summary['accuracy_after'])}",
+             f"wall time {summary['wall_seconds']} s (training phases {summary['train_seconds']} s)",
+             "phases (s): " + ", ".join(f"{k} {v}" for k, v in summary["phase_seconds_this_session"].items()),
+             f"questions/step {summary['questions_per_step']}, kept completions/step "
+             f"{summary['completions_kept_per_step']} (effective pruning rate "
+             f"{summary['effective_pruning_rate']}), skipped steps {summary['skipped_steps']}, "
+             f"non-finite steps {summary['nonfinite_steps']}"]
+    if summary.get("skipped_data_rows"):
+        lines.append(f"data rows skipped while loading: {summary['skipped_data_rows']}")
+    lines.append(f"run directory: {summary['output_dir']} (metrics.jsonl, summary.json"
+                 + "".join(f", {p.name}" for p in plots) + ", checkpoints)")
+    return "\n".join(lines)
+
+
+def _in_main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def train(cfg: CPPOConfig) -> dict:
+    """`cppo train`: build the trainer from a config and run it."""
+    return CPPOTrainer(args=cfg).train()
