@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -311,8 +312,10 @@ class CPPOTrainer:
         if nothing_to_learn:  # every kept advantage is 0: the policy gradient is 0; skip
             self.counters["skipped_steps"] += args.num_iterations
             self.step += args.num_iterations
-            for _ in range(args.num_iterations):
-                self.scheduler.step()
+            with warnings.catch_warnings():  # the schedule advances even without an update
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(args.num_iterations):
+                    self.scheduler.step()
             metrics["cppo/skipped"] = 1
             return metrics
         with timer("logprobs"):

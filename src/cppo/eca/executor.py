@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from . import counting
 from .scheme import BLOCKS, LOWER_BLOCKS, Block, Scheme, load_scheme
+from .workspace import arena
 
 DEFAULT_CUTOFF = 512
 GENERAL_METHODS = ("gemm", "strassen", "winograd")
@@ -65,15 +66,6 @@ class Plan:
         return self.out.shape[1]
 
 
-_converted: dict = {}
-
-
-def _on(matrix: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """An integer coefficient matrix in `like`'s dtype and device (cached; plans live forever)."""
-    key = (id(matrix), like.dtype, like.device)
-    if key not in _converted:
-        _converted[key] = (matrix, matrix.to(dtype=like.dtype, device=like.device))
-    return _converted[key][1]
 
 
 def _matrix(combinations, blocks) -> torch.Tensor:
@@ -128,43 +120,53 @@ def make_plan(scheme: Scheme, form: str) -> Plan:
 
 
 # ----------------------------------------------------------------------------------------------
-# Block plumbing: (B, R, C) <-> (K, B, R/4, C/4) stacks of blocks
+# Block plumbing and additions
 
 
-def split_blocks(x: torch.Tensor, blocks: tuple[Block, ...]) -> torch.Tensor:
-    """(B, R, C) -> (len(blocks), B, R/4, C/4): the listed 4x4-grid blocks, stacked (one copy)."""
+def grid(x: torch.Tensor) -> dict[Block, torch.Tensor]:
+    """(B, R, C) -> {(i, j): (B, R/4, C/4) view}: the 4x4 grid of blocks, without copying."""
     batch, rows, cols = x.shape
-    grid = x.view(batch, BLOCKS, rows // BLOCKS, BLOCKS, cols // BLOCKS).permute(1, 3, 0, 2, 4)
-    if len(blocks) == BLOCKS * BLOCKS:
-        return grid.reshape(len(blocks), batch, rows // BLOCKS, cols // BLOCKS)
-    r, c = zip(*blocks)
-    return grid[list(r), list(c)]
+    r, c = rows // BLOCKS, cols // BLOCKS
+    return {(i, j): x[:, i * r : (i + 1) * r, j * c : (j + 1) * c] for i in range(BLOCKS) for j in range(BLOCKS)}
 
 
-def merge_blocks(stack: torch.Tensor, blocks: tuple[Block, ...]) -> torch.Tensor:
-    """(K, B, r, c) -> (B, 4r, 4c): blocks placed on the 4x4 grid, zeros where none is listed."""
-    _, batch, rows, cols = stack.shape
-    if len(blocks) == BLOCKS * BLOCKS:
-        grid = stack.view(BLOCKS, BLOCKS, batch, rows, cols).permute(2, 0, 3, 1, 4)
-        return grid.reshape(batch, BLOCKS * rows, BLOCKS * cols)
-    out = stack.new_zeros(batch, BLOCKS * rows, BLOCKS * cols)
-    grid = out.view(batch, BLOCKS, rows, BLOCKS, cols).permute(1, 3, 0, 2, 4)
-    r, c = zip(*blocks)
-    grid[list(r), list(c)] = stack
-    return out
+@functools.lru_cache(maxsize=None)
+def _terms(matrix_key: tuple[tuple[int, ...], ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per row: (source, coefficient) pairs, a +1 term first where there is one (saves a negation)."""
+    rows = []
+    for row in matrix_key:
+        terms = [(k, c) for k, c in enumerate(row) if c != 0]
+        terms.sort(key=lambda kc: kc[1] != 1)
+        rows.append(tuple(terms))
+    return tuple(rows)
 
 
-def combine(coefficients: torch.Tensor, stack: torch.Tensor, triangular: tuple[bool, ...] = ()) -> torch.Tensor:
-    """(P, K) integer coefficients x (K, *block) -> (P, *block): each row a combination of the K blocks.
+def combine(coefficients: torch.Tensor, sources, destinations, triangular: tuple[bool, ...] = (), count_as=None) -> None:
+    """destinations[p] = sum_k coefficients[p, k] sources[k], written in place, one pass per term.
 
-    triangular[k] says block k is structurally triangular (zero on one side), for counting only.
+    Sources and destinations are lists of same-shape tensors (any strides). Chained in-place adds
+    on warm memory beat one (P, K) x (K, N) matmul here: K is tiny and MKL streams it poorly.
+    triangular[k]: source k is structurally triangular (only the operation count uses it).
     """
-    counting.record_combination(coefficients, stack.shape[1:], triangular)
-    k = stack.shape[0]
-    if k != coefficients.shape[1]:
-        raise ValueError(f"coefficient matrix has {coefficients.shape[1]} columns for {k} blocks")
-    flat = torch.mm(_on(coefficients, stack), stack.reshape(k, -1))
-    return flat.view(coefficients.shape[0], *stack.shape[1:])
+    shape = destinations[0].shape
+    if count_as is None:
+        counting.record_combination(coefficients, shape, triangular)
+    else:
+        counting.record_output_additions(coefficients, shape, count_as)
+    for destination, terms in zip(destinations, _terms(tuple(map(tuple, coefficients.tolist())))):
+        if not terms:
+            destination.zero_()
+            continue
+        (k0, c0), rest = terms[0], terms[1:]
+        if rest and c0 == 1:
+            (k1, c1), rest = rest[0], rest[1:]
+            torch.add(sources[k0], sources[k1], alpha=c1, out=destination)
+        elif c0 == 1:
+            destination.copy_(sources[k0])
+        else:
+            torch.mul(sources[k0], c0, out=destination)
+        for k, c in rest:
+            destination.add_(sources[k], alpha=c)
 
 
 def _pad_to_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -183,12 +185,12 @@ def _recurses(n: int, inner: int, options: Options) -> bool:
 # General (dense) products: GEMM, or Strassen / Winograd on top of it
 
 
-def general_matmul(x: torch.Tensor, y: torch.Tensor, options: Options) -> torch.Tensor:
+def general_matmul(x: torch.Tensor, y: torch.Tensor, options: Options, out: torch.Tensor | None = None) -> torch.Tensor:
     """(G, a, b) @ (G, b, c) -> (G, a, c) with plain batched GEMM or Strassen/Winograd levels."""
     a, b, c = x.shape[-2], x.shape[-1], y.shape[-1]
     if options.general == "gemm" or min(a, b, c) <= options.general_cutoff or a % 2 or b % 2 or c % 2:
         counting.record_gemm(x.shape, y.shape)
-        return torch.matmul(x, y)
+        return torch.matmul(x, y, out=out) if out is not None else torch.matmul(x, y)
     x00, x01, x10, x11 = _quarters(x)
     y00, y01, y10, y11 = _quarters(y)
     h = (a // 2) * (b // 2), (b // 2) * (c // 2), (a // 2) * (c // 2)
@@ -231,9 +233,8 @@ def general_matmul(x: torch.Tensor, y: torch.Tensor, options: Options) -> torch.
         c01 = u4 + m3
         c10 = u3 - m4
         c11 = u3 + m5
-    top = torch.cat((c00, c01), dim=-1)
-    bottom = torch.cat((c10, c11), dim=-1)
-    return torch.cat((top, bottom), dim=-2)
+    result = torch.cat((torch.cat((c00, c01), dim=-1), torch.cat((c10, c11), dim=-1)), dim=-2)
+    return out.copy_(result) if out is not None else result
 
 
 def _quarters(x: torch.Tensor):
@@ -242,64 +243,79 @@ def _quarters(x: torch.Tensor):
 
 
 # ----------------------------------------------------------------------------------------------
-# The three forms on (B, ., .) tensors in the compute dtype
+# The three forms on (B, ., .) tensors in the compute dtype; each writes its result into `out`
 
 
-def _masked(a: torch.Tensor, b: torch.Tensor, plan: Plan, options: Options) -> torch.Tensor:
-    """tril(a b^T): (B, n, m), (B, n, m) -> (B, n, n)."""
+def _masked(a: torch.Tensor, b: torch.Tensor, plan: Plan, options: Options, out: torch.Tensor) -> torch.Tensor:
+    """out = tril(a b^T): a, b (B, n, m), out (B, n, n) contiguous."""
     batch, n, m = a.shape
     if not _recurses(n, m, options):
         counting.record_masked_base(batch, n, m)
-        return torch.matmul(a, b.mT).tril_()
-    a, b = _pad_to_blocks(a), _pad_to_blocks(b)
-    n4, m4 = a.shape[-2] // BLOCKS, a.shape[-1] // BLOCKS
-    g, r = plan.num_general, plan.num_products - plan.num_general
-    left = combine(plan.left, split_blocks(a, plan.left_blocks))  # (P, B, n4, m4)
-    right = combine(plan.right, split_blocks(b, plan.right_blocks))
-    general = general_matmul(left[:g].reshape(g * batch, n4, m4), right[:g].reshape(g * batch, n4, m4).mT, options)
-    recursive = _masked(left[g:].reshape(r * batch, n4, m4), right[g:].reshape(r * batch, n4, m4), plan, options)
-    out = _combine_products(plan.out, general, recursive, batch, plan.out_blocks, tri_out=True)
-    return merge_blocks(out, plan.out_blocks)[:, :n, :n]
+        return torch.matmul(a, b.mT, out=out).tril_()
+    space = arena()
+    with space.scope():
+        if n % BLOCKS or m % BLOCKS:  # pad with zeros (exact), solve, copy the wanted part out
+            padded = space.take((batch, n + (-n % BLOCKS), n + (-n % BLOCKS)), out)
+            _masked(_pad_to_blocks(a), _pad_to_blocks(b), plan, options, padded)
+            return out.copy_(padded[:, :n, :n])
+        n4, m4 = n // BLOCKS, m // BLOCKS
+        g, r, p = plan.num_general, plan.num_products - plan.num_general, plan.num_products
+        left, right = space.take((p, batch, n4, m4), a), space.take((p, batch, n4, m4), a)
+        a_grid, b_grid = grid(a), grid(b)
+        combine(plan.left, [a_grid[k] for k in plan.left_blocks], left)
+        combine(plan.right, [b_grid[k] for k in plan.right_blocks], right)
+        products = space.take((p, batch, n4, n4), a)
+        general_matmul(left[:g].view(g * batch, n4, m4), right[:g].view(g * batch, n4, m4).mT, options,
+                       out=products[:g].view(g * batch, n4, n4))
+        _masked(left[g:].view(r * batch, n4, m4), right[g:].view(r * batch, n4, m4), plan, options,
+                products[g:].view(r * batch, n4, n4))
+        out_grid = grid(out)
+        diagonal = tuple(i == j for i, j in plan.out_blocks)
+        combine(plan.out, products, [out_grid[k] for k in plan.out_blocks], count_as=diagonal)
+        for (i, j), block in out_grid.items():
+            if i == j:  # the upper parts of diagonal output blocks are not part of the result
+                block.tril_()
+            elif j > i:
+                block.zero_()
+    return out
 
 
-def _triangular(t: torch.Tensor, x: torch.Tensor, plan: Plan, options: Options) -> torch.Tensor:
-    """tril(t) x (plan.form "lower") or triu(t) x ("upper"): (B, n, n), (B, n, d) -> (B, n, d)."""
+def _triangular(t: torch.Tensor, x: torch.Tensor, plan: Plan, options: Options, out: torch.Tensor) -> torch.Tensor:
+    """out = tril(t) x (plan.form "lower") or triu(t) x ("upper"): t (B, n, n), x (B, n, d), out (B, n, d)."""
     batch, n, d = x.shape
     lower = plan.form == "lower"
-    if not _recurses(n, d, options):
-        counting.record_triangular_base(batch, n, d)
-        return torch.matmul(t.tril() if lower else t.triu(), x)
-    t, x = _pad_to_blocks(t), _pad_to_blocks(x)
-    n4, d4 = t.shape[-1] // BLOCKS, x.shape[-1] // BLOCKS
-    g, r = plan.num_general, plan.num_products - plan.num_general
-    t_blocks = split_blocks(t, plan.left_blocks)  # (10, B, n4, n4)
-    diagonal = [k for k, (i, j) in enumerate(plan.left_blocks) if i == j]
-    for k in diagonal:  # only the triangle of a diagonal block belongs to the operand
-        t_blocks[k] = t_blocks[k].tril() if lower else t_blocks[k].triu()
-    tri = tuple(k in diagonal for k in range(len(plan.left_blocks)))
-    left = combine(plan.left, t_blocks, tri).reshape(g * batch, n4, n4)
-    right = combine(plan.right, split_blocks(x, plan.right_blocks))  # (P, B, n4, d4)
-    general = general_matmul(left, right[:g].reshape(g * batch, n4, d4), options)
-    rec_left = t_blocks[list(plan.rec_blocks)].reshape(r * batch, n4, n4)
-    recursive = _triangular(rec_left, right[g:].reshape(r * batch, n4, d4), plan, options)
-    out = _combine_products(plan.out, general, recursive, batch, plan.out_blocks, tri_out=False)
-    return merge_blocks(out, plan.out_blocks)[:, :n, :d]
-
-
-def _combine_products(out_c, general, recursive, batch, out_blocks, tri_out):
-    """Output additions: (K, P) coefficients x (general ++ recursive products) -> (K, B, r, c)."""
-    g, r = general.shape[0] // batch, recursive.shape[0] // batch
-    shape = general.shape[-2:]
-    tri = tuple(tri_out and i == j for i, j in out_blocks)
-    counting.record_output_additions(out_c, (batch, *shape), tri)
-    coefficients = _on(out_c, general)
-    out = torch.mm(coefficients[:, :g], general.reshape(g, -1))
-    out.addmm_(coefficients[:, g:], recursive.reshape(r, -1))
-    out = out.view(len(out_blocks), batch, *shape)
-    if tri_out:
-        for k, (i, j) in enumerate(out_blocks):
-            if i == j:  # the upper parts of diagonal output blocks are not part of the result
-                out[k].tril_()
+    tri = torch.tril if lower else torch.triu
+    space = arena()
+    with space.scope():
+        if not _recurses(n, d, options):
+            counting.record_triangular_base(batch, n, d)
+            return torch.matmul(tri(t, out=space.take(t.shape, t)), x, out=out)
+        if n % BLOCKS or d % BLOCKS:
+            padded = space.take((batch, n + (-n % BLOCKS), d + (-d % BLOCKS)), out)
+            _triangular(_pad_to_blocks(t), _pad_to_blocks(x), plan, options, padded)
+            return out.copy_(padded[:, :n, :d])
+        n4, d4 = n // BLOCKS, d // BLOCKS
+        g, r, p = plan.num_general, plan.num_products - plan.num_general, plan.num_products
+        t_grid = grid(t)
+        diagonal = {}
+        for i in range(BLOCKS):  # only the triangle of a diagonal block belongs to the operand
+            diagonal[(i, i)] = tri(t_grid[(i, i)], out=space.take((batch, n4, n4), t))
+        sources = [diagonal.get(k, t_grid[k]) for k in plan.left_blocks]
+        left = space.take((g, batch, n4, n4), t)
+        combine(plan.left, sources, left, triangular=tuple(i == j for i, j in plan.left_blocks))
+        right = space.take((p, batch, n4, d4), x)
+        x_grid = grid(x)
+        combine(plan.right, [x_grid[k] for k in plan.right_blocks], right)
+        products = space.take((p, batch, n4, d4), x)
+        general_matmul(left.view(g * batch, n4, n4), right[:g].view(g * batch, n4, d4), options,
+                       out=products[:g].view(g * batch, n4, d4))
+        rec_left = space.take((r, batch, n4, n4), t)
+        for q, k in enumerate(plan.rec_blocks):
+            rec_left[q].copy_(sources[k])
+        _triangular(rec_left.view(r * batch, n4, n4), right[g:].view(r * batch, n4, d4), plan, options,
+                    products[g:].view(r * batch, n4, d4))
+        out_grid = grid(out)
+        combine(plan.out, products, [out_grid[k] for k in plan.out_blocks], count_as=(False,) * len(plan.out_blocks))
     return out
 
 
@@ -323,6 +339,11 @@ def _as_batched(x: torch.Tensor, batch_shape, dtype) -> torch.Tensor:
 def _check_matrix(name: str, x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise ValueError(f"{name} must be a tensor with at least 2 dims (..., rows, cols), got {getattr(x, 'shape', x)!r}")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name} requires grad, but the ECA executor is not differentiable: call it under torch.no_grad() "
+            "or use cppo.eca.eca_attention, whose backward runs the schemes too"
+        )
 
 
 def _resolve(scheme, cutoff, general) -> tuple[Scheme, Options]:
@@ -342,7 +363,10 @@ def masked_matmul(a, b, scheme="eca", cutoff: int = DEFAULT_CUTOFF, general: str
     result_dtype, dtype = _compute_dtype(a, b)
     batch_shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     n = a.shape[-2]
-    out = _masked(_as_batched(a, batch_shape, dtype), _as_batched(b, batch_shape, dtype), make_plan(scheme, "masked"), options)
+    a, b = _as_batched(a, batch_shape, dtype), _as_batched(b, batch_shape, dtype)
+    out = a.new_empty(a.shape[0], n, n)
+    with torch.no_grad(), arena().scope():
+        _masked(a, b, make_plan(scheme, "masked"), options, out)
     return out.view(*batch_shape, n, n).to(result_dtype)
 
 
@@ -365,5 +389,8 @@ def _triangular_matmul(form, t, x, scheme, cutoff, general):
     scheme, options = _resolve(scheme, cutoff, general)
     result_dtype, dtype = _compute_dtype(t, x)
     batch_shape = torch.broadcast_shapes(t.shape[:-2], x.shape[:-2])
-    out = _triangular(_as_batched(t, batch_shape, dtype), _as_batched(x, batch_shape, dtype), make_plan(scheme, form), options)
+    t, x = _as_batched(t, batch_shape, dtype), _as_batched(x, batch_shape, dtype)
+    out = x.new_empty(x.shape)
+    with torch.no_grad(), arena().scope():
+        _triangular(t, x, make_plan(scheme, form), options, out)
     return out.view(*batch_shape, n, x.shape[-1]).to(result_dtype)

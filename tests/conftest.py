@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from cppo.models.tokenizer import build_tokenizer
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
+    """A randomly initialised tiny Llama with the task tokenizer, saved as a model directory."""
+    from transformers import LlamaForCausalLM
+    from cppo.models.loading import tiny_model_config
+    torch.manual_seed(0)
+    tok = tiny_tokenizer
+    model = LlamaForCausalLM(tiny_model_config(len(tok), bos_token_id=tok.bos_token_id,
+                                               eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id, hidden_size=32,
+                                               num_layers=2, num_heads=2, intermediate_size=64))
+    path = tmp_path_factory.mktemp("tiny_model")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,88 @@
+"""The KV-sharing sampler against transformers generate, and log-prob scoring."""
+
+import torch
+
+from cppo.models import load_model, load_tokenizer
+from cppo.rollout import (completion_logprobs, encode_prompts, filter_logits, sample_completions)
+
+
+def _setup(path):
+    model = load_model(path).eval()
+    tok = load_tokenizer(path)
+    return model, tok
+
+
+def test_greedy_matches_transformers_generate(tiny_model_dir):
+    model, tok = _setup(tiny_model_dir)
+    prompts = encode_prompts(tok, ["37*42=", "1*2=", "12*34+56="])  # different lengths: left pad
+    ours = sample_completions(model, prompts, num_generations=2, max_new_tokens=6, greedy=True,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ref = model.generate(input_ids=prompts.ids, attention_mask=prompts.mask, do_sample=False,
+                         max_new_tokens=6, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)[:, prompts.ids.shape[1]:]
+    ref = ref.repeat_interleave(2, 0)
+    for row in range(ref.shape[0]):
+        n = int(ours.mask[row].sum())
+        assert ours.ids[row, :n].tolist() == ref[row, :n].tolist()
+
+
+def test_shared_prefill_gives_the_same_distribution_as_repeating_the_prompt(tiny_model_dir):
+    """Sampling with the cache repeated G times equals sampling from G copies of the prompt."""
+    model, tok = _setup(tiny_model_dir)
+    one = encode_prompts(tok, ["37*42="])
+    many = encode_prompts(tok, ["37*42="] * 4)
+    kw = dict(max_new_tokens=5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    a = sample_completions(model, one, num_generations=4, generator=torch.Generator().manual_seed(3), **kw)
+    b = sample_completions(model, many, num_generations=1, generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
+
+
+def test_mask_stops_after_eos_and_truncation_flag(tiny_model_dir):
+    model, tok = _setup(tiny_model_dir)
+    prompts = encode_prompts(tok, ["37*42=", "11*11="])
+    out = sample_completions(model, prompts, num_generations=8, max_new_tokens=4,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                             generator=torch.Generator().manual_seed(0))
+    for ids, mask, truncated in zip(out.ids, out.mask, out.truncated):
+        n = int(mask.sum())
+        eos_pos = (ids == tok.eos_token_id).nonzero()
+        if truncated:
+            assert n == ids.shape[0] and len(eos_pos) == 0
+        else:
+            assert int(eos_pos[0]) == n - 1
+            assert (ids[n:] == tok.pad_token_id).all()
+
+
+def test_batched_generation_equals_one_batch(tiny_model_dir):
+    model, tok = _setup(tiny_model_dir)
+    prompts = encode_prompts(tok, ["37*42=", "11*11=", "05*07="])
+    kw = dict(num_generations=2, max_new_tokens=5, greedy=True, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id)
+    whole = sample_completions(model, prompts, **kw)
+    chunked = sample_completions(model, prompts, batch_size=2, **kw)
+    n = whole.ids.shape[1]
+    assert torch.equal(whole.ids, chunked.ids[:, :n])
+
+
+def test_logprobs_match_a_direct_forward(tiny_model_dir):
+    model, tok = _setup(tiny_model_dir)
+    prompts = encode_prompts(tok, ["37*42=", "1*2="])
+    out = sample_completions(model, prompts, num_generations=1, max_new_tokens=5,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                             generator=torch.Generator().manual_seed(1))
+    logps = completion_logprobs(model, prompts.ids, prompts.mask, out.ids, out.mask, temperature=0.7)
+    for row in range(2):
+        p = prompts.ids[row][prompts.mask[row].bool()]
+        n = int(out.mask[row].sum())
+        seq = torch.cat([p, out.ids[row, :n]])[None]
+        logits = model(input_ids=seq).logits[0, len(p) - 1:-1] / 0.7
+        expected = torch.log_softmax(logits, -1).gather(-1, out.ids[row, :n, None]).squeeze(-1)
+        torch.testing.assert_close(logps[row, :n], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_filter_logits():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[True, False, False, True]]
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    kept = ~torch.isinf(filter_logits(probs, top_p=0.7))
+    assert kept.tolist() == [[True, True, False, False]]

@@ -1,0 +1,141 @@
+"""The training loop on a tiny random model: pruning before the passes, resume, errors."""
+
+import json
+
+import pytest
+import torch
+
+from cppo.config import CPPOConfig
+from cppo.models import load_model, load_tokenizer
+from cppo.rewards_runner import RewardError
+from cppo.trainer import CPPOTrainer
+
+
+def length_reward(prompts, completions, completion_ids=None, **kw):
+    """Varied rewards on a random model: 1 for completions of odd length, 0 otherwise."""
+    return [float(len(c) % 2) for c in completions]
+
+
+ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
+
+
+def make_trainer(model_dir, tmp_path, reward=length_reward, rows=ROWS, **overrides):
+    values = dict(model=model_dir, output_dir=str(tmp_path / "run"), max_steps=4,
+                  per_device_train_batch_size=8, num_generations=4, pruning_rate=0.5,
+                  max_completion_length=5, eval_steps=0, save_steps=2, progress_bar=False,
+                  eval_num_questions=8, learning_rate=1e-3, seed=3)
+    values.update(overrides)
+    cfg = CPPOConfig(**values)
+    return CPPOTrainer(model=load_model(model_dir), processing_class=load_tokenizer(model_dir),
+                       reward_funcs=[reward], args=cfg, train_dataset=rows,
+                       eval_dataset=rows[:8])
+
+
+def count_rows(model, log):
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        ids = kwargs.get("input_ids")
+        log.append((ids.shape[0], bool(kwargs.get("use_cache"))))
+        return original(*args, **kwargs)
+    model.forward = forward
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_passes_see_only_kept_completions(tiny_model_dir, tmp_path, num_iterations):
+    trainer = make_trainer(tiny_model_dir, tmp_path, beta=0.04, num_iterations=num_iterations,
+                           max_steps=num_iterations, gradient_accumulation_steps=2,
+                           per_device_train_batch_size=4)
+    plan = trainer.plan          # B = 8 kept from Q = 4 questions x G = 4 = 16 scored
+    assert (plan.questions_per_step, plan.completions_scored, plan.completions_kept) == (4, 16, 8)
+    policy_calls, reference_calls = [], []
+    count_rows(trainer.policy, policy_calls)
+    count_rows(trainer.reference, reference_calls)
+    trainer.training_round()
+    scoring = [n for n, cached in policy_calls if not cached]
+    # policy: micro-batches of 4 kept rows, mu updates (+ one old-policy pass when mu > 1)
+    assert sum(scoring) == 8 * (num_iterations + (num_iterations > 1))
+    assert max(scoring) == 4
+    assert sum(n for n, _ in reference_calls) == 8      # reference: kept rows, once
+    generation = [n for n, cached in policy_calls if cached]
+    assert generation[0] == 4 and set(generation[1:]) <= {16}   # prefill once per question
+
+
+def test_grpo_without_pruning_keeps_everything(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, pruning_rate=0.0, max_steps=1)
+    assert (trainer.plan.questions_per_step, trainer.plan.completions_kept) == (2, 8)
+    metrics = trainer.training_round()
+    assert metrics["cppo/completions_kept"] == 8 and metrics["cppo/kept_fraction"] == 1.0
+
+
+def test_all_zero_advantages_skip_the_step(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, reward=lambda completions, **kw: [1.0] * len(completions),
+                           max_steps=2)
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    summary = trainer.train()
+    assert summary["skipped_steps"] == 2 and summary["steps"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r.get("cppo/skipped") == 1 for r in records if "reward" in r)
+
+
+def test_interrupted_and_resumed_run_ends_with_the_same_parameters(tiny_model_dir, tmp_path):
+    straight = make_trainer(tiny_model_dir, tmp_path / "a")
+    straight.train()
+
+    interrupted = make_trainer(tiny_model_dir, tmp_path / "b")
+    real_round = interrupted.training_round
+
+    def round_then_ctrl_c():
+        metrics = real_round()
+        if interrupted.step == 2:
+            interrupted.stop_requested = True      # what a Ctrl-C does
+        return metrics
+    interrupted.training_round = round_then_ctrl_c
+    assert interrupted.train()["status"] == "interrupted"
+
+    resumed = make_trainer(tiny_model_dir, tmp_path / "b", resume=True)
+    summary = resumed.train()
+    assert summary["resumed_from"].endswith("checkpoint-2") and summary["steps"] == 4
+    for a, b in zip(straight.policy.parameters(), resumed.policy.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert straight.counters == resumed.counters
+
+
+def test_update_changes_parameters_and_logs_trl_metrics(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=2, eval_steps=1)
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    summary = trainer.train()
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    step = [r for r in records if "reward" in r][0]
+    for key in ["reward", "reward_std", "frac_reward_zero_std", "rewards/length_reward/mean",
+                "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean",
+                "loss", "grad_norm", "learning_rate", "cppo/kept_fraction",
+                "cppo/mean_abs_advantage_kept", "cppo/mean_abs_advantage_pruned",
+                "cppo/questions_per_step", "timing/generate", "timing/score", "timing/logprobs",
+                "timing/update", "throughput/tokens_per_s"]:
+        assert key in step, key
+    assert step["cppo/mean_abs_advantage_kept"] >= step["cppo/mean_abs_advantage_pruned"]
+    assert (run / "reward.png").is_file() and (run / "accuracy.png").is_file()
+    assert (run / "summary.json").is_file() and summary["accuracy_before"] is not None
+    assert len(summary["history"]) == 3   # before, step 1, step 2
+
+
+@pytest.mark.parametrize("reward, message", [
+    (lambda completions, **kw: 1 / 0, "raised ZeroDivisionError"),
+    (lambda completions, **kw: [1.0], "returned 1 values for"),
+    (lambda completions, **kw: [float("nan")] * len(completions), "rewards must be finite"),
+    (lambda completions, **kw: ["good"] * len(completions), "expected a float or None"),
+])
+def test_bad_reward_functions_fail_before_training(tiny_model_dir, tmp_path, reward, message):
+    with pytest.raises(RewardError, match=message):
+        make_trainer(tiny_model_dir, tmp_path, reward=reward)
+
+
+def test_bad_rows_fail_before_training(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="row 1 has no 'prompt' column"):
+        make_trainer(tiny_model_dir, tmp_path, rows=[{"prompt": "1*2="}, {"question": "x"}])
+    with pytest.raises(RewardError, match="needs the dataset column 'answer'"):
+        make_trainer(tiny_model_dir, tmp_path, reward="arithmetic", rows=[{"prompt": "1*2="}] * 4)
