@@ -34,7 +34,7 @@ def _f(default, help: str, **kw):
 class PretrainConfig:
     output_dir: str = _f("runs/pretrain", "Where to write the model directory and model card.")
     task_level: int = _f(3, "Embedded task level (see `cppo train --help`).")
-    steps: int = _f(600, "Supervised optimizer steps.")
+    steps: int = _f(700, "Supervised optimizer steps.")
     batch_size: int = _f(256, "Problems per step.")
     learning_rate: float = _f(1e-3, "AdamW learning rate.")
     warmup_steps: int = _f(50, "Linear warm-up steps.")

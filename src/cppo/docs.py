@@ -1,0 +1,44 @@
+"""Generate the README's configuration reference from the config dataclass (keeps them in sync).
+
+    python -m cppo.docs            # print the table
+    python -m cppo.docs --write    # rewrite the block between the markers in README.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from cppo.config import CPPOConfig
+
+START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def config_reference() -> str:
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for fld in dataclasses.fields(CPPOConfig):
+        default = fld.default if fld.default is not dataclasses.MISSING else fld.default_factory()
+        text = fld.metadata.get("help", "")
+        if fld.metadata.get("choices"):
+            text += " One of: " + ", ".join(f"`{c}`" for c in fld.metadata["choices"]) + "."
+        rows.append(f"| `{fld.name}` | `{default}` | {text.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def readme_block() -> str:
+    return f"{START}\n{config_reference()}\n{END}"
+
+
+def rewrite_readme(path: Path) -> None:
+    text = path.read_text()
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(head + readme_block() + tail)
+
+
+if __name__ == "__main__":
+    if "--write" in sys.argv:
+        rewrite_readme(Path(__file__).resolve().parents[2] / "README.md")
+    else:
+        print(config_reference())

@@ -1,0 +1,79 @@
+"""Exact causal attention whose six matrix products all run through a triangular scheme.
+
+forward:  S = tril(Q K^T) * scale   (masked product)      P = softmax(S) (lower-triangular)
+          O = P V                   (lower x general)
+backward: dV = P^T dO               (upper x general)      dP = tril(dO V^T) (masked product)
+          dS = P * (dP - rowsum(dO * O)) * scale
+          dQ = dS K                 (lower x general)      dK = dS^T Q       (upper x general)
+
+Half-precision inputs are computed in fp32 and the results cast back. The L x L matrix P is kept for
+backward (like eager attention), so memory is O(L^2) per head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .executor import lower_matmul, masked_matmul, upper_matmul
+
+ATTENTION_CUTOFF = 16  # recurse while min(L, d) > 16: the schemes engage at usual head dims
+
+
+class ECAAttentionFunction(torch.autograd.Function):
+    """Autograd Function: (q, k, v, scale, scheme, cutoff) -> o, all tensors (batch, heads, L, d)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, scheme, cutoff):
+        dtype = q.dtype
+        q32, k32, v32 = (_compute(t) for t in (q, k, v))
+        run = dict(scheme=scheme, cutoff=cutoff)
+        scores = masked_matmul(q32, k32, **run).mul_(scale)
+        length = q.shape[-2]
+        above = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
+        probs = scores.masked_fill_(above, float("-inf")).softmax(dim=-1)
+        out = lower_matmul(probs, v32, **run)
+        ctx.save_for_backward(q32, k32, v32, probs, out)
+        ctx.scale, ctx.run, ctx.dtype = scale, run, dtype
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, probs, out = ctx.saved_tensors
+        grad_out = _compute(grad_out)
+        run, scale = ctx.run, ctx.scale
+        grad_v = upper_matmul(probs.mT, grad_out, **run) if ctx.needs_input_grad[2] else None
+        grad_probs = masked_matmul(grad_out, v, **run)
+        row_dot = (grad_out * out).sum(dim=-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
+        grad_scores = grad_probs.sub_(row_dot).mul_(probs).mul_(scale)  # zero above the diagonal
+        grad_q = lower_matmul(grad_scores, k, **run) if ctx.needs_input_grad[0] else None
+        grad_k = upper_matmul(grad_scores.mT, q, **run) if ctx.needs_input_grad[1] else None
+        cast = lambda g: None if g is None else g.to(ctx.dtype)  # noqa: E731
+        return cast(grad_q), cast(grad_k), cast(grad_v), None, None, None
+
+
+def _compute(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def eca_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                  scheme: str = "eca", cutoff: int = ATTENTION_CUTOFF) -> torch.Tensor:
+    """Causal softmax attention, exact, with every product computed by `scheme`.
+
+    q, k, v: (batch, heads, L, d) with equal shapes (repeat k/v heads first for GQA); returns
+    (batch, heads, L, d). Same result as scaled_dot_product_attention(q, k, v, is_causal=True).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4D tensor (batch, heads, L, d), got {getattr(t, 'shape', t)!r}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(
+            f"q, k, v must have equal shapes (batch, heads, L, d), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.is_floating_point():
+        raise TypeError(f"q, k, v must be floating point, got {q.dtype}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return ECAAttentionFunction.apply(q, k, v, scale, scheme, cutoff)
