@@ -32,8 +32,8 @@ def test_measured_equals_analytic(scheme, form, n, inner, cutoff):
 
 @pytest.mark.parametrize("general", ["strassen", "winograd"])
 def test_measured_equals_analytic_with_fast_general_products(general):
-    measured = _measured("masked", 4096, 1024, cutoff=64, general=general)
-    expected = analytic_count("eca", "masked", 4096, 1024, cutoff=64, general=general, general_cutoff=256) * 2
+    measured = _measured("masked", 4096, 1024, cutoff=64, general=general, general_cutoff=32)
+    expected = analytic_count("eca", "masked", 4096, 1024, cutoff=64, general=general, general_cutoff=32) * 2
     assert measured == expected
     assert measured.multiplications < analytic_count("eca", "masked", 4096, 1024, cutoff=64).multiplications * 2
 

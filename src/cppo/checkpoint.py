@@ -5,6 +5,19 @@ A checkpoint is a directory `checkpoint-<step>` holding the model (safetensors, 
 written into a temporary sibling directory, flushed to disk, and renamed into place; the rename is
 atomic, so a reader sees either the whole checkpoint or none of it. Tensors are loaded with
 `torch.load(weights_only=True)`: no arbitrary unpickling.
+
+A process killed at any moment (SIGKILL, power loss) leaves at worst hidden leftovers next to
+the checkpoints: `.checkpoint-<step>.tmp-<pid>` (a write that never finished), `.checkpoint-<step>.old-<pid>`
+(a same-step checkpoint being replaced) or `.checkpoint-<step>.del-<pid>` (an old one being
+pruned). Readers ignore them; `clean_stale` (run on every save and by `latest_checkpoint`, i.e.
+on `--resume`) deletes them, first restoring an `.old` one whose replacement never landed.
+
+Test hook: with the environment variable `CPPO_TEST_CHECKPOINT_PAUSE=<stage>:<step>` the writer of
+checkpoint-<step> prints `CPPO_TEST_CHECKPOINT_PAUSE <stage> <step>` on stderr and sleeps at that
+stage, so a test can SIGKILL it exactly there (tests/test_reliability_crash.py). Stages: `weights`
+(model written to the temp dir, nothing else), `written` (all files flushed, not yet renamed),
+`swapped` (same-step replace: the old one moved aside, the new one not yet in place), `renamed` (in
+place, older checkpoints not yet pruned). Unset in normal use: one dictionary lookup per stage.
 """
 
 from __future__ import annotations
@@ -13,13 +26,59 @@ import json
 import os
 import re
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+_LEFTOVER = re.compile(r"^\.checkpoint-(\d+)\.(tmp|old|del)-(\d+)$")
 COMPLETE_MARKER = "COMPLETE"
+PAUSE_ENV = "CPPO_TEST_CHECKPOINT_PAUSE"
+
+
+def _test_pause(stage: str, step: int) -> None:
+    """The SIGKILL test hook (module docstring); a no-op unless PAUSE_ENV names this stage and step."""
+    if os.environ.get(PAUSE_ENV) == f"{stage}:{step}":
+        print(f"{PAUSE_ENV} {stage} {step}", file=sys.stderr, flush=True)
+        time.sleep(600)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists but belongs to someone else
+        return True
+    return True
+
+
+def clean_stale(output_dir: str | Path) -> list[Path]:
+    """Delete leftovers of writes killed midway (module docstring); returns what was removed.
+
+    A leftover of a live process (another writer in the same directory) is left alone. An `.old`
+    same-step checkpoint whose replacement never landed is renamed back into place first."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    removed = []
+    for path in sorted(output_dir.iterdir()):
+        match = _LEFTOVER.match(path.name)
+        if not match or not path.is_dir() or _pid_alive(int(match.group(3))):
+            continue
+        final = output_dir / f"checkpoint-{match.group(1)}"
+        if match.group(2) == "old" and not final.exists() and (path / COMPLETE_MARKER).is_file():
+            path.rename(final)
+            _fsync_dir(output_dir)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def _fsync_dir(path: Path) -> None:
@@ -49,12 +108,14 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model, tokenizer=None,
     """Write checkpoint-<step> atomically; keep only the newest `keep` checkpoints."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale(output_dir)
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f".checkpoint-{step}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     model.save_pretrained(tmp, safe_serialization=True)
+    _test_pause("weights", step)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if optimizer is not None:
@@ -65,17 +126,23 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model, tokenizer=None,
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {}, indent=2))
     (tmp / COMPLETE_MARKER).write_text(str(step))
     _fsync_tree(tmp)
-    if final.exists():  # same step saved twice (e.g. interrupt right after a periodic save)
+    _test_pause("written", step)
+    if final.exists():  # same step saved twice (e.g. --resume of a finished run)
         old = output_dir / f".checkpoint-{step}.old-{os.getpid()}"
-        final.rename(old)
+        final.rename(old)   # a kill between the two renames: clean_stale puts `old` back
+        _test_pause("swapped", step)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
     _fsync_dir(output_dir)
+    _test_pause("renamed", step)
     if keep is not None:
         for stale in list_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(stale, ignore_errors=True)
+            # hide it first (atomic), so a kill mid-delete leaves a leftover, not a half checkpoint
+            hidden = output_dir / f".{stale.name}.del-{os.getpid()}"
+            stale.rename(hidden)
+            shutil.rmtree(hidden, ignore_errors=True)
     return final
 
 
@@ -93,6 +160,8 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint (after `clean_stale`), or None."""
+    clean_stale(output_dir)
     found = list_checkpoints(output_dir)
     return found[-1] if found else None
 
@@ -106,9 +175,18 @@ def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def load_model_weights(model, checkpoint: Path) -> None:
-    """Load model.safetensors (or sharded safetensors) from a checkpoint into a model in place."""
+    """Load model.safetensors (or sharded safetensors) from a checkpoint into a model in place;
+    for a LoRA (peft) model, its adapter_model.safetensors."""
     from safetensors.torch import load_file
     checkpoint = Path(checkpoint)
+    from cppo.models.lora import is_peft_model, load_adapter_weights
+    if is_peft_model(model):
+        load_adapter_weights(model, checkpoint)
+        return
+    if (checkpoint / "adapter_model.safetensors").is_file() and not any(
+            not f.name.startswith("adapter_model") for f in checkpoint.glob("*.safetensors")):
+        raise RuntimeError(f"checkpoint {checkpoint} holds LoRA adapters only; resume with "
+                           f"use_peft: true (the same lora_* settings)")
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in checkpoint {checkpoint}")

@@ -29,6 +29,9 @@ class PromptBatch:
     def select(self, index: Tensor) -> "PromptBatch":
         return PromptBatch(self.ids[index], self.mask[index])
 
+    def to(self, device) -> "PromptBatch":
+        return PromptBatch(self.ids.to(device), self.mask.to(device))
+
 
 @dataclass
 class Completions:
@@ -100,6 +103,8 @@ def _next_tokens(logits: Tensor, *, greedy: bool, temperature: float, top_k: int
         return logits.argmax(-1)
     logits = filter_logits(logits.float() / temperature, top_k, top_p)
     probs = logits.softmax(-1)
+    if generator is not None and generator.device != probs.device:  # e.g. a CPU generator, GPU model
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -136,7 +141,10 @@ def _cache_kwarg(model) -> str:
 
 def _sample_chunk(model, prompts, group, max_new_tokens, eos_token_id, pad_token_id, temperature,
                   top_p, top_k, greedy, generator) -> Completions:
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    device = next(model.parameters()).device
+    prompts = prompts.to(device)
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
+                       device=device)
     positions = (prompts.mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=prompts.ids, attention_mask=prompts.mask, position_ids=positions,
                 use_cache=True, logits_to_keep=1)
@@ -148,7 +156,7 @@ def _sample_chunk(model, prompts, group, max_new_tokens, eos_token_id, pad_token
     attention = prompts.mask.repeat_interleave(group, 0)
     position = positions[:, -1:].repeat_interleave(group, 0) + 1
     n = logits.shape[0]
-    finished = torch.zeros(n, dtype=torch.bool)
+    finished = torch.zeros(n, dtype=torch.bool, device=device)
     tokens = []
     for step in range(max_new_tokens):
         tok = _next_tokens(logits, greedy=greedy, temperature=temperature, top_k=top_k,

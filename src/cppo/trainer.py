@@ -24,15 +24,16 @@ import torch
 from tqdm.auto import tqdm
 
 from cppo import checkpoint as ckpt
-from cppo.algorithm import (combine_rewards, group_advantages, per_token_policy_loss, plan_step,
+from cppo.algorithm import (combine_rewards, per_token_policy_loss, plan_step,
                             reduce_loss, reward_stats, select_completions)
 from cppo.algorithm.selection import recompute_advantages_on_kept
 from cppo.config import CPPOConfig
 from cppo.data.sources import TaskData, check_rows, load_task
 from cppo.distributed import Distributed
 from cppo.evaluate import evaluate
+from cppo.generation import chunk_seed, make_backend
 from cppo.rewards_runner import RewardRunner
-from cppo.rollout import Completions, PromptBatch, completion_logprobs, encode_prompts, sample_completions
+from cppo.rollout import Completions, PromptBatch, completion_logprobs, encode_prompts
 from cppo.tracking import MetricsLog, PhaseTimer, write_plots
 
 
@@ -50,6 +51,10 @@ class StepBatch:
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
+
+    def to(self, device) -> "StepBatch":
+        move = lambda t: None if t is None else t.to(device)
+        return StepBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
 
     def micro_batches(self, size: int):
         for s in range(0, len(self), size):
@@ -100,9 +105,14 @@ class CPPOTrainer:
                  peft_config=None) -> None:
         self.args = args = args or CPPOConfig()
         self.dist = Distributed.from_environment()
-        torch.manual_seed(args.seed + self.dist.rank)
+        self.device = self.dist.device
+        torch.manual_seed(args.seed)   # same LoRA init everywhere; rank 0's is broadcast anyway
+        self.use_lora = args.use_peft or peft_config is not None
         self.policy, self.tokenizer = self._load_policy(model, processing_class, peft_config)
+        self.dist.broadcast_parameters(self.policy)
+        torch.manual_seed(args.seed + self.dist.rank)  # dropout differs per process
         self.reference = self._load_reference(model)
+        self.backend = make_backend(self.policy, self.tokenizer, args)
         self.task = self._load_data(train_dataset, eval_dataset)
         funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
         self.rewards = RewardRunner(funcs if isinstance(funcs, (list, tuple)) else [funcs],
@@ -121,7 +131,6 @@ class CPPOTrainer:
                                        num_warmup_steps=int(args.warmup_ratio * self.total_steps),
                                        num_training_steps=self.total_steps)
         self.questions = QuestionStream(len(self.task.train_rows), args.seed)
-        self.sampling = torch.Generator().manual_seed(args.seed * 7919 + self.dist.rank)
         self.output_dir = Path(args.output_dir)
         self.timer = PhaseTimer()
         self.step = 0                     # optimizer steps done
@@ -143,10 +152,11 @@ class CPPOTrainer:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"
+        policy.to(self.device)
         if args.gradient_checkpointing:
-            policy.gradient_checkpointing_enable()
-            policy.config.use_cache = False
-        if args.use_peft or peft_config is not None:
+            # the sampler passes use_cache explicitly, so generation keeps its KV cache
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.use_lora:
             from cppo.models.lora import wrap_with_lora
             policy = wrap_with_lora(policy, args, peft_config)
         policy.train()
@@ -154,7 +164,7 @@ class CPPOTrainer:
 
     def _load_reference(self, model):
         """No reference when beta = 0; with LoRA the base (adapters disabled) is the reference."""
-        if self.args.beta == 0 or self.args.use_peft:
+        if self.args.beta == 0 or self.use_lora:
             return None
         import copy
         reference = copy.deepcopy(self.policy).eval()
@@ -164,7 +174,7 @@ class CPPOTrainer:
 
     def _load_data(self, train_dataset, eval_dataset) -> TaskData:
         if train_dataset is None:
-            return load_task(self.args)
+            return load_task(self.args, tokenizer=self.tokenizer)
         rows = [dict(r) for r in train_dataset]
         check_rows(rows, name="train_dataset")
         evals = [dict(r) for r in eval_dataset] if eval_dataset is not None else []
@@ -175,31 +185,45 @@ class CPPOTrainer:
     def _total_steps(self) -> int:
         if self.args.max_steps > 0:
             return self.args.max_steps
-        per_epoch = math.ceil(len(self.task.train_rows) / self.plan.questions_per_step)
+        questions_per_round = self.plan.questions_per_step * self.dist.world_size
+        per_epoch = math.ceil(len(self.task.train_rows) / questions_per_round)
         return max(1, int(per_epoch * self.args.num_train_epochs) * self.args.num_iterations)
 
     # ---------------------------------------------------------------- one step --------------
+    def take_questions(self) -> list[dict]:
+        """This process's slice of the step's questions: every process walks the same seeded order
+        and takes its own contiguous part, so N processes x Q/N questions = 1 process x Q."""
+        q = self.plan.questions_per_step
+        order = self.questions.take(q * self.dist.world_size)
+        return [self.task.train_rows[i] for i in order[self.dist.rank * q:(self.dist.rank + 1) * q]]
+
+    @property
+    def round_index(self) -> int:
+        """Generation rounds done (each runs num_iterations optimizer steps); seeds sampling."""
+        return self.step // self.args.num_iterations
+
     def generate(self, rows: list[dict]) -> tuple[PromptBatch, Completions]:
-        args = self.args
-        prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows], args.max_prompt_length)
-        eos = self.tokenizer.eos_token_id
-        self.policy.eval()
-        completions = sample_completions(
-            self.policy, prompts, num_generations=args.num_generations,
-            max_new_tokens=args.max_completion_length, eos_token_id=eos,
-            pad_token_id=self.tokenizer.pad_token_id, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, generator=self.sampling,
-            batch_size=args.generation_batch_size)
-        self.policy.train()
+        """G completions per row through the generation backend (cppo.generation), seeded by
+        (seed, round, the rows' place in the global step batch)."""
+        prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
+                                 self.args.max_prompt_length).to(self.device)
+        completions = self.backend.generate(prompts, round_index=self.round_index,
+                                            question_offset=self.dist.rank * len(rows))
         return prompts, completions
 
     def score(self, rows: list[dict], completions: Completions) -> tuple[torch.Tensor, dict]:
         """Rewards (Q, G) of the weighted reward functions, plus per-function means."""
-        texts = self.tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(completions.ids.cpu(), skip_special_tokens=True)
         per_function = self.rewards(rows, texts, completions.ids, self.args.num_generations,
                                     conversational=not isinstance(rows[0]["prompt"], str))
         rewards = combine_rewards(per_function, self.rewards.weights)
         return rewards.view(len(rows), self.args.num_generations), self.rewards.means(per_function)
+
+    def selection_generator(self) -> torch.Generator:
+        """For selection_rule=random: seeded per round; the same on all processes for the global
+        scope (they must agree), per process otherwise."""
+        key = -1 if self.args.selection_scope == "global" else -1 - self.dist.rank
+        return torch.Generator().manual_seed(chunk_seed(self.args.seed, self.round_index, key))
 
     def select(self, advantages: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
         """keep_mask (Q, G): which completions go on to the forward passes."""
@@ -208,20 +232,21 @@ class CPPOTrainer:
             return torch.ones_like(advantages, dtype=torch.bool)
         if args.selection_scope == "global" and self.dist.world_size > 1:
             return self.dist.select_global(advantages, rewards, self.plan.completions_kept,
-                                           args.selection_rule, self.sampling)
+                                           args.selection_rule, self.selection_generator())
         scope = "step" if args.selection_scope == "global" else args.selection_scope
         return select_completions(advantages, rewards, num_keep=self.plan.completions_kept,
-                                  scope=scope, rule=args.selection_rule, generator=self.sampling)
+                                  scope=scope, rule=args.selection_rule,
+                                  generator=self.selection_generator())
 
     def build_batch(self, prompts: PromptBatch, completions: Completions, advantages: torch.Tensor,
                     keep_mask: torch.Tensor) -> StepBatch:
-        kept = keep_mask.flatten().nonzero().squeeze(1)          # rows of the (Q*G) completions
+        kept = keep_mask.flatten().nonzero().squeeze(1).to(completions.ids.device)  # of Q*G rows
         question = kept // self.args.num_generations
         mask = completions.mask[kept]
         if self.args.mask_truncated_completions:
             mask = mask * (~completions.truncated[kept]).long()[:, None]
         return StepBatch(prompts.ids[question], prompts.mask[question], completions.ids[kept],
-                         mask, advantages.flatten()[kept].float())
+                         mask, advantages.flatten().to(kept.device)[kept].float())
 
     def logprobs(self, model, batch: StepBatch) -> torch.Tensor:
         return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
@@ -285,7 +310,7 @@ class CPPOTrainer:
                    "learning_rate": self.scheduler.get_last_lr()[0]}
         if args.beta > 0:
             metrics["kl"] = sums["kl"] / tokens
-        if not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)):
+        if self.dist.any(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))):
             self.optimizer.zero_grad(set_to_none=True)   # never apply a NaN/inf update
             metrics["nonfinite"] = True
             return metrics
@@ -296,14 +321,14 @@ class CPPOTrainer:
     def training_round(self) -> dict:
         """Generate for a batch of questions, score, prune, and run num_iterations updates."""
         args, plan, timer = self.args, self.plan, self.timer
-        rows = [self.task.train_rows[i] for i in self.questions.take(plan.questions_per_step)]
+        rows = self.take_questions()
         with timer("generate"):
             prompts, completions = self.generate(rows)
         with timer("score"):
             rewards, per_function_means = self.score(rows, completions)
-            advantages = group_advantages(rewards, args.scale_rewards)
+            advantages = self.dist.group_advantages(rewards, args.scale_rewards)
             keep_mask = self.select(advantages, rewards)
-            if args.selection_rule == "max_variance":
+            if args.selection_rule == "max_variance":  # question scope: local statistics
                 advantages = recompute_advantages_on_kept(rewards, keep_mask, args.scale_rewards)
             batch = self.build_batch(prompts, completions, advantages, keep_mask)
         metrics = self.step_metrics(rows, rewards, per_function_means, advantages, keep_mask,
@@ -339,7 +364,7 @@ class CPPOTrainer:
         lengths = completions.lengths.float()
         abs_adv = advantages.abs()
         pruned = ~keep_mask
-        metrics = {**reward_stats(rewards), **per_function_means,
+        metrics = {**reward_stats(self.dist.gather(rewards)), **per_function_means,
                    "completions/mean_length": float(lengths.mean()),
                    "completions/max_length": float(lengths.max()),
                    "completions/clipped_ratio": float(completions.truncated.float().mean()),
@@ -388,7 +413,7 @@ class CPPOTrainer:
                     break
                 if args.eval_steps and self._crossed(args.eval_steps):
                     self._evaluate(log, start_wall, label=f"step {self.step}")
-                if self.stop_requested:
+                if self.dist.any(self.stop_requested):
                     status = "interrupted"
                     break
                 if args.save_steps and self._crossed(args.save_steps) and self.step < self.total_steps:
@@ -458,7 +483,15 @@ class CPPOTrainer:
                      "train_seconds": entry["train_seconds"], "eval/accuracy": result.greedy_accuracy})
 
     # ---------------------------------------------------------------- checkpoints -----------
+    def _rng_state(self) -> dict:
+        state = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
     def save(self, start_wall: float) -> Path | None:
+        """Rank 0 writes the checkpoint (model or LoRA adapters, optimizer, every rank's RNG)."""
+        per_rank_rng = self.dist.gather_objects(self._rng_state())
         if not self.dist.is_main:
             self.dist.barrier()
             return None
@@ -466,8 +499,9 @@ class CPPOTrainer:
             state = {"step": self.step, "questions": self.questions.state(),
                      "counters": self.counters, "train_seconds": self.train_seconds,
                      "wall_time": time.perf_counter() - start_wall, "history": self.history,
-                     "config": self.args.to_dict()}
-            rng = {"sampling": self.sampling.get_state(), "torch": torch.get_rng_state()}
+                     "config": self.args.to_dict(), "world_size": self.dist.world_size}
+            rng = {**per_rank_rng[0], **{f"rank{r}/{k}": v for r, states in enumerate(per_rank_rng)
+                                         for k, v in states.items()}}
             path = ckpt.save_checkpoint(self.output_dir, self.step, model=self.policy,
                                         tokenizer=self.tokenizer, optimizer=self.optimizer,
                                         scheduler=self.scheduler, rng_states=rng,
@@ -489,8 +523,11 @@ class CPPOTrainer:
         self.optimizer.load_state_dict(ckpt.load_tensors(latest / "optimizer.pt"))
         self.scheduler.load_state_dict(ckpt.load_tensors(latest / "scheduler.pt"))
         rng = ckpt.load_tensors(latest / "rng_state.pt")
-        self.sampling.set_state(rng["sampling"])
+        mine = f"rank{self.dist.rank}/"    # this rank's states if it was saved with as many ranks
+        rng = {k[len(mine):]: v for k, v in rng.items() if k.startswith(mine)} or rng
         torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
         state = ckpt.load_trainer_state(latest)
         self.step = state["step"]
         self.questions.load_state(state["questions"])

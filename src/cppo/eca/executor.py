@@ -346,20 +346,24 @@ def _check_matrix(name: str, x: torch.Tensor) -> None:
         )
 
 
-def _resolve(scheme, cutoff, general) -> tuple[Scheme, Options]:
-    return load_scheme(scheme), Options(cutoff=cutoff, general=general)
+def _resolve(scheme, cutoff, general, general_cutoff) -> tuple[Scheme, Options]:
+    return load_scheme(scheme), Options(cutoff=cutoff, general=general, general_cutoff=general_cutoff)
 
 
-def masked_matmul(a, b, scheme="eca", cutoff: int = DEFAULT_CUTOFF, general: str = "gemm") -> torch.Tensor:
+def masked_matmul(a, b, scheme="eca", cutoff: int = DEFAULT_CUTOFF, general: str = "gemm",
+                  general_cutoff: int = 256) -> torch.Tensor:
     """tril(a @ b^T) with a 4x4 scheme: a (..., n, m), b (..., n, m) -> (..., n, n).
 
     Leading dims broadcast. Only the lower triangle (diagonal included) is computed; the rest is 0.
+    scheme: "eca", "ug444", "naive", a file path or a Scheme. Recurses while min(n, m) > cutoff.
+    general: "gemm", "strassen" or "winograd" for the general products (fast ones recurse while
+    all their dims are even and > general_cutoff). Not differentiable: see eca_attention.
     """
     _check_matrix("a", a)
     _check_matrix("b", b)
     if a.shape[-2:] != b.shape[-2:]:
         raise ValueError(f"a and b must have the same (n, m) shape, got {tuple(a.shape[-2:])} and {tuple(b.shape[-2:])}")
-    scheme, options = _resolve(scheme, cutoff, general)
+    scheme, options = _resolve(scheme, cutoff, general, general_cutoff)
     result_dtype, dtype = _compute_dtype(a, b)
     batch_shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     n = a.shape[-2]
@@ -370,23 +374,31 @@ def masked_matmul(a, b, scheme="eca", cutoff: int = DEFAULT_CUTOFF, general: str
     return out.view(*batch_shape, n, n).to(result_dtype)
 
 
-def lower_matmul(lower, x, scheme="eca", cutoff: int = DEFAULT_CUTOFF, general: str = "gemm") -> torch.Tensor:
-    """tril(lower) @ x: lower (..., n, n), x (..., n, d) -> (..., n, d); entries above the diagonal are ignored."""
-    return _triangular_matmul("lower", lower, x, scheme, cutoff, general)
+def lower_matmul(lower, x, scheme="eca", cutoff: int = DEFAULT_CUTOFF, general: str = "gemm",
+                 general_cutoff: int = 256) -> torch.Tensor:
+    """tril(lower) @ x: lower (..., n, n), x (..., n, d) -> (..., n, d); entries above the diagonal are ignored.
+
+    Options as for masked_matmul; recurses while min(n, d) > cutoff.
+    """
+    return _triangular_matmul("lower", lower, x, scheme, cutoff, general, general_cutoff)
 
 
-def upper_matmul(upper, x, scheme="eca", cutoff: int = DEFAULT_CUTOFF, general: str = "gemm") -> torch.Tensor:
-    """triu(upper) @ x: upper (..., n, n), x (..., n, d) -> (..., n, d); entries below the diagonal are ignored."""
-    return _triangular_matmul("upper", upper, x, scheme, cutoff, general)
+def upper_matmul(upper, x, scheme="eca", cutoff: int = DEFAULT_CUTOFF, general: str = "gemm",
+                 general_cutoff: int = 256) -> torch.Tensor:
+    """triu(upper) @ x: upper (..., n, n), x (..., n, d) -> (..., n, d); entries below the diagonal are ignored.
+
+    Runs the lower scheme on reversed block indices (U X = J (J U J)(J X)); no data is flipped.
+    """
+    return _triangular_matmul("upper", upper, x, scheme, cutoff, general, general_cutoff)
 
 
-def _triangular_matmul(form, t, x, scheme, cutoff, general):
+def _triangular_matmul(form, t, x, scheme, cutoff, general, general_cutoff):
     _check_matrix(form, t)
     _check_matrix("x", x)
     n = t.shape[-1]
     if t.shape[-2] != n or x.shape[-2] != n:
         raise ValueError(f"{form} must be square (..., n, n) and x (..., n, d), got {tuple(t.shape)} and {tuple(x.shape)}")
-    scheme, options = _resolve(scheme, cutoff, general)
+    scheme, options = _resolve(scheme, cutoff, general, general_cutoff)
     result_dtype, dtype = _compute_dtype(t, x)
     batch_shape = torch.broadcast_shapes(t.shape[:-2], x.shape[:-2])
     t, x = _as_batched(t, batch_shape, dtype), _as_batched(x, batch_shape, dtype)

@@ -1,0 +1,86 @@
+"""Shared pieces of the reliability tests: a reward that varies on a random model, a tiny jsonl
+dataset, and `cppo train` run in a child process that a test can SIGKILL.
+
+The child finds this module through PYTHONPATH, so `--reward_funcs helpers_reliability:length_reward`
+works in it exactly as in the test process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
+
+
+def length_reward(prompts, completions, completion_ids=None, **kw):
+    """Varied rewards on a random model: 1 for completions of odd length, 0 otherwise."""
+    return [float(len(c) % 2) for c in completions]
+
+
+def write_rows(path: Path, rows=ROWS) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def train_args(model_dir: str, data: Path, output_dir: Path, **overrides) -> list[str]:
+    """`cppo train` arguments for a 6-step run on the tiny model, checkpoint every 2 steps."""
+    values = dict(model=model_dir, dataset_name=str(data), output_dir=str(output_dir),
+                  reward_funcs="helpers_reliability:length_reward", max_steps=6,
+                  per_device_train_batch_size=8, num_generations=4, pruning_rate=0.5,
+                  max_completion_length=5, eval_steps=0, save_steps=2, save_total_limit=1,
+                  progress_bar="false", eval_num_questions=4, learning_rate=1e-3, seed=3,
+                  log_completions="false")
+    values.update(overrides)
+    return ["train"] + [a for k, v in values.items() for a in (f"--{k}", str(v))]
+
+
+def child_env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
+    env["OMP_NUM_THREADS"] = "2"          # the test process runs torch with 2 threads too (conftest)
+    env["HF_HUB_OFFLINE"] = "1"
+    env.update(extra)
+    return env
+
+
+def start_train(args: list[str], log: Path, **env: str) -> subprocess.Popen:
+    """`python -m cppo.cli train ...` in a child process; stdout and stderr go to `log`."""
+    with open(log, "wb") as fh:
+        return subprocess.Popen([sys.executable, "-m", "cppo.cli", *args], stdout=fh,
+                                stderr=subprocess.STDOUT, env=child_env(**env))
+
+
+def wait_until(condition, proc: subprocess.Popen, log: Path, timeout_s: float = 180.0) -> None:
+    """Poll `condition()` until true; fail with the child's output if it exits or times out."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"child exited ({proc.returncode}) early:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"timed out waiting; child output:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+def step_records(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:   # a line being written right now
+            pass
+    return [r for r in records if "reward" in r]
+
+
+def load_weights(checkpoint: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(checkpoint / "model.safetensors")

@@ -1,0 +1,59 @@
+"""The shipped tiny model: loads offline, is small, has the advertised partial skill."""
+
+import json
+import os
+
+import pytest
+
+from cppo.cli import main
+from cppo.data import arithmetic
+from cppo.evaluate import evaluate
+from cppo.models import EMBEDDED_DIR, load_model, load_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def test_shipped_model_loads_offline_and_is_small():
+    model = load_model("embedded")
+    tok = load_tokenizer("embedded")
+    assert sum(p.numel() for p in model.parameters()) <= 10_000_000
+    assert (EMBEDDED_DIR / "model.safetensors").stat().st_size <= 20 * 2**20
+    assert not list(EMBEDDED_DIR.glob("*.bin"))  # safetensors only
+    assert tok("37*42=")["input_ids"][0] == tok.bos_token_id
+    assert model.config.eos_token_id == tok.eos_token_id
+    card = (EMBEDDED_DIR / "README.md").read_text()
+    assert "cppo pretrain" in card and "pass@16" in card
+
+
+def test_shipped_model_has_partial_skill():
+    model, tok = load_model("embedded"), load_tokenizer("embedded")
+    rows = [p.to_row() for p in arithmetic.generate(3, "test", seed=0)]
+    result = evaluate(model, tok, rows, arithmetic.arithmetic_accuracy_reward, k=8,
+                      max_new_tokens=5, progress=False)
+    report = json.loads((EMBEDDED_DIR / "pretrain_report.json").read_text())
+    assert 0.20 <= result.greedy_accuracy <= 0.60
+    assert result.greedy_accuracy == pytest.approx(report["eval"]["greedy_accuracy"], abs=1e-9)
+    assert result.pass_at_k > result.greedy_accuracy + 0.15
+
+
+def test_unknown_model_gives_a_clear_error(tmp_path):
+    with pytest.raises(OSError, match="could not load model"):
+        load_model(str(tmp_path / "nowhere"))
+
+
+def test_pretrain_and_eval_commands(tmp_path, capsys):
+    out = tmp_path / "base"
+    assert main(["pretrain", "--output_dir", str(out), "--steps", "3", "--hidden_size", "32",
+                 "--num_layers", "1", "--intermediate_size", "64", "--eval_questions", "20",
+                 "--pass_k", "2", "--progress_bar", "false"]) == 0
+    assert (out / "model.safetensors").is_file() and (out / "README.md").is_file()
+    result = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(out), "--eval_num_questions", "20", "--k", "2",
+                 "--output_json", str(result)]) == 0
+    data = json.loads(result.read_text())
+    assert data["num_questions"] == 20 and 0 <= data["greedy_accuracy"] <= 1
+    assert "greedy accuracy" in capsys.readouterr().out
