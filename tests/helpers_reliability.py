@@ -12,10 +12,25 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 TESTS_DIR = Path(__file__).resolve().parent
 ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
+
+
+@contextmanager
+def single_thread():
+    """Run torch on one thread (restored afterwards). On the shared 2-core machine, 2 OpenMP
+    threads spin in barriers against other processes: a 32-wide linear took 19 ms instead of
+    0.03 ms. Child processes get OMP_NUM_THREADS=1 to match (same arithmetic, same results)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def length_reward(prompts, completions, completion_ids=None, **kw):
@@ -43,7 +58,7 @@ def train_args(model_dir: str, data: Path, output_dir: Path, **overrides) -> lis
 def child_env(**extra: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
-    env["OMP_NUM_THREADS"] = "2"          # the test process runs torch with 2 threads too (conftest)
+    env["OMP_NUM_THREADS"] = "1"          # as the tests in this process (single_thread)
     env["HF_HUB_OFFLINE"] = "1"
     env.update(extra)
     return env
@@ -84,3 +99,19 @@ def step_records(output_dir: Path) -> list[dict]:
 def load_weights(checkpoint: Path) -> dict:
     from safetensors.torch import load_file
     return load_file(checkpoint / "model.safetensors")
+
+
+def make_trainer(model_dir: str, output_dir: Path, reward=length_reward, rows=ROWS, **overrides):
+    """A CPPOTrainer on the tiny model, in this process (as tests/test_trainer.py builds it)."""
+    from cppo.config import CPPOConfig
+    from cppo.models import load_model, load_tokenizer
+    from cppo.trainer import CPPOTrainer
+    values = dict(model=model_dir, output_dir=str(output_dir), max_steps=4,
+                  per_device_train_batch_size=8, num_generations=4, pruning_rate=0.5,
+                  max_completion_length=5, eval_steps=0, save_steps=2, progress_bar=False,
+                  eval_num_questions=4, learning_rate=1e-3, seed=3, log_completions=False)
+    values.update(overrides)
+    rewards = reward if isinstance(reward, list) else [reward]
+    return CPPOTrainer(model=load_model(model_dir), processing_class=load_tokenizer(model_dir),
+                       reward_funcs=rewards, args=CPPOConfig(**values), train_dataset=rows,
+                       eval_dataset=rows[:4])

@@ -88,3 +88,12 @@ def test_bad_inputs_are_named():
         masked_matmul(torch.ones(4, 3), torch.ones(4, 3), general="fast")
     with pytest.raises(RuntimeError, match="not differentiable"):
         masked_matmul(torch.ones(4, 3, requires_grad=True), torch.ones(4, 3))
+
+
+def test_blocked_reference_exact_on_integers():
+    from cppo.eca.reference import blocked_lower_matmul, blocked_masked_matmul, blocked_upper_matmul
+
+    a, b, t = _ints(2, 100, 12, seed=11), _ints(2, 100, 12, seed=12), _ints(2, 100, 100, seed=13)
+    assert torch.equal(blocked_masked_matmul(a, b, block=16), torch.tril(a @ b.mT))
+    assert torch.equal(blocked_lower_matmul(t, a, block=16), t.tril() @ a)
+    assert torch.equal(blocked_upper_matmul(t, a, block=16), t.triu() @ a)

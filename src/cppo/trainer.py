@@ -249,6 +249,8 @@ class CPPOTrainer:
                          mask, advantages.flatten().to(kept.device)[kept].float())
 
     def logprobs(self, model, batch: StepBatch) -> torch.Tensor:
+        if len(batch) == 0:  # global selection can leave a process nothing to train on
+            return batch.completion_ids.new_zeros(batch.completion_ids.shape, dtype=torch.float32)
         return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                    batch.completion_mask, temperature=self.args.temperature,
                                    batch_size=self.args.per_device_train_batch_size)
@@ -274,8 +276,7 @@ class CPPOTrainer:
         total_tokens = self.dist.sum(int(batch.completion_mask.sum()))
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0}
-        autocast = torch.autocast("cpu" if not torch.cuda.is_available() else "cuda",
-                                  dtype=torch.bfloat16, enabled=args.bf16)
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=args.bf16)
         for micro in batch.micro_batches(args.per_device_train_batch_size):
             with autocast:
                 logps = self.logprobs(self.policy, micro)
@@ -333,7 +334,8 @@ class CPPOTrainer:
             batch = self.build_batch(prompts, completions, advantages, keep_mask)
         metrics = self.step_metrics(rows, rewards, per_function_means, advantages, keep_mask,
                                     completions)
-        nothing_to_learn = len(batch) == 0 or self.dist.all_zero(batch.advantages)
+        # every process must take part in the collectives, even one that kept nothing
+        nothing_to_learn = self.dist.all_zero(batch.advantages)
         if nothing_to_learn:  # every kept advantage is 0: the policy gradient is 0; skip
             self.counters["skipped_steps"] += args.num_iterations
             self.step += args.num_iterations

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import counting
+from . import counting, reference
 from .scheme import BLOCKS, LOWER_BLOCKS, Block, Scheme, load_scheme
 from .workspace import arena
 
@@ -249,9 +249,10 @@ def _quarters(x: torch.Tensor):
 def _masked(a: torch.Tensor, b: torch.Tensor, plan: Plan, options: Options, out: torch.Tensor) -> torch.Tensor:
     """out = tril(a b^T): a, b (B, n, m), out (B, n, n) contiguous."""
     batch, n, m = a.shape
-    if not _recurses(n, m, options):
+    if not _recurses(n, m, options):  # base: the classical blocked triangular product
         counting.record_masked_base(batch, n, m)
-        return torch.matmul(a, b.mT, out=out).tril_()
+        reference.masked_into(a, b, out)
+        return out
     space = arena()
     with space.scope():
         if n % BLOCKS or m % BLOCKS:  # pad with zeros (exact), solve, copy the wanted part out
@@ -287,9 +288,10 @@ def _triangular(t: torch.Tensor, x: torch.Tensor, plan: Plan, options: Options, 
     tri = torch.tril if lower else torch.triu
     space = arena()
     with space.scope():
-        if not _recurses(n, d, options):
+        if not _recurses(n, d, options):  # base: the classical blocked triangular product
             counting.record_triangular_base(batch, n, d)
-            return torch.matmul(tri(t, out=space.take(t.shape, t)), x, out=out)
+            (reference.lower_into if lower else reference.upper_into)(t, x, out)
+            return out
         if n % BLOCKS or d % BLOCKS:
             padded = space.take((batch, n + (-n % BLOCKS), d + (-d % BLOCKS)), out)
             _triangular(_pad_to_blocks(t), _pad_to_blocks(x), plan, options, padded)

@@ -16,7 +16,7 @@ def blocked_masked_matmul(a: torch.Tensor, b: torch.Tensor, block: int = DEFAULT
     """tril(a @ b^T) by 2x2 triangular recursion: a, b (..., n, m) -> (..., n, n)."""
     n, batch = a.shape[-2], torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     out = a.new_empty(*batch, n, n)
-    _masked_into(_flat(a, batch), _flat(b, batch), out.view(-1, n, n), block)
+    masked_into(_flat(a, batch), _flat(b, batch), out.view(-1, n, n), block)
     return out
 
 
@@ -24,7 +24,8 @@ def _flat(x: torch.Tensor, batch) -> torch.Tensor:
     return x.expand(*batch, *x.shape[-2:]).reshape(-1, *x.shape[-2:])
 
 
-def _masked_into(a, b, out, block):
+def masked_into(a, b, out, block=DEFAULT_BLOCK):
+    """out = tril(a b^T) for (B, n, m) operands and a (B, n, n) output (any row stride)."""
     n = a.shape[-2]
     if n <= block:
         torch.matmul(a, b.mT, out=out)
@@ -33,24 +34,45 @@ def _masked_into(a, b, out, block):
     h = n // 2
     out[:, :h, h:].zero_()
     torch.matmul(a[:, h:, :], b[:, :h, :].mT, out=out[:, h:, :h])
-    _masked_into(a[:, :h, :], b[:, :h, :], out[:, :h, :h], block)
-    _masked_into(a[:, h:, :], b[:, h:, :], out[:, h:, h:], block)
+    masked_into(a[:, :h, :], b[:, :h, :], out[:, :h, :h], block)
+    masked_into(a[:, h:, :], b[:, h:, :], out[:, h:, h:], block)
 
 
 def blocked_lower_matmul(lower: torch.Tensor, x: torch.Tensor, block: int = DEFAULT_BLOCK) -> torch.Tensor:
     """tril(lower) @ x by 2x2 triangular recursion: (..., n, n), (..., n, d) -> (..., n, d)."""
     batch = torch.broadcast_shapes(lower.shape[:-2], x.shape[:-2])
     out = x.new_empty(*batch, *x.shape[-2:])
-    _lower_into(_flat(lower, batch), _flat(x, batch), out.view(-1, *x.shape[-2:]), block)
+    lower_into(_flat(lower, batch), _flat(x, batch), out.view(-1, *x.shape[-2:]), block)
     return out
 
 
-def _lower_into(t, x, out, block):
+def lower_into(t, x, out, block=DEFAULT_BLOCK):
+    """out = tril(t) x for (B, n, n), (B, n, d) operands and a (B, n, d) output."""
     n = t.shape[-1]
     if n <= block:
         torch.matmul(t.tril(), x, out=out)
         return
     h = n // 2
-    _lower_into(t[:, :h, :h], x[:, :h, :], out[:, :h, :], block)
-    _lower_into(t[:, h:, h:], x[:, h:, :], out[:, h:, :], block)
+    lower_into(t[:, :h, :h], x[:, :h, :], out[:, :h, :], block)
+    lower_into(t[:, h:, h:], x[:, h:, :], out[:, h:, :], block)
     out[:, h:, :].baddbmm_(t[:, h:, :h], x[:, :h, :])
+
+
+def blocked_upper_matmul(upper: torch.Tensor, x: torch.Tensor, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """triu(upper) @ x by 2x2 triangular recursion: (..., n, n), (..., n, d) -> (..., n, d)."""
+    batch = torch.broadcast_shapes(upper.shape[:-2], x.shape[:-2])
+    out = x.new_empty(*batch, *x.shape[-2:])
+    upper_into(_flat(upper, batch), _flat(x, batch), out.view(-1, *x.shape[-2:]), block)
+    return out
+
+
+def upper_into(t, x, out, block=DEFAULT_BLOCK):
+    """out = triu(t) x for (B, n, n), (B, n, d) operands and a (B, n, d) output."""
+    n = t.shape[-1]
+    if n <= block:
+        torch.matmul(t.triu(), x, out=out)
+        return
+    h = n // 2
+    upper_into(t[:, :h, :h], x[:, :h, :], out[:, :h, :], block)
+    upper_into(t[:, h:, h:], x[:, h:, :], out[:, h:, :], block)
+    out[:, :h, :].baddbmm_(t[:, :h, h:], x[:, h:, :])
