@@ -115,3 +115,13 @@ def make_trainer(model_dir: str, output_dir: Path, reward=length_reward, rows=RO
     return CPPOTrainer(model=load_model(model_dir), processing_class=load_tokenizer(model_dir),
                        reward_funcs=rewards, args=CPPOConfig(**values), train_dataset=rows,
                        eval_dataset=rows[:4])
+
+
+def raising_reward(prompts, completions, completion_ids=None, **kw):
+    """A broken user reward: raises on any input."""
+    return [1 / 0 for _ in completions]
+
+
+def nan_reward(prompts, completions, completion_ids=None, **kw):
+    """A broken user reward: NaN for every completion."""
+    return [float("nan") for _ in completions]

@@ -145,6 +145,10 @@ def test_bad_rows_and_missing_columns(tiny_dirs, data, tmp_path):
     # a lone file has no held-out split: training only, never evaluating on the training rows
     lone = load_task(small(dataset_name=data["lone"]), tokenizer=tok)
     assert lone.eval_rows == [] and len(lone.train_rows) == 4
+    # evaluation only (cppo eval): the held-out split alone
+    held_out = load_task(small(dataset_name=data["gsm8k"], eval_num_questions=None), tokenizer=tok,
+                         train_split=False)
+    assert held_out.train_rows == [] and len(held_out.eval_rows) == 3 and held_out.accuracy_reward == "gsm8k"
 
 
 # --- LoRA -----------------------------------------------------------------------------------------

@@ -33,6 +33,13 @@ from typing import Any
 
 import torch
 
+from cppo.config import ConfigError
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be used: unsafe content, or it does not match the model."""
+
+
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _LEFTOVER = re.compile(r"^\.checkpoint-(\d+)\.(tmp|old|del)-(\d+)$")
 COMPLETE_MARKER = "COMPLETE"
@@ -167,7 +174,15 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def load_tensors(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """Tensors, numbers, strings and containers of them (`weights_only=True`); a file holding any
+    other pickled object (which could run code when unpickled) is refused with CheckpointError."""
+    import pickle
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"refusing to load {path}: it holds pickled objects other than "
+                              f"tensors (only weights_only=True loading is allowed): "
+                              f"{str(err).splitlines()[0]}") from None
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
@@ -189,16 +204,23 @@ def load_model_weights(model, checkpoint: Path) -> None:
                            f"use_peft: true (the same lora_* settings)")
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no .safetensors weights in checkpoint {checkpoint}")
+        raise CheckpointError(f"no .safetensors weights in checkpoint {checkpoint} (weights are "
+                              f"loaded only from safetensors)")
     state = {}
     for file in files:
         if file.name.startswith("adapter_model"):
             continue
         state.update(load_file(file))
     if state:
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as err:   # shape mismatch: a checkpoint of another architecture
+            lines = str(err).splitlines()
+            raise CheckpointError(f"checkpoint {checkpoint} does not match the model: "
+                                  f"{'; '.join(line.strip() for line in lines[1:3])}"
+                                  f"{' ...' if len(lines) > 3 else ''}") from None
         tied = set(getattr(model, "_tied_weights_keys", None) or [])
         really_missing = [k for k in missing if k not in tied and "lm_head" not in k]
         if really_missing or unexpected:
-            raise RuntimeError(f"checkpoint {checkpoint} does not match the model: missing "
+            raise CheckpointError(f"checkpoint {checkpoint} does not match the model: missing "
                                f"{really_missing[:5]}, unexpected {list(unexpected)[:5]}")

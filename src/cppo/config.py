@@ -350,3 +350,9 @@ def validate(cfg: CPPOConfig) -> None:
                    f"per question, which does not divide the update batch of "
                    f"{cfg.completions_per_update} completions")
     _check(cfg.lora_r >= 1, f"'lora_r' is {cfg.lora_r}; must be >= 1")
+    _check(cfg.generation_batch_size is None or cfg.generation_batch_size >= 1,
+           f"'generation_batch_size' is {cfg.generation_batch_size}; must be >= 1 or None")
+    _check(0 <= cfg.seed < 2**32, f"'seed' is {cfg.seed}; allowed: 0 <= seed < 2**32")
+    _check(not Path(cfg.output_dir).expanduser().is_file(),
+           f"'output_dir' is {cfg.output_dir!r}, which is a file; give a directory (it is created "
+           f"if missing)")

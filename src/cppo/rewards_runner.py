@@ -3,6 +3,10 @@
 f(prompts, completions, completion_ids, **columns) -> list[float | None]; None means "does not
 apply to this sample" and becomes NaN, ignored by the weighted sum. A function that raises,
 returns the wrong number of values, or a NaN/inf/non-number is reported by name.
+
+`preflight` runs before training: it encodes a few prompts and calls every function on them with
+probe completions ("" and "0"), so a missing column, a bad gold answer or a broken function fails
+with a ConfigError-compatible `RewardPreflightError` naming the row, not deep inside a step.
 """
 
 from __future__ import annotations
@@ -12,9 +16,17 @@ from typing import Callable, Sequence
 
 import torch
 
+from cppo.config import ConfigError
+
+PREFLIGHT_COMPLETIONS = ("", "0")   # an empty answer and a number: reaches gold parsing too
+
 
 class RewardError(RuntimeError):
     """A reward function misbehaved; the message names it and what was wrong."""
+
+
+class RewardPreflightError(RewardError, ConfigError):
+    """A reward function failed on the data before training started (`cppo train` exits 2)."""
 
 
 class RewardRunner:
@@ -22,7 +34,10 @@ class RewardRunner:
         from cppo.rewards import get_reward_function
         if not funcs:
             raise ValueError("reward_funcs is empty; give at least one reward function")
-        self.funcs = [get_reward_function(f) if isinstance(f, str) else f for f in funcs]
+        try:
+            self.funcs = [get_reward_function(f) if isinstance(f, str) else f for f in funcs]
+        except (ValueError, TypeError) as err:   # unknown name, module not importable, ...
+            raise ConfigError(f"reward_funcs: {err}") from err
         self.names = [f if isinstance(f, str) and ":" not in f else getattr(fn, "__name__", str(fn))
                       for f, fn in zip(funcs, self.funcs)]
         for name, fn in zip(self.names, self.funcs):
@@ -86,8 +101,31 @@ class RewardRunner:
         return out
 
     def preflight(self, rows: list[dict], tokenizer=None) -> None:
-        """Call every function once on a few rows before training, so errors show up early."""
+        """Before training: encode the rows' prompts (when a tokenizer is given) and call every
+        function on each row with the probe completions; raise naming the first failing row."""
         if not rows:
             return
         conversational = not isinstance(rows[0]["prompt"], str)
-        self(rows, ["" for _ in rows], None, 1, conversational=conversational)
+        if tokenizer is not None:
+            from cppo.rollout import encode_prompts
+            for i, row in enumerate(rows):
+                try:
+                    encode_prompts(tokenizer, [row["prompt"]])
+                except ValueError as err:
+                    raise RewardPreflightError(f"row {i}: its prompt cannot be encoded: {err}") from err
+        probes = list(PREFLIGHT_COMPLETIONS)
+        try:
+            self(rows, probes * len(rows), None, len(probes), conversational=conversational)
+        except RewardError as err:
+            for i, row in enumerate(rows):   # name the first row that fails on its own
+                try:
+                    self([row], probes, None, len(probes), conversational=conversational)
+                except RewardError as row_err:
+                    raise RewardPreflightError(f"before training, on row {i} "
+                                               f"({_snippet(row)}): {row_err}") from row_err
+            raise RewardPreflightError(f"before training: {err}") from err
+
+
+def _snippet(row: dict) -> str:
+    text = repr(row)
+    return text if len(text) <= 160 else text[:157] + "..."

@@ -54,6 +54,9 @@ class MetricsLog:
                 if isinstance(value, (int, float)) and key != "step":
                     self.writer.add_scalar(key, value, step)
 
+    def reset(self) -> None:
+        self.path.write_text("")
+
     def read(self) -> list[dict]:
         if not self.path.is_file():
             return []

@@ -387,6 +387,8 @@ class CPPOTrainer:
         self.consecutive_nonfinite = 0
         log = MetricsLog(self.output_dir, args.report_to) if self.dist.is_main else None
         resumed_from = self._maybe_resume(log)
+        if resumed_from is None and log is not None:
+            log.reset()  # a fresh run does not append to an earlier run's metrics
         if self.dist.is_main:
             args.to_yaml(self.output_dir / "config.yaml")
         start_wall = time.perf_counter() - self.wall_offset

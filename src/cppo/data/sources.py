@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cppo.config import ConfigError
 from cppo.data import arithmetic
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,10 @@ class TaskData:
 
 def embedded_task(level: int, *, seed: int, num_train: int | None = None,
                   num_eval: int | None = None) -> TaskData:
-    train = arithmetic.generate(level, "train", n=num_train, seed=seed)
+    try:
+        train = arithmetic.generate(level, "train", n=num_train, seed=seed)
+    except ValueError as err:   # more questions asked for than the level has
+        raise ConfigError(f"'num_train_questions' is {num_train}: {err}") from None
     test = arithmetic.generate(level, "test", seed=0)  # fixed order: same eval set for every seed
     if num_eval is not None:
         test = test[:num_eval]
@@ -38,23 +42,57 @@ def embedded_task(level: int, *, seed: int, num_train: int | None = None,
 
 
 def check_rows(rows: list[dict], *, name: str, required: tuple[str, ...] = ("prompt",)) -> None:
-    """Every row needs the required columns with a non-empty value; name the first bad row."""
+    """Before training, every row must hold the required columns with a non-empty value, the same
+    columns as row 0 (reward functions get one list per column), and a prompt that is text or
+    chat messages, of one kind for all rows; raises ConfigError naming the first bad row."""
     if not rows:
-        raise ValueError(f"{name}: no rows")
+        raise ConfigError(f"{name}: no rows")
+    columns = set(rows[0]) if isinstance(rows[0], dict) else set()
+    kind = None
     for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError(f"{name}: row {i} is a {type(row).__name__}, expected a dict of columns")
         for col in required:
             if col not in row:
-                raise ValueError(f"{name}: row {i} has no '{col}' column (columns: "
-                                 f"{', '.join(sorted(row))})")
+                raise ConfigError(f"{name}: row {i} has no '{col}' column (columns: "
+                                  f"{', '.join(sorted(row))})")
             value = row[col]
             if value is None or (isinstance(value, (str, list)) and len(value) == 0):
-                raise ValueError(f"{name}: row {i} has an empty '{col}'")
+                raise ConfigError(f"{name}: row {i} has an empty '{col}'")
+        if set(row) != columns:
+            raise ConfigError(f"{name}: row {i} has columns {sorted(row)} but row 0 has "
+                              f"{sorted(columns)}; every row needs the same columns")
+        if "prompt" in row:
+            row_kind = _prompt_kind(row["prompt"])
+            if row_kind is None:
+                raise ConfigError(f"{name}: row {i}: 'prompt' must be text or a list of "
+                                  f"{{'role': ..., 'content': ...}} messages, got "
+                                  f"{_snippet(row['prompt'])}")
+            if kind is not None and row_kind != kind:
+                raise ConfigError(f"{name}: row {i} has a {row_kind} prompt but earlier rows have "
+                                  f"{kind} prompts; use one kind for the whole dataset")
+            kind = row_kind
+
+
+def _prompt_kind(prompt) -> str | None:
+    if isinstance(prompt, str):
+        return "text" if prompt.strip() else None
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), (str, list)) for m in prompt):
+        return "chat"
+    return None
+
+
+def _snippet(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 ACCURACY_REWARDS = {"gsm8k": "gsm8k", "math": "math"}  # data format -> registry name
 
 
-def load_task(cfg, tokenizer=None) -> TaskData:
+def load_task(cfg, tokenizer=None, *, train_split: bool = True) -> TaskData:
     """TaskData for a CPPOConfig (or any object with the same field names).
 
     GSM8K/MATH rows get prompts in ``cfg.prompt_style``; as chat messages when the tokenizer has a
@@ -64,7 +102,8 @@ def load_task(cfg, tokenizer=None) -> TaskData:
     directory, or for a single file ``<name with the train split word replaced>`` (e.g.
     gsm8k_train.jsonl -> gsm8k_test.jsonl); a source without one has no held-out evaluation.
     The accuracy reward (for eval) follows the data format: gsm8k -> 'gsm8k', math -> 'math',
-    ready-made prompts -> the first of reward_funcs.
+    ready-made prompts -> the first of reward_funcs. ``train_split=False`` loads the held-out split
+    alone (for `cppo eval`, e.g. on math500, which has no train split).
     """
     if cfg.dataset_name == "embedded":
         return embedded_task(cfg.task_level, seed=cfg.seed, num_train=cfg.num_train_questions,
@@ -77,7 +116,19 @@ def load_task(cfg, tokenizer=None) -> TaskData:
         return load_prompt_dataset(source, split=split, prompt_style=cfg.prompt_style, limit=limit,
                                    conversational=conversational)
 
-    train = load(cfg.dataset_name, cfg.dataset_split, cfg.num_train_questions)
+    if not train_split:
+        try:
+            held_out = load(cfg.dataset_name, cfg.eval_dataset_split, cfg.eval_num_questions)
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(f"dataset_name '{cfg.dataset_name}': {err}") from err
+        return TaskData(train_rows=[], eval_rows=[dict(r) for r in held_out.dataset],
+                        accuracy_reward=ACCURACY_REWARDS.get(held_out.format, cfg.reward_funcs[0]),
+                        skipped_rows=list(held_out.skipped_rows),
+                        description=f"{cfg.dataset_name} ({held_out.format} format)")
+    try:
+        train = load(cfg.dataset_name, cfg.dataset_split, cfg.num_train_questions)
+    except (ValueError, FileNotFoundError) as err:   # the loader's message names file, row, column
+        raise ConfigError(f"dataset_name '{cfg.dataset_name}': {err}") from err
     skipped = list(train.skipped_rows)
     evaluation, eval_skipped = [], []
     eval_source = _eval_source(cfg.dataset_name, cfg.dataset_split, cfg.eval_dataset_split)

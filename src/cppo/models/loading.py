@@ -7,6 +7,17 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
 
+from cppo.config import ConfigError
+
+
+class ModelLoadError(ConfigError, OSError):
+    """The model or tokenizer named by `model` cannot be loaded; the message says why and what
+    is accepted. (A ConfigError, so `cppo train` reports it without a traceback; an OSError, as
+    transformers' own loading errors are.)"""
+
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth",
+                  "model.ckpt")
+
 EMBEDDED_DIR = Path(__file__).parent / "embedded"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,11 +42,42 @@ def resolve_model_path(name: str) -> str:
                 f"the embedded model is missing from {EMBEDDED_DIR}; reinstall cppo or run "
                 f"`cppo pretrain --output_dir {EMBEDDED_DIR}`")
         return str(EMBEDDED_DIR)
+    _check_local_path(name)
     return name
 
 
+def _check_local_path(name: str) -> None:
+    """A name that is a path must be a directory with safetensors weights: pickle files (.bin,
+    .pt) can run code when loaded and are refused; a missing path is reported without asking the
+    hub (which, offline, retries for a minute)."""
+    path = Path(name).expanduser()
+    looks_local = name.startswith((".", "/", "~")) or path.exists()
+    if not looks_local:
+        return
+    if not path.is_dir():
+        raise ModelLoadError(f"could not load model '{name}': "
+                             f"{'not a directory' if path.exists() else 'no such directory'}. "
+                             f"Give 'embedded', a local directory with config.json and "
+                             f"*.safetensors, or a hub id")
+    if not any(path.glob("*.safetensors")) and not (path / "adapter_config.json").is_file():
+        pickles = sorted(p.name for p in path.iterdir() if p.name in PICKLE_WEIGHTS
+                         or p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        if pickles:
+            raise ModelLoadError(
+                f"could not load model '{name}': it holds only PyTorch pickle weights "
+                f"({', '.join(pickles)}), which can run arbitrary code when loaded; cppo loads "
+                f"weights only from safetensors. Convert them once in a trusted environment "
+                f"(model.save_pretrained(dir, safe_serialization=True)) and point 'model' at that")
+
+
 def load_tokenizer(name: str = "embedded"):
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(name))
+    path = resolve_model_path(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"could not load the tokenizer of model '{name}': {err}. The model "
+                             f"directory needs tokenizer files (tokenizer.json, "
+                             f"tokenizer_config.json)") from err
     if tok.pad_token is None:  # many causal LMs ship without one; generation needs it
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -58,6 +100,7 @@ def load_model(name: str = "embedded", *, torch_dtype: str = "float32",
     path = resolve_model_path(name)
     try:
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except OSError as err:
-        raise OSError(f"could not load model '{name}': {err}. Give 'embedded', a local directory "
-                      f"with config.json and *.safetensors, or a hub id (needs network).") from err
+    except (OSError, ValueError) as err:   # ValueError: e.g. an unknown attn_implementation
+        raise ModelLoadError(f"could not load model '{name}': {err}. Give 'embedded', a local "
+                             f"directory with config.json and *.safetensors, or a hub id (needs "
+                             f"network).") from err

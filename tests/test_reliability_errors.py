@@ -1,0 +1,190 @@
+"""Bad data and config: every row of docs/errors.md, driven here. Each mistake gives `cppo train`
+exit code 2 and a one-line message naming the value at fault, before any training step (a case
+that reached a step would show up as a traceback or as exit 0/1 here); the same checks guard
+CPPOTrainer(train_dataset=...) with ConfigError.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from cppo.cli import main
+from cppo.config import ConfigError
+from helpers_reliability import ROWS, make_trainer, single_thread, write_rows
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    with single_thread():
+        yield
+
+
+def _jsonl(path: Path, lines: list[str]) -> str:
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_model_dir):
+    """Files the cases point at: data files, model directories, a config file, checkpoints."""
+    d = tmp_path_factory.mktemp("errors")
+    files = {"model": tiny_model_dir, "good": str(write_rows(d / "good.jsonl"))}
+    files["empty"] = _jsonl(d / "empty.jsonl", [])
+    files["bad_json"] = _jsonl(d / "bad.jsonl", ['{"prompt": "1+1="}', '{"prompt": "2+2=",'])
+    files["not_object"] = _jsonl(d / "list.jsonl", ['["1+1="]'])
+    files["no_prompt"] = _jsonl(d / "text.jsonl", ['{"text": "1+1="}'])
+    files["all_bad"] = _jsonl(d / "blank.jsonl", ['{"prompt": ""}', '{"prompt": "  "}', '{"prompt": 12}'])
+    files["no_answer"] = _jsonl(d / "noanswer.jsonl", ['{"prompt": "12*34="}'] * 8)
+    files["bad_gold"] = _jsonl(d / "badgold.jsonl", ['{"prompt": "12*34=", "answer": "lots"}'] * 8)
+    files["chat"] = _jsonl(d / "chat.jsonl", [json.dumps({"prompt": [{"role": "user", "content": "1+1="}]})] * 8)
+    (d / "not_a_dir").write_text("x")
+    files["file"] = str(d / "not_a_dir")
+    files["missing"] = str(d / "missing")
+    (d / "broken.yaml").write_text("learning_rate: [1\n")
+    (d / "typo.yaml").write_text("learning_rat: 0.1\n")
+    files["broken_yaml"], files["typo_yaml"] = str(d / "broken.yaml"), str(d / "typo.yaml")
+    # a model directory with only pickle weights (pytorch_model.bin), and one with no tokenizer
+    from transformers import AutoConfig, LlamaForCausalLM
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    pickled = d / "pickle_model"
+    pickled.mkdir()
+    config.save_pretrained(pickled)
+    torch.save(LlamaForCausalLM(config).state_dict(), pickled / "pytorch_model.bin")
+    files["pickle_model"] = str(pickled)
+    no_tok = d / "no_tokenizer"
+    LlamaForCausalLM(config).save_pretrained(no_tok)
+    files["no_tokenizer"] = str(no_tok)
+    # run directories to --resume from: a checkpoint of another architecture, a poisoned one
+    for name in ("other_arch", "poisoned"):
+        (d / name / "checkpoint-1").mkdir(parents=True)
+    bigger = AutoConfig.from_pretrained(tiny_model_dir)
+    bigger.hidden_size, bigger.intermediate_size = 64, 96
+    LlamaForCausalLM(bigger).save_pretrained(d / "other_arch" / "checkpoint-1")
+    (d / "other_arch" / "checkpoint-1" / "COMPLETE").write_text("1")
+    LlamaForCausalLM(config).save_pretrained(d / "poisoned" / "checkpoint-1")
+    torch.save({"state": {}, "param_groups": [], "payload": Payload()},
+               d / "poisoned" / "checkpoint-1" / "optimizer.pt")
+    (d / "poisoned" / "checkpoint-1" / "COMPLETE").write_text("1")
+    files["other_arch"], files["poisoned"] = str(d / "other_arch"), str(d / "poisoned")
+    return files
+
+
+class Payload:
+    """Stands for a malicious pickled object: unpickling it would call os.system."""
+
+    def __reduce__(self):
+        import os
+        return (os.system, ("echo pwned",))
+
+
+# (id, extra `cppo train` arguments ({name} = a file of the env fixture), message fragment)
+CASES = [
+    ("unknown_option", ["--learnign_rate", "1"], "unknown option --learnign_rate; did you mean --learning_rate"),
+    ("wrong_type", ["--num_generations", "four"], "'num_generations' expects int, got 'four'"),
+    ("out_of_range", ["--pruning_rate", "1"], "'pruning_rate' is 1.0; allowed: 0 <= pruning_rate < 1"),
+    ("not_a_choice", ["--loss_type", "ppo"], "'loss_type' is 'ppo'; allowed: grpo, bnpo, dr_grpo, dapo"),
+    ("not_finite", ["--learning_rate", "nan"], "'learning_rate' must be a finite number"),
+    ("batch_not_divisible", ["--pruning_rate", "0", "--per_device_train_batch_size", "6"],
+     "is not divisible by num_generations = 4"),
+    ("weights_count", ["--reward_weights", "1,2"], "'reward_weights' has 2 values but 'reward_funcs' has 1"),
+    ("generation_batch_size", ["--generation_batch_size", "0"], "'generation_batch_size' is 0; must be >= 1"),
+    ("seed_range", ["--seed", str(2**64)], "'seed' is 18446744073709551616; allowed: 0 <= seed < 2**32"),
+    ("output_dir_is_file", ["--output_dir", "{file}"], "which is a file; give a directory"),
+    ("config_missing", ["--config", "{missing}"], "does not exist"),
+    ("config_not_yaml", ["--config", "{broken_yaml}"], "is not valid YAML"),
+    ("config_unknown_key", ["--config", "{typo_yaml}"], "unknown key 'learning_rat'; did you mean 'learning_rate'"),
+    ("model_missing", ["--model", "{missing}"], "could not load model '{missing}': no such directory"),
+    ("model_pickle_only", ["--model", "{pickle_model}"],
+     "holds only PyTorch pickle weights (pytorch_model.bin)"),
+    ("model_no_tokenizer", ["--model", "{no_tokenizer}"], "could not load the tokenizer of model"),
+    ("attn_implementation", ["--attn_implementation", "bogus"], "could not load model"),
+    ("data_missing", ["--dataset_name", "{missing}.jsonl"], "dataset file or directory not found"),
+    ("data_empty", ["--dataset_name", "{empty}"], "file is empty (no rows)"),
+    ("data_bad_json", ["--dataset_name", "{bad_json}"], "bad.jsonl:2: invalid JSON"),
+    ("data_not_object", ["--dataset_name", "{not_object}"], "list.jsonl:1: expected a JSON object, got list"),
+    ("data_no_prompt", ["--dataset_name", "{no_prompt}"], "cannot tell the data format from columns ['text']"),
+    ("data_all_rows_bad", ["--dataset_name", "{all_bad}"], "all 3 rows are unusable, e.g. row 0: 'prompt' must be"),
+    ("chat_without_template", ["--dataset_name", "{chat}"], "the tokenizer has no chat_template"),
+    ("too_many_questions", ["--dataset_name", "embedded", "--task_level", "1",
+                            "--num_train_questions", "100000"], "'num_train_questions' is 100000"),
+    ("reward_unknown", ["--reward_funcs", "acuracy"], "unknown reward function 'acuracy'"),
+    ("reward_not_importable", ["--reward_funcs", "no_such_module:f"], "cannot import module 'no_such_module'"),
+    ("reward_missing_column", ["--dataset_name", "{no_answer}", "--reward_funcs", "arithmetic"],
+     "needs the dataset column 'answer'"),
+    ("reward_bad_gold", ["--dataset_name", "{bad_gold}", "--reward_funcs", "arithmetic"],
+     "on row 0 ({{'prompt': '12*34=', 'answer': 'lots'}}): reward function 'arithmetic' raised ValueError"),
+    ("reward_raises", ["--reward_funcs", "helpers_reliability:raising_reward"], "raised ZeroDivisionError"),
+    ("reward_not_finite", ["--reward_funcs", "helpers_reliability:nan_reward"], "rewards must be finite"),
+    ("resume_other_model", ["--output_dir", "{other_arch}", "--resume", "true"], "does not match the model"),
+    ("resume_pickled_object", ["--output_dir", "{poisoned}", "--resume", "true"],
+     "refusing to load {poisoned}/checkpoint-1/optimizer.pt: it holds pickled objects"),
+]
+
+
+def base_args(env, tmp_path) -> list[str]:
+    return ["train", "--model", env["model"], "--dataset_name", env["good"],
+            "--reward_funcs", "helpers_reliability:length_reward", "--output_dir", str(tmp_path / "run"),
+            "--max_steps", "1", "--per_device_train_batch_size", "8", "--num_generations", "4",
+            "--pruning_rate", "0.5", "--max_completion_length", "3", "--eval_steps", "0",
+            "--progress_bar", "false"]
+
+
+@pytest.mark.parametrize("extra, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_cli_error(env, tmp_path, capsys, monkeypatch, extra, message):
+    started = []
+    import cppo.trainer
+    monkeypatch.setattr(cppo.trainer.CPPOTrainer, "training_round",
+                        lambda self: started.append(1) or pytest.fail("a training step started"))
+    args = base_args(env, tmp_path) + [a.format(**env) for a in extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "cppo train: error: " in err and message.format(**env) in err, err
+    assert not started
+    assert "Traceback" not in err
+
+
+def test_poisoned_checkpoint_never_runs_its_payload(env, tmp_path, capfd):
+    """The refused optimizer.pt above really holds an os.system payload: it was not executed."""
+    assert main(base_args(env, tmp_path) + ["--output_dir", env["poisoned"], "--resume", "true"]) == 2
+    assert "pwned" not in capfd.readouterr().out
+
+
+# --- the same checks through CPPOTrainer(train_dataset=...) ----------------------------------
+
+TRAINER_CASES = [
+    ("no_rows", [], "train_dataset: no rows"),
+    ("missing_prompt", [{"prompt": "1*2="}, {"question": "x"}], "row 1 has no 'prompt' column"),
+    ("empty_prompt", [{"prompt": "1*2="}, {"prompt": ""}], "row 1 has an empty 'prompt'"),
+    ("prompt_not_text", [{"prompt": 12}], "row 0: 'prompt' must be text or a list of"),
+    ("uneven_columns", [{"prompt": "1*2=", "answer": "2"}, {"prompt": "1*3="}],
+     "row 1 has columns ['prompt'] but row 0 has ['answer', 'prompt']"),
+    ("mixed_prompt_kinds", [{"prompt": "1*2="}, {"prompt": [{"role": "user", "content": "1*3="}]}],
+     "row 1 has a chat prompt but earlier rows have text prompts"),
+]
+
+
+@pytest.mark.parametrize("rows, message", [c[1:] for c in TRAINER_CASES], ids=[c[0] for c in TRAINER_CASES])
+def test_trainer_dataset_error(tiny_model_dir, tmp_path, rows, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_trainer(tiny_model_dir, tmp_path / "run", rows=rows)
+
+
+@pytest.mark.xfail(strict=True, reason="the trainer preflights only train_rows[:4] (see "
+                   "docs/reliability.md); strict: remove this mark once it checks every row")
+def test_bad_gold_in_a_later_row_is_found_before_training(tiny_model_dir, tmp_path):
+    rows = [dict(r) for r in ROWS]
+    rows[30]["answer"] = "lots"
+    with pytest.raises(ConfigError, match="on row 30"):
+        make_trainer(tiny_model_dir, tmp_path / "run", reward="arithmetic", rows=rows)
+
+
+def test_docs_table_lists_every_case():
+    """docs/errors.md has one row per case here, each naming its test."""
+    text = DOC.read_text()
+    documented = set(re.findall(r"test_(?:cli_error|trainer_dataset_error)\[([\w]+)\]", text))
+    assert documented == {c[0] for c in CASES} | {c[0] for c in TRAINER_CASES}
