@@ -49,8 +49,8 @@ TRAIN_PHASES = ("generate", "score", "logprobs", "update")
 
 DEFAULTS = dict(train_questions=1024, seeds="3", eval_questions=500, evals_per_run=4,
                 learning_rate=3e-5, trl_steps=10, trl_warmup=3)
-QUICK = dict(train_questions=48, seeds="1", rows="grpo,cppo-0.5,cppo-0.875,fair-0.875,trl",
-             trl_steps=5, trl_warmup=2)
+QUICK = dict(train_questions=32, seeds="1", rows="grpo,cppo-0.875,fair-0.875,trl",
+             eval_questions=200, evals_per_run=2, trl_steps=5, trl_warmup=2)
 
 
 # ================================================================ rows ==========================
@@ -185,7 +185,10 @@ def fmt_pm(mean: float | None, std: float | None, scale: float = 1.0, digits: in
 
 
 def fmt_num(value: float | None, digits: int = 1, suffix: str = "") -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+    if value is None:
+        return "n/a"
+    text = f"{value:.{digits}f}"
+    return (text[1:] if text.startswith("-") and float(text) == 0 else text) + suffix   # no "-0.0"
 
 
 # ================================================================ aggregation ===================
@@ -329,32 +332,45 @@ def run_training(args, row: Row, seed: int, runs_dir: Path) -> dict:
     return summary
 
 
-def probe_seconds(args, rows: list[Row], seeds: list[int], runs_dir: Path) -> tuple[float, dict]:
-    """Estimate the table's time: time 2 training rounds (after 1 warm-up) and 1 evaluation
-    for each row's shape, then scale by its steps and evaluations."""
+def probe_seconds(args, rows: list[Row], seeds: list[int], runs_dir: Path
+                  ) -> tuple[float, float, dict]:
+    """Estimate the table's time: time 2 training rounds (1 in quick mode) after 1 warm-up and
+    1 evaluation for each row's shape, then scale by its steps and evaluations.
+    Returns (training seconds, fixed seconds, total seconds per row)."""
     import contextlib
     import io
     from cppo.trainer import CPPOTrainer
-    per_row, eval_seconds = {}, None
+    per_row, eval_seconds, training, fixed = {}, None, 0.0, 0.0
+    timed_rounds = 1 if args.quick else 2
     for row in rows:
         if row.kind == "trl":
-            per_row[row.name] = 2 * (args.trl_warmup + args.trl_steps) * 1.5 + 20
+            per_row[row.name] = 3 * (args.trl_warmup + args.trl_steps) * 1.0 + 20
+            fixed += per_row[row.name]
             continue
-        cfg = base_config(args, row, seeds[0], runs_dir / f"probe_{row.name}", steps=3)
+        cfg = base_config(args, row, seeds[0], runs_dir / f"probe_{row.name}", steps=1 + timed_rounds)
         with contextlib.redirect_stdout(io.StringIO()):
             trainer = CPPOTrainer(args=cfg)
             trainer.training_round()
             start = time.perf_counter()
-            trainer.training_round()
-            trainer.training_round()
-            per_round = (time.perf_counter() - start) / 2
+            for _ in range(timed_rounds):
+                trainer.training_round()
+            per_round = (time.perf_counter() - start) / timed_rounds
             if eval_seconds is None:
                 start = time.perf_counter()
                 trainer._evaluate(None, start, label="probe")
                 eval_seconds = time.perf_counter() - start
         steps = math.ceil(args.train_questions / trainer.plan.questions_per_step)
-        per_row[row.name] = (steps * per_round + (args.evals_per_run + 1) * eval_seconds + 2) * len(seeds)
-    return sum(per_row.values()), per_row
+        row_training = steps * per_round * len(seeds)
+        row_fixed = ((args.evals_per_run + 1) * eval_seconds + 2) * len(seeds)
+        per_row[row.name] = row_training + row_fixed
+        training, fixed = training + row_training, fixed + row_fixed
+    return training, fixed, per_row
+
+
+def fitting_questions(train_questions: int, training: float, fixed: float, budget: float) -> int:
+    """The N (a multiple of 16) whose table fits the budget: training time scales linearly in N,
+    the fixed part (evaluations, setup, the TRL row) does not."""
+    return max(16, int(train_questions * (budget - fixed) / max(training, 1e-9)) // 16 * 16)
 
 
 def run_trl_comparison(args, runs_dir: Path) -> dict:
@@ -363,21 +379,29 @@ def run_trl_comparison(args, runs_dir: Path) -> dict:
     result = {"warmup_steps": args.trl_warmup, "measured_steps": args.trl_steps}
     steps = args.trl_warmup + args.trl_steps
     try:
-        result["ours"] = ours_step_seconds(args, runs_dir, steps)
-    except Exception as err:  # noqa: BLE001 - a broken comparison must not end the table
-        result["ours"] = {"error": f"{type(err).__name__}: {err}"}
-    try:
         import trl
         result["trl_version"] = trl.__version__
     except ImportError:
+        trl = None
         result["error"] = "TRL not installed (pip install 'cppo[bench]')"
-        return result
-    try:
-        result["trl"] = trl_step_seconds(args, runs_dir, steps)
-    except Exception as err:  # noqa: BLE001
-        result["error"] = f"TRL run failed: {type(err).__name__}: {err}"
-        return result
-    if "seconds_per_step" in result["ours"]:
+    ours = []
+    for when in ("before", "after") if trl else ("before",):   # ours on both sides of TRL's run
+        try:
+            ours.append(ours_step_seconds(args, runs_dir / when, steps))
+        except Exception as err:  # noqa: BLE001 - a broken comparison must not end the table
+            result["ours"] = {"error": f"{type(err).__name__}: {err}"}
+        if trl and when == "before":
+            try:
+                result["trl"] = trl_step_seconds(args, runs_dir, steps)
+            except Exception as err:  # noqa: BLE001
+                result["error"] = f"TRL run failed: {type(err).__name__}: {err}"
+    if ours and "ours" not in result:
+        periods = [p for o in ours for p in o["periods"]]
+        result["ours"] = {"seconds_per_step": statistics.median(periods),
+                          "mean_seconds_per_step": statistics.fmean(periods),
+                          "tokens_per_s": sum(o["tokens"] for o in ours) / sum(periods),
+                          "steps": len(periods), "periods": periods}
+    if "trl" in result and "seconds_per_step" in result.get("ours", {}):
         result["ratio"] = result["trl"]["seconds_per_step"] / result["ours"]["seconds_per_step"]
     return result
 
@@ -402,11 +426,12 @@ def ours_step_seconds(args, runs_dir: Path, steps: int) -> dict:
     periods = _periods([r["wall_time"] for r in steps_log], args.trl_warmup)
     tokens = sum(r["completions/mean_length"] * r["cppo/completions_scored"]
                  for r in steps_log[args.trl_warmup:])
-    return {"seconds_per_step": statistics.median(periods), "mean_seconds_per_step": statistics.fmean(periods),
-            "tokens_per_s": tokens / sum(periods), "steps": len(periods)}
+    return {"periods": periods, "tokens": tokens}
 
 
 def trl_step_seconds(args, runs_dir: Path, steps: int) -> dict:
+    import contextlib
+    import io
     import warnings
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -438,7 +463,7 @@ def trl_step_seconds(args, runs_dir: Path, steps: int) -> dict:
         report_to="none", save_strategy="no", logging_steps=steps + 1, disable_tqdm=True,
         seed=0, dataloader_num_workers=0)
     tokenizer = load_tokenizer("embedded")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # TRL prints logs
         warnings.simplefilter("ignore")
         trainer = GRPOTrainer(model=load_model("embedded"), reward_funcs=[arithmetic_reward],
                               args=config, train_dataset=Dataset.from_list(task.train_rows),
@@ -447,7 +472,7 @@ def trl_step_seconds(args, runs_dir: Path, steps: int) -> dict:
     periods = _periods(ends, args.trl_warmup)
     return {"seconds_per_step": statistics.median(periods), "mean_seconds_per_step": statistics.fmean(periods),
             "tokens_per_s": sum(counted[args.trl_warmup:]) / sum(periods),
-            "steps": len(periods)}
+            "steps": len(periods), "periods": periods}
 
 
 # ================================================================ report ========================
@@ -501,7 +526,7 @@ def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
         r = rows[n]
         delta = None if target is None else 100 * (s["accuracy"][0] - target)
         tta = s.get("time_to_target", (None, None))
-        body.append([r.label, f"{r.pruning_rate:g}" if r.kind != "grpo" else "0",
+        body.append([r.label, f"{r.pruning_rate:g}" if r.kind in ("cppo", "ablation") else "0",
                      s["questions_per_step"], s["steps"], pct(s["accuracy"]),
                      fmt_num(delta, 1) if delta is not None else "n/a",
                      fmt_pm(*s["train_seconds"]), fmt_pm(*s["wall_seconds"]),
@@ -555,10 +580,11 @@ def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
                   cell(theirs, "seconds_per_step", 3), cell(theirs, "tokens_per_s", 0),
                   fmt_num(trl.get("ratio"), 2, "x") if trl.get("ratio") else trl.get("error", "n/a")]]
         lines += [markdown_table(["trainer", "s/step (median)", "completion tokens/s", "ours faster by"], table), "",
-                  f"{trl['measured_steps']} steps measured after {trl['warmup_steps']} warm-up steps; a "
-                  "step is timed from the end of one optimizer step to the end of the next (generation, "
-                  "scoring, update, logging). TRL: gradient_checkpointing off, beta 0, loss dapo, "
-                  "use_cpu, bf16 off." + (f" Ours failed: {ours['error']}" if "error" in ours else ""), ""]
+                  f"{trl['measured_steps']} steps measured after {trl['warmup_steps']} warm-up steps; ours "
+                  "runs once before and once after TRL's run and pools both. A step is timed from the end "
+                  "of one optimizer step to the end of the next (generation, scoring, update, logging; "
+                  "ours logs every step, TRL not at all). TRL: gradient_checkpointing off, beta 0, loss "
+                  "dapo, use_cpu, bf16 off." + (f" Ours failed: {ours['error']}" if "error" in ours else ""), ""]
 
     lines += ["## Targets", "", markdown_table(
         ["target", "measured", "met"],
@@ -678,19 +704,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"a count (3 -> seeds 0,1,2) or a comma list (default {DEFAULTS['seeds']})")
     parser.add_argument("--rows", default=None,
                         help="comma list of rows (default: all): " + ", ".join(all_rows()))
-    parser.add_argument("--eval_questions", type=int, default=DEFAULTS["eval_questions"],
-                        help="held-out questions per evaluation")
-    parser.add_argument("--evals_per_run", type=int, default=DEFAULTS["evals_per_run"],
-                        help="held-out evaluations per run, evenly spaced (plus one before)")
+    parser.add_argument("--eval_questions", type=int, default=None,
+                        help=f"held-out questions per evaluation (default {DEFAULTS['eval_questions']}, "
+                             f"quick {QUICK['eval_questions']}; the test split has 988)")
+    parser.add_argument("--evals_per_run", type=int, default=None,
+                        help=f"held-out evaluations per run, evenly spaced, plus one before "
+                             f"(default {DEFAULTS['evals_per_run']}, quick {QUICK['evals_per_run']})")
     parser.add_argument("--learning_rate", type=float, default=DEFAULTS["learning_rate"])
     parser.add_argument("--trl_steps", type=int, default=None, help="steps timed in the TRL comparison")
     parser.add_argument("--trl_warmup", type=int, default=None, help="warm-up steps before timing")
     parser.add_argument("--no_estimate", action="store_true", help="skip the timing probe")
+    parser.add_argument("--estimate_only", action="store_true",
+                        help="run the timing probe, print the estimate and exit")
     parser.add_argument("--runs_dir", default=None,
                         help="where the runs' output_dirs go (default: a temporary folder)")
     args = parser.parse_args(argv)
     mode = {**DEFAULTS, **(QUICK if args.quick else {})}
-    for key in ("train_questions", "seeds", "trl_steps", "trl_warmup"):
+    for key in ("train_questions", "seeds", "trl_steps", "trl_warmup", "eval_questions",
+                "evals_per_run"):
         if getattr(args, key) is None:
             setattr(args, key, mode[key])
     if args.rows is None:
@@ -705,6 +736,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         print("note: row 'grpo' not selected; speed-ups and time-to-accuracy need it")
     if args.train_questions < 16:
         parser.error(f"--train_questions must be >= 16 (one CPPO step at P=0.9375), got {args.train_questions}")
+    if args.estimate_only and args.no_estimate:
+        parser.error("--estimate_only and --no_estimate contradict each other")
     if args.evals_per_run < 1:
         parser.error(f"--evals_per_run must be >= 1, got {args.evals_per_run}")
     return args
@@ -712,6 +745,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()          # no "Loading weights" bar per run
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     known = all_rows()
@@ -733,11 +768,19 @@ def main(argv=None) -> int:
           f"N = {args.train_questions}; machine {raw['machine']['platform']}, "
           f"{raw['machine']['cpu_count']} CPUs, torch {raw['machine']['torch']}")
     if not args.no_estimate:
-        estimate, per_row = probe_seconds(args, rows, args.seed_list, runs_dir)
+        training, fixed, per_row = probe_seconds(args, rows, args.seed_list, runs_dir)
+        estimate = training + fixed
         raw["estimate_seconds"], raw["estimate_per_row"] = estimate, per_row
-        print(f"estimated time: {estimate / 60:.1f} min (probe took {time.perf_counter() - start:.0f} s)"
-              + ("" if estimate < TIME_BUDGET_SECONDS or args.quick else
-                 f"; over the {TIME_BUDGET_SECONDS / 60:.0f}-minute budget: lower --train_questions"))
+        print(f"estimated time: {estimate / 60:.1f} min (probe took {time.perf_counter() - start:.0f} s); "
+              f"per row: " + ", ".join(f"{k} {v / 60:.1f}" for k, v in per_row.items()) + " min")
+        if not args.quick:
+            fits = fitting_questions(args.train_questions, training, fixed, TIME_BUDGET_SECONDS)
+            print(f"--train_questions that fits in {TIME_BUDGET_SECONDS / 60:.0f} min here: about {fits}"
+                  + ("" if estimate <= TIME_BUDGET_SECONDS else " (this table is over budget)"))
+        if args.estimate_only:
+            if temp is not None:
+                temp.cleanup()
+            return 0
     try:
         for seed in args.seed_list:            # seeds outside, so slow spells spread over rows
             for row in rows:

@@ -133,3 +133,10 @@ def test_tiny_end_to_end_run(table, tmp_path):
     assert math.isfinite(run["summary"]["train_seconds"])
     for name in ("results.md", "accuracy_vs_time.png", "speedup.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_fitting_questions_scales_the_training_part(table):
+    # 1024 questions: 3000 s of training + 600 s fixed; 3600 s budget fits exactly 1024
+    assert table.fitting_questions(1024, 3000.0, 600.0, 3600.0) == 1024
+    assert table.fitting_questions(1024, 6000.0, 600.0, 3600.0) == 512
+    assert table.fitting_questions(1024, 6000.0, 5000.0, 3600.0) == 16     # never below 16

@@ -227,3 +227,21 @@ def test_lora_targets_that_match_nothing_fail_clearly(tiny_dirs):
     from cppo.models.lora import wrap_with_lora
     with pytest.raises(ValueError, match="match no module"):
         wrap_with_lora(load_model(tiny_dirs["llama"]), small(use_peft=True, lora_target_modules=["c_attn"]))
+
+
+# --- generation backends --------------------------------------------------------------------------
+
+def test_vllm_backend_missing_names_the_extra(monkeypatch, tiny_dirs):
+    from cppo.generation import make_backend
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r"pip install 'cppo\[vllm\]'"):
+        make_backend(None, load_tokenizer(tiny_dirs["qwen2"]), small(use_vllm=True))
+
+
+def test_token_lists_become_completions():
+    from cppo.generation import completions_from_token_lists
+    out = completions_from_token_lists([[5, 6, 2, 9], [7, 8, 8], []], eos_token_id=2, pad_token_id=0,
+                                       max_new_tokens=3)
+    assert out.ids.tolist() == [[5, 6, 2], [7, 8, 8], [0, 0, 0]]
+    assert out.mask.tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 0]]
+    assert out.truncated.tolist() == [False, True, True]

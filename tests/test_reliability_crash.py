@@ -12,13 +12,14 @@ import json
 import os
 import shutil
 import signal
+import time
 
 import pytest
 import torch
 
 from cppo import checkpoint as ckpt
 from cppo.cli import main
-from helpers_reliability import single_thread, load_weights, start_train, step_records, train_args, wait_until, write_rows
+from helpers_reliability import load_weights, single_thread, start_train, step_records, train_args, wait_until, write_rows
 
 PAUSES = {"mid_write": "weights:4", "after_rename": "renamed:4", "mid_step": None}
 COUNTERS = ("questions_seen", "completions_scored", "completions_trained", "tokens_generated",
@@ -66,9 +67,16 @@ def killed(data, tiny_model_dir):
                 del pending[name]
         return not pending
 
-    while pending:   # watch all three together: the mid-step child does not wait for us
-        name, (out, proc, log, pause) = next(iter(pending.items()))
-        wait_until(kill_those_at_their_point, proc, log)
+    deadline = time.monotonic() + 300
+    try:
+        while not kill_those_at_their_point():   # all three together: the mid-step one won't wait
+            assert time.monotonic() < deadline, f"timed out before the kill points of {list(pending)}"
+            time.sleep(0.05)
+    finally:
+        for _, proc, _, _ in pending.values():   # a failure above: leave no child behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return {name: out for name, (out, *_rest) in children.items()}
 
 

@@ -121,13 +121,13 @@ def cmd_eval(args) -> int:
     task_cfg = CPPOConfig(dataset_name=cfg.dataset_name, task_level=cfg.task_level,
                           eval_dataset_split=cfg.eval_dataset_split, prompt_style=cfg.prompt_style,
                           eval_num_questions=cfg.eval_num_questions, seed=cfg.seed)
-    task = load_task(task_cfg)
+    tokenizer = load_tokenizer(cfg.model)
+    task = load_task(task_cfg, tokenizer=tokenizer, train_split=False)
     if not task.eval_rows:
         raise ConfigError(f"no held-out rows in split '{cfg.eval_dataset_split}' of "
                           f"'{cfg.dataset_name}'")
     model = load_model(cfg.model, torch_dtype=cfg.torch_dtype,
                        attn_implementation=cfg.attn_implementation)
-    tokenizer = load_tokenizer(cfg.model)
     max_new = cfg.max_completion_length or task.max_answer_tokens or 256
     result = evaluate(model, tokenizer, task.eval_rows, get_reward_function(task.accuracy_reward),
                       k=cfg.k, temperature=cfg.temperature, max_new_tokens=max_new,

@@ -75,7 +75,7 @@ class CPPOConfig:
     num_train_questions: Optional[int] = _f(None, "Use only the first N training questions "
                                             "(one pass = one epoch). None: all.")
     reward_funcs: list[str] = _f(["arithmetic"], "Reward functions: registry names "
-                                 "(arithmetic, gsm8k_accuracy, math_accuracy, format, ...) or "
+                                 "(arithmetic, gsm8k, math, format, boxed_format, ...) or "
                                  "'package.module:function' with TRL's signature.")
     reward_weights: Optional[list[float]] = _f(None, "One weight per reward function "
                                                "(None: all 1.0).")

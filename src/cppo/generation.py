@@ -85,17 +85,18 @@ def completions_from_token_lists(token_lists: list[list[int]], eos_token_id, pad
                                  max_new_tokens: int, device=None) -> Completions:
     """Completions from per-completion token id lists (what vLLM returns)."""
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-    width = max(1, max((len(t) for t in token_lists), default=1))
-    ids = torch.full((len(token_lists), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
-    truncated = torch.zeros(len(token_lists), dtype=torch.bool)
-    for row, tokens in enumerate(token_lists):
+    kept, truncated = [], []
+    for tokens in token_lists:        # up to and including the first EOS, at most max_new_tokens
         end = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
-        kept = tokens[:end] if end is not None else tokens[:max_new_tokens]
-        if kept:
-            ids[row, :len(kept)] = torch.tensor(kept)
-            mask[row, :len(kept)] = 1
-        truncated[row] = end is None
+        kept.append(list(tokens[:min(end or max_new_tokens, max_new_tokens)]))
+        truncated.append(end is None or end > max_new_tokens)
+    width = max(1, max(map(len, kept), default=1))
+    ids = torch.full((len(kept), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(kept), width), dtype=torch.long)
+    for row, tokens in enumerate(kept):
+        ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, :len(tokens)] = 1
+    truncated = torch.tensor(truncated, dtype=torch.bool)
     return Completions(ids.to(device), mask.to(device), truncated.to(device))
 
 

@@ -19,6 +19,7 @@ import torch
 from cppo.config import ConfigError
 
 PREFLIGHT_COMPLETIONS = ("", "0")   # an empty answer and a number: reaches gold parsing too
+PREFLIGHT_ENCODED_ROWS = 8          # prompts tokenised by preflight (all rows are of one kind)
 
 
 class RewardError(RuntimeError):
@@ -101,14 +102,15 @@ class RewardRunner:
         return out
 
     def preflight(self, rows: list[dict], tokenizer=None) -> None:
-        """Before training: encode the rows' prompts (when a tokenizer is given) and call every
-        function on each row with the probe completions; raise naming the first failing row."""
+        """Before training: encode the first rows' prompts (when a tokenizer is given) and call
+        every function on each row with the probe completions; raise naming the first failing
+        row. Cost: one reward call per function over len(rows) x 2 probe completions."""
         if not rows:
             return
         conversational = not isinstance(rows[0]["prompt"], str)
         if tokenizer is not None:
             from cppo.rollout import encode_prompts
-            for i, row in enumerate(rows):
+            for i, row in enumerate(rows[:PREFLIGHT_ENCODED_ROWS]):  # check_rows made them one kind
                 try:
                     encode_prompts(tokenizer, [row["prompt"]])
                 except ValueError as err:

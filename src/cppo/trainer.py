@@ -52,10 +52,6 @@ class StepBatch:
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
-    def to(self, device) -> "StepBatch":
-        move = lambda t: None if t is None else t.to(device)
-        return StepBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
-
     def micro_batches(self, size: int):
         for s in range(0, len(self), size):
             sl = slice(s, s + size)
