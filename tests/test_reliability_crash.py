@@ -21,7 +21,7 @@ from cppo import checkpoint as ckpt
 from cppo.cli import main
 from helpers_reliability import load_weights, single_thread, start_train, step_records, train_args, wait_until, write_rows
 
-PAUSES = {"mid_write": "weights:4", "after_rename": "renamed:4", "mid_step": None}
+PAUSES = {"mid_write": "weights:4", "after_rename": "renamed:4", "mid_step": None, "ctrl_c": None}
 COUNTERS = ("questions_seen", "completions_scored", "completions_trained", "tokens_generated",
             "skipped_steps", "nonfinite_steps")
 
@@ -40,7 +40,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed(data, tiny_model_dir):
-    """Start the three children at once, SIGKILL each at its point; {name: output_dir}."""
+    """Start the children at once, SIGKILL each at its point (SIGINT for ctrl_c); {name: dir}."""
     root, rows = data
     children = {}
     for name, pause in PAUSES.items():
@@ -50,11 +50,11 @@ def killed(data, tiny_model_dir):
                                                    log, **env), log, pause)
 
     def at_kill_point(out, log, pause):
-        if pause is None:              # somewhere in the middle of step 4 (or its checkpoint)
+        if pause is None:              # somewhere in step 4 or later (or a checkpoint write)
             return len(step_records(out)) >= 3
         return f"{ckpt.PAUSE_ENV} {pause.replace(':', ' ')}" in log.read_text()
 
-    pending = dict(children)
+    pending, interrupted = dict(children), []
 
     def kill_those_at_their_point():
         for name, (out, proc, log, pause) in list(pending.items()):
@@ -62,8 +62,12 @@ def killed(data, tiny_model_dir):
                 raise AssertionError(f"{name}: child exited ({proc.returncode}) before its kill "
                                      f"point:\n{log.read_text()[-3000:]}")
             if at_kill_point(out, log, pause):
-                os.kill(proc.pid, signal.SIGKILL)
-                assert proc.wait() == -signal.SIGKILL
+                if name == "ctrl_c":   # SIGINT: finish the step, save, exit (waited for below)
+                    os.kill(proc.pid, signal.SIGINT)
+                    interrupted.append((proc, log))
+                else:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    assert proc.wait() == -signal.SIGKILL
                 del pending[name]
         return not pending
 
@@ -72,9 +76,11 @@ def killed(data, tiny_model_dir):
         while not kill_those_at_their_point():   # all three together: the mid-step one won't wait
             assert time.monotonic() < deadline, f"timed out before the kill points of {list(pending)}"
             time.sleep(0.05)
+        for proc, log in interrupted:
+            assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
-        for _, proc, _, _ in pending.values():   # a failure above: leave no child behind
-            if proc.poll() is None:
+        for proc in [c[1] for c in pending.values()] + [p for p, _ in interrupted]:
+            if proc.poll() is None:   # a failure above: leave no child behind
                 proc.kill()
                 proc.wait()
     return {name: out for name, (out, *_rest) in children.items()}
@@ -104,6 +110,13 @@ def test_kill_mid_checkpoint_write_leaves_the_previous_one_loadable(killed, tiny
     ckpt.load_model_weights(model, out / "checkpoint-2")
     assert "state" in ckpt.load_tensors(out / "checkpoint-2" / "optimizer.pt")
     assert ckpt.load_trainer_state(out / "checkpoint-2")["step"] == 2
+
+
+def test_ctrl_c_finishes_the_step_and_saves(killed):
+    out = killed["ctrl_c"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and 3 <= summary["steps"] < 6
+    assert ckpt.latest_checkpoint(out).name == f"checkpoint-{summary['steps']}"
 
 
 def test_kill_after_rename_before_pruning_keeps_both(killed):

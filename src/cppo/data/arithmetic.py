@@ -156,3 +156,21 @@ def arithmetic_format_reward(prompts, completions, completion_ids=None, answer=N
         raise ValueError("arithmetic_format_reward needs the dataset column 'answer'")
     return [1.0 if re.fullmatch(r"\d{%d}" % len(str(gold)), _completion_text(c).strip()) else 0.0
             for c, gold in zip(completions, answer, strict=True)]
+
+
+def arithmetic_digit_reward(prompts, completions, completion_ids=None, answer=None, **kwargs):
+    """TRL-signature partial credit: the fraction of answer digits in the right place.
+
+    A completion that is not exactly as many digits as the gold answer gets 0.0. A dense
+    companion to the exact-match reward: a wrong answer with three right digits still tells the
+    policy which digits to keep."""
+    if answer is None:
+        raise ValueError("arithmetic_digit_reward needs the dataset column 'answer'")
+    out = []
+    for completion, gold in zip(completions, answer, strict=True):
+        text, gold = _completion_text(completion).strip(), str(gold)
+        if len(text) != len(gold) or not text.isdigit():
+            out.append(0.0)
+        else:
+            out.append(sum(a == b for a, b in zip(text, gold)) / len(gold))
+    return out
