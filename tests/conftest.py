@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # 2 threads on a busy 2-core machine spin badly (OpenMP)
 
 
 @pytest.fixture(scope="session")

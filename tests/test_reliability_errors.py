@@ -174,8 +174,6 @@ def test_trainer_dataset_error(tiny_model_dir, tmp_path, rows, message):
         make_trainer(tiny_model_dir, tmp_path / "run", rows=rows)
 
 
-@pytest.mark.xfail(strict=True, reason="the trainer preflights only train_rows[:4] (see "
-                   "docs/reliability.md); strict: remove this mark once it checks every row")
 def test_bad_gold_in_a_later_row_is_found_before_training(tiny_model_dir, tmp_path):
     rows = [dict(r) for r in ROWS]
     rows[30]["answer"] = "lots"

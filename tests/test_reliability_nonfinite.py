@@ -39,17 +39,18 @@ def finite(tensors) -> bool:
 @pytest.mark.parametrize("where", ["grad", "loss"])
 def test_consecutive_nonfinite_steps_stop_the_run(tiny_model_dir, tmp_path, monkeypatch, capsys, where):
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=10, save_steps=2,
-                           max_consecutive_nonfinite=3)
+                           max_consecutive_nonfinite=3, save_total_limit=5)
     inject(trainer, monkeypatch, where, bad_steps=range(3, 11))
     summary = trainer.train()
     assert summary["status"] == "stopped_nonfinite"
     assert summary["steps"] == 5 and summary["nonfinite_steps"] == 3
     assert "3 steps in a row had NaN/inf loss or gradients" in capsys.readouterr().out
     # no NaN update was applied: the parameters stay those of step 2, finite, and so on disk
-    # (checkpoint-4 was saved in the middle of the streak)
+    # (checkpoint-4 was saved in the middle of the streak, checkpoint-5 at the stop)
     latest = ckpt.latest_checkpoint(tmp_path / "run")
-    assert latest.name == "checkpoint-4"
-    at_2, at_4 = load_weights(tmp_path / "run" / "checkpoint-2"), load_weights(latest)
+    assert latest.name == "checkpoint-5"
+    at_2, at_4 = load_weights(tmp_path / "run" / "checkpoint-2"), load_weights(tmp_path / "run" / "checkpoint-4")
+    assert finite(load_weights(latest).values())
     assert finite(at_4.values())
     for name, p in trainer.policy.named_parameters():
         if name in at_4:
@@ -58,8 +59,6 @@ def test_consecutive_nonfinite_steps_stop_the_run(tiny_model_dir, tmp_path, monk
     assert finite(v for s in state.values() for v in s.values() if torch.is_tensor(v))
 
 
-@pytest.mark.xfail(strict=True, reason="trainer.train() skips the save when it stops on "
-                   "non-finite steps (see docs/reliability.md); strict: remove this mark once it saves")
 def test_nonfinite_stop_writes_a_checkpoint_of_the_stop_step(tiny_model_dir, tmp_path, monkeypatch):
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=10, save_steps=100,
                            max_consecutive_nonfinite=2)

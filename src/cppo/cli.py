@@ -74,23 +74,24 @@ def _add_fields(parser: argparse.ArgumentParser, cls) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cppo", description="Fast GRPO fine-tuning with completion pruning (CPPO).",
+        allow_abbrev=False,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    train = sub.add_parser("train", help="GRPO/CPPO training (no arguments: the embedded default)",
+    train = sub.add_parser("train", allow_abbrev=False, help="GRPO/CPPO training (no arguments: the embedded default)",
                            description="Train with GRPO + completion pruning. With no arguments: "
                            "CPPO P=0.875 with allocation on the shipped tiny model and task.")
     train.add_argument("--config", default=None, help="YAML file of field: value (overridden by "
                        "command-line options).")
     _add_fields(train, CPPOConfig)
-    ev = sub.add_parser("eval", help="held-out greedy accuracy and pass@k of a model")
+    ev = sub.add_parser("eval", allow_abbrev=False, help="held-out greedy accuracy and pass@k of a model")
     _add_fields(ev, EvalConfig)
     from cppo.pretrain import PretrainConfig
-    pre = sub.add_parser("pretrain", help="supervised pretraining of the tiny base model")
+    pre = sub.add_parser("pretrain", allow_abbrev=False, help="supervised pretraining of the tiny base model")
     _add_fields(pre, PretrainConfig)
-    bench = sub.add_parser("bench", help="the CPPO paper table on the embedded task "
+    bench = sub.add_parser("bench", allow_abbrev=False, help="the CPPO paper table on the embedded task "
                            "(benchmarks/cppo_table.py)", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
-    exp = sub.add_parser("export-data", help="write the embedded task as jsonl for other tools")
+    exp = sub.add_parser("export-data", allow_abbrev=False, help="write the embedded task as jsonl for other tools")
     _add_fields(exp, ExportConfig)
     return parser
 
@@ -191,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command == "bench":  # everything after `bench` belongs to the benchmark program
+        raw = list(sys.argv[1:] if argv is None else argv)
+        args.rest = raw[raw.index("bench") + 1:]
     if unknown and args.command != "bench":
         return _unknown_option(parser, args.command, unknown)
     handlers = {"train": cmd_train, "eval": cmd_eval, "pretrain": cmd_pretrain,

@@ -113,7 +113,7 @@ class CPPOTrainer:
         funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
         self.rewards = RewardRunner(funcs if isinstance(funcs, (list, tuple)) else [funcs],
                                     args.reward_weights)
-        self.rewards.preflight(self.task.train_rows[:4], self.tokenizer)
+        self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
         self.plan = plan_step(completions_per_update=args.completions_per_update,
                               group_size=args.num_generations, pruning_rate=args.pruning_rate,
                               allocation=args.allocation,
@@ -309,11 +309,19 @@ class CPPOTrainer:
             metrics["kl"] = sums["kl"] / tokens
         if self.dist.any(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))):
             self.optimizer.zero_grad(set_to_none=True)   # never apply a NaN/inf update
+            self.advance_schedule(1)                      # the schedule follows the step count
             metrics["nonfinite"] = True
             return metrics
         self.optimizer.step()
         self.scheduler.step()
         return metrics
+
+    def advance_schedule(self, steps: int) -> None:
+        """Move the LR schedule on for steps that made no update (skipped or non-finite)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(steps):
+                self.scheduler.step()
 
     def training_round(self) -> dict:
         """Generate for a batch of questions, score, prune, and run num_iterations updates."""
@@ -335,10 +343,7 @@ class CPPOTrainer:
         if nothing_to_learn:  # every kept advantage is 0: the policy gradient is 0; skip
             self.counters["skipped_steps"] += args.num_iterations
             self.step += args.num_iterations
-            with warnings.catch_warnings():  # the schedule advances even without an update
-                warnings.simplefilter("ignore", UserWarning)
-                for _ in range(args.num_iterations):
-                    self.scheduler.step()
+            self.advance_schedule(args.num_iterations)
             metrics["cppo/skipped"] = 1
             return metrics
         with timer("logprobs"):
@@ -408,8 +413,9 @@ class CPPOTrainer:
                     status = "stopped_nonfinite"
                     print(f"\nstopping: {self.consecutive_nonfinite} steps in a row had NaN/inf "
                           f"loss or gradients (max_consecutive_nonfinite="
-                          f"{args.max_consecutive_nonfinite}); the last checkpoint holds the "
-                          f"parameters before them")
+                          f"{args.max_consecutive_nonfinite}); no NaN/inf update was applied, "
+                          f"so the checkpoint written now (step {self.step}) holds the last good "
+                          f"parameters")
                     break
                 if args.eval_steps and self._crossed(args.eval_steps):
                     self._evaluate(log, start_wall, label=f"step {self.step}")
@@ -423,8 +429,7 @@ class CPPOTrainer:
             bar.close()
             if previous_handler is not None:
                 signal.signal(signal.SIGINT, previous_handler)
-        if status != "stopped_nonfinite":
-            self.save(start_wall)
+        self.save(start_wall)  # parameters are finite here: a NaN/inf update is never applied
         if status == "completed" and (not self.history or self.history[-1]["step"] != self.step):
             self._evaluate(log, start_wall, label="after")
         summary = self._summary(status, start_wall, resumed_from, log)
@@ -498,6 +503,7 @@ class CPPOTrainer:
         with self.timer("checkpoint"):
             state = {"step": self.step, "questions": self.questions.state(),
                      "counters": self.counters, "train_seconds": self.train_seconds,
+                     "consecutive_nonfinite": self.consecutive_nonfinite,
                      "wall_time": time.perf_counter() - start_wall, "history": self.history,
                      "config": self.args.to_dict(), "world_size": self.dist.world_size}
             rng = {**per_rank_rng[0], **{f"rank{r}/{k}": v for r, states in enumerate(per_rank_rng)
@@ -532,6 +538,7 @@ class CPPOTrainer:
         self.step = state["step"]
         self.questions.load_state(state["questions"])
         self.counters.update(state["counters"])
+        self.consecutive_nonfinite = state.get("consecutive_nonfinite", 0)
         self.train_seconds = state["train_seconds"]
         self.history = state["history"]
         self.wall_offset = state["wall_time"]
