@@ -23,9 +23,8 @@ import os
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
-from cppo.rollout import Completions, PromptBatch, sample_completions
+from cppo.rollout import Completions, PromptBatch, concat_completions, sample_completions
 
 
 class GenerationBackend(Protocol):
@@ -69,16 +68,6 @@ class TransformersBackend:
         finally:
             self.model.train(was_training)
         return concat_completions(parts, tok.pad_token_id)
-
-
-def concat_completions(parts: list[Completions], pad_token_id: int) -> Completions:
-    if len(parts) == 1:
-        return parts[0]
-    width = max(p.ids.shape[1] for p in parts)
-    return Completions(
-        ids=torch.cat([F.pad(p.ids, (0, width - p.ids.shape[1]), value=pad_token_id) for p in parts]),
-        mask=torch.cat([F.pad(p.mask, (0, width - p.mask.shape[1])) for p in parts]),
-        truncated=torch.cat([p.truncated for p in parts]))
 
 
 def completions_from_token_lists(token_lists: list[list[int]], eos_token_id, pad_token_id: int,

@@ -123,6 +123,11 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
                            max_new_tokens, eos_token_id, pad_token_id, temperature, top_p, top_k,
                            greedy, generator)
              for s in range(0, q, per_chunk)]
+    return concat_completions(parts, pad_token_id)
+
+
+def concat_completions(parts: list[Completions], pad_token_id: int) -> Completions:
+    """Stack completion batches of different lengths (right-padded to the longest)."""
     if len(parts) == 1:
         return parts[0]
     width = max(p.ids.shape[1] for p in parts)

@@ -83,23 +83,23 @@ def write_plots(records: list[dict], output_dir: str | Path) -> list[Path]:
     train = [r for r in records if "reward" in r]
     evals = [r for r in records if "eval/accuracy" in r]
     if train:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r["wall_time"] for r in train], [r["reward"] for r in train], lw=1)
-        ax.set(xlabel="wall time (s)", ylabel="mean reward (scored completions)",
-               title="Training reward")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(output_dir / "reward.png", dpi=110)
-        plt.close(fig)
-        written.append(output_dir / "reward.png")
+        written.append(_line_plot(
+            [r["wall_time"] for r in train], [r["reward"] for r in train], "-",
+            "mean reward (scored completions)", "Training reward", output_dir / "reward.png"))
     if evals:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r["wall_time"] for r in evals], [100 * r["eval/accuracy"] for r in evals], "o-")
-        ax.set(xlabel="wall time (s)", ylabel="held-out greedy accuracy (%)",
-               title="Held-out accuracy")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(output_dir / "accuracy.png", dpi=110)
-        plt.close(fig)
-        written.append(output_dir / "accuracy.png")
+        written.append(_line_plot(
+            [r["wall_time"] for r in evals], [100 * r["eval/accuracy"] for r in evals], "o-",
+            "held-out greedy accuracy (%)", "Held-out accuracy", output_dir / "accuracy.png"))
     return written
+
+
+def _line_plot(xs, ys, style: str, ylabel: str, title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, ys, style, lw=1)
+    ax.set(xlabel="wall time (s)", ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
