@@ -88,3 +88,11 @@ def test_tokenizer_round_trip(tmp_path):
     again = AutoTokenizer.from_pretrained(tmp_path)
     assert again("37*42=")["input_ids"] == tok("37*42=")["input_ids"]
     assert again.eos_token_id == tok.eos_token_id and again.pad_token_id == tok.pad_token_id
+
+
+def test_digit_partial_credit_reward():
+    got = arithmetic.arithmetic_digit_reward(None, ["1554", "1555", "0000", "155", "15a4", ""],
+                                             answer=["1554"] * 6)
+    assert got == [1.0, 0.75, 0.0, 0.0, 0.0, 0.0]
+    from cppo.rewards import get_reward_function
+    assert get_reward_function("arithmetic_digits") is arithmetic.arithmetic_digit_reward

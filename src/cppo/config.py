@@ -115,7 +115,7 @@ class CPPOConfig:
     per_device_train_batch_size: int = _f(256, "Completions per micro-batch on each device "
                                           "(TRL: counts completions, not prompts).")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
-    learning_rate: float = _f(3e-5, "AdamW learning rate.")
+    learning_rate: float = _f(6e-5, "AdamW learning rate.")
     lr_scheduler_type: str = _f("constant", "Learning-rate schedule.", LR_SCHEDULERS)
     warmup_ratio: float = _f(0.0, "Fraction of steps of linear warm-up.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
@@ -123,12 +123,12 @@ class CPPOConfig:
     adam_beta2: float = _f(0.99, "AdamW beta2.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0: off).")
     num_train_epochs: float = _f(1.0, "Passes over the training questions.")
-    max_steps: int = _f(200, "Optimizer steps (-1: derived from num_train_epochs).")
+    max_steps: int = _f(450, "Optimizer steps (-1: derived from num_train_epochs).")
     seed: int = _f(42, "Random seed (data order, sampling, selection).")
 
     # --- evaluation, logging, checkpoints --------------------------------------------------
     output_dir: str = _f("runs/cppo", "Run directory: metrics, plots, checkpoints, summary.")
-    eval_steps: int = _f(50, "Held-out evaluation every N steps (0: only before and after).")
+    eval_steps: int = _f(75, "Held-out evaluation every N steps (0: only before and after).")
     eval_num_questions: Optional[int] = _f(None, "Held-out questions per evaluation (None: all).")
     logging_steps: int = _f(1, "Write metrics every N steps.")
     save_steps: int = _f(100, "Checkpoint every N steps (and always at the end).")
