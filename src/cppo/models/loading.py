@@ -25,7 +25,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def tiny_model_config(vocab_size: int, *, bos_token_id: int, eos_token_id: int, pad_token_id: int,
                       hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4,
                       intermediate_size: int = 512, max_positions: int = 64) -> LlamaConfig:
-    """The embedded architecture: a ~0.8M-parameter Llama with tied embeddings."""
+    """The embedded architecture: a 1.05M-parameter Llama with tied embeddings."""
     return LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,
