@@ -10,32 +10,28 @@ import argparse
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from cppo.config import ConfigError, CPPOConfig, build_dataclass, read_yaml
-
-
-def _f(default, help: str, choices=None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+from cppo.config import ConfigError, CPPOConfig, build_dataclass, option, read_yaml
 
 
 @dataclass
 class EvalConfig:
-    model: str = _f("embedded", "Model: 'embedded', a local directory or a hub id.")
-    dataset_name: str = _f("embedded", "Held-out data (same choices as `cppo train`).")
-    eval_dataset_split: str = _f("test", "Split to evaluate on.")
-    prompt_style: str = _f("r1", "Prompt for gsm8k/math.", ("r1", "boxed", "none"))
-    task_level: int = _f(3, "Embedded task level.")
-    eval_num_questions: int | None = _f(None, "Evaluate on the first N questions (None: all).")
-    k: int = _f(16, "k of pass@k (0: greedy only).")
-    temperature: float = _f(1.0, "Sampling temperature for pass@k.")
-    max_completion_length: int | None = _f(None, "Max new tokens (None: the task's need, or 256).")
-    batch_size: int = _f(4096, "Completions decoded together.")
-    seed: int = _f(0, "Sampling seed.")
-    output_json: str | None = _f(None, "Write the result as JSON here.")
-    torch_dtype: str = _f("float32", "Model dtype.", ("float32", "bfloat16", "float16", "auto"))
-    attn_implementation: str | None = _f(None, "Attention implementation.")
+    model: str = option("embedded", "Model: 'embedded', a local directory or a hub id.")
+    dataset_name: str = option("embedded", "Held-out data (same choices as `cppo train`).")
+    eval_dataset_split: str = option("test", "Split to evaluate on.")
+    prompt_style: str = option("r1", "Prompt for gsm8k/math.", ("r1", "boxed", "none"))
+    task_level: int = option(3, "Embedded task level.")
+    eval_num_questions: int | None = option(None, "Evaluate on the first N questions (None: all).")
+    k: int = option(16, "k of pass@k (0: greedy only).")
+    temperature: float = option(1.0, "Sampling temperature for pass@k.")
+    max_completion_length: int | None = option(None, "Max new tokens (None: the task's need, or 256).")
+    batch_size: int = option(4096, "Completions decoded together.")
+    seed: int = option(0, "Sampling seed.")
+    output_json: str | None = option(None, "Write the result as JSON here.")
+    torch_dtype: str = option("float32", "Model dtype.", ("float32", "bfloat16", "float16", "auto"))
+    attn_implementation: str | None = option(None, "Attention implementation.")
 
     def __post_init__(self):
         if self.k < 0:
@@ -48,11 +44,11 @@ class EvalConfig:
 
 @dataclass
 class ExportConfig:
-    output: str = _f("embedded_task.jsonl", "Output .jsonl file.")
-    task_level: int = _f(3, "Embedded task level.")
-    split: str = _f("train", "Split: train or test.", ("train", "test"))
-    n: int | None = _f(None, "Number of problems (None: the whole split).")
-    seed: int = _f(0, "Order seed.")
+    output: str = option("embedded_task.jsonl", "Output .jsonl file.")
+    task_level: int = option(3, "Embedded task level.")
+    split: str = option("train", "Split: train or test.", ("train", "test"))
+    n: int | None = option(None, "Number of problems (None: the whole split).")
+    seed: int = option(0, "Order seed.")
 
 
 def _add_fields(parser: argparse.ArgumentParser, cls) -> None:

@@ -25,8 +25,9 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it and what is allowed."""
 
 
-def _f(default, help: str, choices: tuple | None = None, **kw):
-    """A dataclass field carrying its help text (and allowed choices) in metadata."""
+def option(default, help: str, choices: tuple | None = None, **kw):
+    """A dataclass field carrying its help text (and allowed choices) in metadata; shared by
+    every config dataclass of the CLI."""
     meta = {"help": help, "choices": choices}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
@@ -46,99 +47,99 @@ class CPPOConfig:
     """Everything a run needs. Names follow TRL's GRPOConfig where TRL has the concept."""
 
     # --- model -----------------------------------------------------------------------------
-    model: str = _f("embedded", "Model: 'embedded' (the shipped tiny model), a local directory, "
+    model: str = option("embedded", "Model: 'embedded' (the shipped tiny model), a local directory, "
                     "or a Hugging Face hub id loaded with transformers AutoModelForCausalLM.")
-    torch_dtype: str = _f("float32", "Weights dtype for the policy.", DTYPES)
-    attn_implementation: Optional[str] = _f(None, "Attention implementation passed to transformers "
+    torch_dtype: str = option("float32", "Weights dtype for the policy.", DTYPES)
+    attn_implementation: Optional[str] = option(None, "Attention implementation passed to transformers "
                                             "(sdpa, eager, eca, flash_attention_2, ...). None: "
                                             "the model's default.")
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
-    bf16: bool = _f(False, "Autocast the forward passes to bfloat16 (TRL name).")
-    use_peft: bool = _f(False, "Train LoRA adapters (needs `pip install cppo[peft]`); the reference "
+    gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory.")
+    bf16: bool = option(False, "Autocast the forward passes to bfloat16 (TRL name).")
+    use_peft: bool = option(False, "Train LoRA adapters (needs `pip install cppo[peft]`); the reference "
                         "model is the base with adapters disabled.")
-    lora_r: int = _f(16, "LoRA rank.")
-    lora_alpha: int = _f(32, "LoRA alpha.")
-    lora_dropout: float = _f(0.05, "LoRA dropout.")
-    lora_target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"],
+    lora_r: int = option(16, "LoRA rank.")
+    lora_alpha: int = option(32, "LoRA alpha.")
+    lora_dropout: float = option(0.05, "LoRA dropout.")
+    lora_target_modules: list[str] = option(["q_proj", "k_proj", "v_proj", "o_proj"],
                                          "Module names that get LoRA adapters.")
 
     # --- data and rewards ------------------------------------------------------------------
-    dataset_name: str = _f("embedded", "Training data: 'embedded' (the arithmetic task), 'gsm8k', "
+    dataset_name: str = option("embedded", "Training data: 'embedded' (the arithmetic task), 'gsm8k', "
                            "'math', a local .jsonl/.json/.parquet file, or a datasets name/dir "
                            "with a 'prompt' column.")
-    dataset_split: str = _f("train", "Split of dataset_name to train on.")
-    eval_dataset_split: str = _f("test", "Held-out split used for evaluation.")
-    prompt_style: str = _f("r1", "Prompt for gsm8k/math: 'r1' (<think>/<answer>), 'boxed', 'none'.",
+    dataset_split: str = option("train", "Split of dataset_name to train on.")
+    eval_dataset_split: str = option("test", "Held-out split used for evaluation.")
+    prompt_style: str = option("r1", "Prompt for gsm8k/math: 'r1' (<think>/<answer>), 'boxed', 'none'.",
                            ("r1", "boxed", "none"))
-    task_level: int = _f(3, "Embedded task difficulty: 1 add 2-digit, 2 mul 2x1 digit, "
+    task_level: int = option(3, "Embedded task difficulty: 1 add 2-digit, 2 mul 2x1 digit, "
                          "3 mul 2x2 digit, 4 two-step ab*cd+ef.")
-    num_train_questions: Optional[int] = _f(None, "Use only the first N training questions "
+    num_train_questions: Optional[int] = option(None, "Use only the first N training questions "
                                             "(one pass = one epoch). None: all.")
-    reward_funcs: list[str] = _f(["arithmetic"], "Reward functions: registry names "
+    reward_funcs: list[str] = option(["arithmetic"], "Reward functions: registry names "
                                  "(arithmetic, gsm8k, math, format, boxed_format, ...) or "
                                  "'package.module:function' with TRL's signature.")
-    reward_weights: Optional[list[float]] = _f(None, "One weight per reward function "
+    reward_weights: Optional[list[float]] = option(None, "One weight per reward function "
                                                "(None: all 1.0).")
 
     # --- generation ------------------------------------------------------------------------
-    num_generations: int = _f(16, "G: completions sampled per question.")
-    max_prompt_length: Optional[int] = _f(512, "Prompts longer than this are left-truncated.")
-    max_completion_length: int = _f(8, "Maximum new tokens per completion (the embedded task "
+    num_generations: int = option(16, "G: completions sampled per question.")
+    max_prompt_length: Optional[int] = option(512, "Prompts longer than this are left-truncated.")
+    max_completion_length: int = option(8, "Maximum new tokens per completion (the embedded task "
                                     "needs 5; use 256-1024 for real reasoning tasks).")
-    temperature: float = _f(1.0, "Sampling temperature.")
-    top_p: float = _f(1.0, "Nucleus sampling threshold (1.0: off).")
-    top_k: int = _f(0, "Top-k sampling (0: off).")
-    generation_batch_size: Optional[int] = _f(None, "Completions generated per forward batch "
+    temperature: float = option(1.0, "Sampling temperature.")
+    top_p: float = option(1.0, "Nucleus sampling threshold (1.0: off).")
+    top_k: int = option(0, "Top-k sampling (0: off).")
+    generation_batch_size: Optional[int] = option(None, "Completions generated per forward batch "
                                               "(None: all of a step at once).")
-    use_vllm: bool = _f(False, "Generate with vLLM (needs `pip install cppo[vllm]`).")
-    vllm_mode: str = _f("colocate", "vLLM mode.", ("colocate", "server"))
+    use_vllm: bool = option(False, "Generate with vLLM (needs `pip install cppo[vllm]`).")
+    vllm_mode: str = option("colocate", "vLLM mode.", ("colocate", "server"))
 
     # --- GRPO loss -------------------------------------------------------------------------
-    beta: float = _f(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.")
-    epsilon: float = _f(0.2, "Lower clip range of the ratio.")
-    epsilon_high: Optional[float] = _f(None, "Upper clip range (None: same as epsilon).")
-    loss_type: str = _f("dapo", "Loss normalisation.", LOSS_TYPES)
-    scale_rewards: str = _f("group", "Advantage scaling by reward std.", SCALE_REWARDS)
-    num_iterations: int = _f(1, "mu: optimizer steps per generation batch.")
-    mask_truncated_completions: bool = _f(False, "Exclude completions without EOS from the loss.")
+    beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.")
+    epsilon: float = option(0.2, "Lower clip range of the ratio.")
+    epsilon_high: Optional[float] = option(None, "Upper clip range (None: same as epsilon).")
+    loss_type: str = option("dapo", "Loss normalisation.", LOSS_TYPES)
+    scale_rewards: str = option("group", "Advantage scaling by reward std.", SCALE_REWARDS)
+    num_iterations: int = option(1, "mu: optimizer steps per generation batch.")
+    mask_truncated_completions: bool = option(False, "Exclude completions without EOS from the loss.")
 
     # --- CPPO ------------------------------------------------------------------------------
-    pruning_rate: float = _f(0.875, "P: fraction of completions pruned (smallest |A| first) "
+    pruning_rate: float = option(0.875, "P: fraction of completions pruned (smallest |A| first) "
                              "before any forward pass. 0: plain GRPO.")
-    allocation: bool = _f(True, "Dynamic completion allocation: sample more questions so that "
+    allocation: bool = option(True, "Dynamic completion allocation: sample more questions so that "
                           "kept completions fill the update batch.")
-    selection_rule: str = _f("largest_abs", "Which completions to keep.", SELECTION_RULES)
-    selection_scope: str = _f("step", "Where selection ranks completions: per question, over the "
+    selection_rule: str = option("largest_abs", "Which completions to keep.", SELECTION_RULES)
+    selection_scope: str = option("step", "Where selection ranks completions: per question, over the "
                               "process's step, or over all processes.", SELECTION_SCOPES)
 
     # --- optimisation ----------------------------------------------------------------------
-    per_device_train_batch_size: int = _f(256, "Completions per micro-batch on each device "
+    per_device_train_batch_size: int = option(256, "Completions per micro-batch on each device "
                                           "(TRL: counts completions, not prompts).")
-    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
-    learning_rate: float = _f(6e-5, "AdamW learning rate.")
-    lr_scheduler_type: str = _f("constant", "Learning-rate schedule.", LR_SCHEDULERS)
-    warmup_ratio: float = _f(0.0, "Fraction of steps of linear warm-up.")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
-    adam_beta1: float = _f(0.9, "AdamW beta1.")
-    adam_beta2: float = _f(0.99, "AdamW beta2.")
-    max_grad_norm: float = _f(1.0, "Gradient clipping norm (0: off).")
-    num_train_epochs: float = _f(1.0, "Passes over the training questions.")
-    max_steps: int = _f(450, "Optimizer steps (-1: derived from num_train_epochs).")
-    seed: int = _f(42, "Random seed (data order, sampling, selection).")
+    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
+    learning_rate: float = option(6e-5, "AdamW learning rate.")
+    lr_scheduler_type: str = option("constant", "Learning-rate schedule.", LR_SCHEDULERS)
+    warmup_ratio: float = option(0.0, "Fraction of steps of linear warm-up.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    adam_beta1: float = option(0.9, "AdamW beta1.")
+    adam_beta2: float = option(0.99, "AdamW beta2.")
+    max_grad_norm: float = option(1.0, "Gradient clipping norm (0: off).")
+    num_train_epochs: float = option(1.0, "Passes over the training questions.")
+    max_steps: int = option(450, "Optimizer steps (-1: derived from num_train_epochs).")
+    seed: int = option(42, "Random seed (data order, sampling, selection).")
 
     # --- evaluation, logging, checkpoints --------------------------------------------------
-    output_dir: str = _f("runs/cppo", "Run directory: metrics, plots, checkpoints, summary.")
-    eval_steps: int = _f(75, "Held-out evaluation every N steps (0: only before and after).")
-    eval_num_questions: Optional[int] = _f(None, "Held-out questions per evaluation (None: all).")
-    logging_steps: int = _f(1, "Write metrics every N steps.")
-    save_steps: int = _f(100, "Checkpoint every N steps (and always at the end).")
-    save_total_limit: int = _f(2, "Keep this many most recent checkpoints.")
-    report_to: list[str] = _f(["jsonl"], "Metric sinks: jsonl, tensorboard.")
-    log_completions: bool = _f(True, "Log sample completions every logging step.")
-    resume: bool = _f(False, "Continue from the latest checkpoint in output_dir.")
-    max_consecutive_nonfinite: int = _f(5, "Stop (with a checkpoint) after this many steps in a "
+    output_dir: str = option("runs/cppo", "Run directory: metrics, plots, checkpoints, summary.")
+    eval_steps: int = option(75, "Held-out evaluation every N steps (0: only before and after).")
+    eval_num_questions: Optional[int] = option(None, "Held-out questions per evaluation (None: all).")
+    logging_steps: int = option(1, "Write metrics every N steps.")
+    save_steps: int = option(100, "Checkpoint every N steps (and always at the end).")
+    save_total_limit: int = option(2, "Keep this many most recent checkpoints.")
+    report_to: list[str] = option(["jsonl"], "Metric sinks: jsonl, tensorboard.")
+    log_completions: bool = option(True, "Log sample completions every logging step.")
+    resume: bool = option(False, "Continue from the latest checkpoint in output_dir.")
+    max_consecutive_nonfinite: int = option(5, "Stop (with a checkpoint) after this many steps in a "
                                         "row with NaN/inf loss or gradients.")
-    progress_bar: bool = _f(True, "Show a progress bar.")
+    progress_bar: bool = option(True, "Show a progress bar.")
 
     def __post_init__(self) -> None:
         validate(self)

@@ -13,7 +13,7 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -22,33 +22,30 @@ from transformers import LlamaForCausalLM
 
 from cppo.data import arithmetic
 from cppo.evaluate import evaluate
+from cppo.config import option
 from cppo.models.loading import tiny_model_config
 from cppo.models.tokenizer import build_tokenizer
 
 
-def _f(default, help: str, **kw):
-    return field(default=default, metadata={"help": help, "choices": kw.get("choices")})
-
-
 @dataclass
 class PretrainConfig:
-    output_dir: str = _f("runs/pretrain", "Where to write the model directory and model card.")
-    task_level: int = _f(3, "Embedded task level (see `cppo train --help`).")
-    steps: int = _f(700, "Supervised optimizer steps.")
-    batch_size: int = _f(256, "Problems per step.")
-    learning_rate: float = _f(1e-3, "AdamW learning rate.")
-    warmup_steps: int = _f(50, "Linear warm-up steps.")
-    weight_decay: float = _f(0.01, "AdamW weight decay.")
-    hidden_size: int = _f(128, "Model width.")
-    num_layers: int = _f(4, "Transformer layers.")
-    num_heads: int = _f(4, "Attention heads.")
-    intermediate_size: int = _f(512, "MLP width.")
-    seed: int = _f(0, "Seed for initialisation and data order.")
-    eval_questions: int = _f(988, "Held-out questions for the final evaluation (test split size "
+    output_dir: str = option("runs/pretrain", "Where to write the model directory and model card.")
+    task_level: int = option(3, "Embedded task level (see `cppo train --help`).")
+    steps: int = option(700, "Supervised optimizer steps.")
+    batch_size: int = option(256, "Problems per step.")
+    learning_rate: float = option(1e-3, "AdamW learning rate.")
+    warmup_steps: int = option(50, "Linear warm-up steps.")
+    weight_decay: float = option(0.01, "AdamW weight decay.")
+    hidden_size: int = option(128, "Model width.")
+    num_layers: int = option(4, "Transformer layers.")
+    num_heads: int = option(4, "Attention heads.")
+    intermediate_size: int = option(512, "MLP width.")
+    seed: int = option(0, "Seed for initialisation and data order.")
+    eval_questions: int = option(988, "Held-out questions for the final evaluation (test split size "
                              "of level 3 is 988).")
-    pass_k: int = _f(16, "k of pass@k in the final evaluation.")
-    threads: int = _f(2, "torch CPU threads (fixed for reproducibility).")
-    progress_bar: bool = _f(True, "Show a progress bar.")
+    pass_k: int = option(16, "k of pass@k in the final evaluation.")
+    threads: int = option(2, "torch CPU threads (fixed for reproducibility).")
+    progress_bar: bool = option(True, "Show a progress bar.")
 
     def __post_init__(self):
         from cppo.config import ConfigError
