@@ -134,6 +134,8 @@ class CPPOTrainer:
                          "completions_scored": 0, "completions_trained": 0, "tokens_generated": 0}
         self.train_seconds = 0.0          # wall time of training phases (excludes eval, checkpoints)
         self.history: list[dict] = []     # held-out evaluations
+        self.consecutive_nonfinite = 0    # NaN/inf steps in a row (stops the run at a limit)
+        self.wall_offset = 0.0            # wall time already spent before a resume
         self.stop_requested = False
 
     # ---------------------------------------------------------------- setup -----------------
@@ -292,13 +294,9 @@ class CPPOTrainer:
             sums["region"] += float(stats["is_region_clipped"][m].sum())
             sums["tokens"] += int(m.sum())
         self.dist.average_gradients(self.policy)
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        if args.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                [p for p in self.policy.parameters() if p.grad is not None], args.max_grad_norm))
-        else:
-            grad_norm = float(torch.linalg.vector_norm(
-                torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        with_grad = [p for p in self.policy.parameters() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(  # max_norm inf: measure, don't clip
+            with_grad, args.max_grad_norm if args.max_grad_norm > 0 else math.inf)) if with_grad else 0.0
         tokens = max(sums["tokens"], 1)
         metrics = {"loss": sums["loss"], "grad_norm": grad_norm,
                    "clip_ratio/low_mean": sums["low"] / tokens,
@@ -385,7 +383,6 @@ class CPPOTrainer:
     # ---------------------------------------------------------------- the loop --------------
     def train(self) -> dict:
         args = self.args
-        self.consecutive_nonfinite = 0
         log = MetricsLog(self.output_dir, args.report_to) if self.dist.is_main else None
         resumed_from = self._maybe_resume(log)
         if resumed_from is None and log is not None:
@@ -515,8 +512,6 @@ class CPPOTrainer:
         self.timer.pop_last()
         self.dist.barrier()
         return path
-
-    wall_offset = 0.0
 
     def _maybe_resume(self, log) -> str | None:
         if not self.args.resume:
