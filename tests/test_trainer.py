@@ -32,33 +32,33 @@ def make_trainer(model_dir, tmp_path, reward=length_reward, rows=ROWS, **overrid
 
 
 def count_rows(model, log):
-    original = model.forward
-
-    def forward(*args, **kwargs):
-        ids = kwargs.get("input_ids")
-        log.append((ids.shape[0], bool(kwargs.get("use_cache"))))
-        return original(*args, **kwargs)
-    model.forward = forward
+    """Record (rows, length) of every forward pass through the model's input embedding, which
+    both the model's own forward and cppo's lean forward go through."""
+    model.get_input_embeddings().register_forward_hook(
+        lambda module, inputs, output: log.append(tuple(inputs[0].shape)))
 
 
+@pytest.mark.parametrize("lean_forward", [True, False])
 @pytest.mark.parametrize("num_iterations", [1, 2])
-def test_passes_see_only_kept_completions(tiny_model_dir, tmp_path, num_iterations):
+def test_passes_see_only_kept_completions(tiny_model_dir, tmp_path, num_iterations, lean_forward):
     trainer = make_trainer(tiny_model_dir, tmp_path, beta=0.04, num_iterations=num_iterations,
                            max_steps=num_iterations, gradient_accumulation_steps=2,
-                           per_device_train_batch_size=4)
+                           per_device_train_batch_size=4, lean_forward=lean_forward)
     plan = trainer.plan          # B = 8 kept from Q = 4 questions x G = 4 = 16 scored
     assert (plan.questions_per_step, plan.completions_scored, plan.completions_kept) == (4, 16, 8)
     policy_calls, reference_calls = [], []
     count_rows(trainer.policy, policy_calls)
     count_rows(trainer.reference, reference_calls)
     trainer.training_round()
-    scoring = [n for n, cached in policy_calls if not cached]
+    prompt_length = 7                                    # BOS + "ab*cd="
+    scoring = [n for n, length in policy_calls if length > prompt_length]
     # policy: micro-batches of 4 kept rows, mu updates (+ one old-policy pass when mu > 1)
     assert sum(scoring) == 8 * (num_iterations + (num_iterations > 1))
     assert max(scoring) == 4
     assert sum(n for n, _ in reference_calls) == 8      # reference: kept rows, once
-    generation = [n for n, cached in policy_calls if cached]
-    assert generation[0] == 4 and set(generation[1:]) <= {16}   # prefill once per question
+    prefill = [n for n, length in policy_calls if length == prompt_length]
+    decode = [n for n, length in policy_calls if length == 1]
+    assert prefill == [4] and decode and set(decode) == {16}   # prefill once per question
 
 
 def test_grpo_without_pruning_keeps_everything(tiny_model_dir, tmp_path):

@@ -54,6 +54,10 @@ class CPPOConfig:
                                             "(sdpa, eager, eca, flash_attention_2, ...). None: "
                                             "the model's default.")
     gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory.")
+    lean_forward: bool = option(True, "Run Llama/Qwen2/Mistral models through cppo's lean forward "
+                            "(same weights and logits, far less Python per call; other models, LoRA "
+                            "and gradient checkpointing use the model's own forward). false: always "
+                            "the model's own forward.")
     bf16: bool = option(False, "Autocast the forward passes to bfloat16 (TRL name).")
     use_peft: bool = option(False, "Train LoRA adapters (needs `pip install cppo[peft]`); the reference "
                         "model is the base with adapters disabled.")

@@ -8,12 +8,15 @@ decoded together, one token per forward pass, with a cache. `transformers.genera
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from cppo.models.lean import lean_forward_for
 
 
 @dataclass
@@ -113,15 +116,18 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
                        eos_token_id: int | Sequence[int], pad_token_id: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
                        generator: torch.Generator | None = None,
-                       batch_size: int | None = None) -> Completions:
+                       batch_size: int | None = None, lean: bool = True) -> Completions:
     """G completions for each of Q prompts: prefill each prompt once, share its KV cache.
 
-    batch_size bounds the number of completions decoded together (None: all Q*G at once)."""
+    batch_size bounds the number of completions decoded together (None: all Q*G at once).
+    lean: use cppo.models.lean's forward when it supports the model (same logits up to rounding)."""
     q = len(prompts)
     per_chunk = q if batch_size is None else max(1, batch_size // num_generations)
-    parts = [_sample_chunk(model, prompts.select(slice(s, s + per_chunk)), num_generations,
-                           max_new_tokens, eos_token_id, pad_token_id, temperature, top_p, top_k,
-                           greedy, generator)
+    lean_forward = lean_forward_for(model)[0] if lean else None
+    sample_chunk = _sample_chunk if lean_forward is None else functools.partial(_sample_chunk_lean, lean_forward)
+    parts = [sample_chunk(model, prompts.select(slice(s, s + per_chunk)), num_generations,
+                          max_new_tokens, eos_token_id, pad_token_id, temperature, top_p, top_k,
+                          greedy, generator)
              for s in range(0, q, per_chunk)]
     return concat_completions(parts, pad_token_id)
 
@@ -176,12 +182,48 @@ def _sample_chunk(model, prompts, group, max_new_tokens, eos_token_id, pad_token
                     use_cache=True, **{cache_arg: cache})
         logits = out.logits[:, -1]
         position = position + 1
+    return _completions(tokens, eos)
+
+
+def _sample_chunk_lean(lean, model, prompts, group, max_new_tokens, eos_token_id, pad_token_id,
+                       temperature, top_p, top_k, greedy, generator) -> Completions:
+    """_sample_chunk on cppo.models.lean's forward, with a preallocated KV cache."""
+    device = next(model.parameters()).device
+    prompts = prompts.to(device)
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
+                       device=device)
+    width = prompts.ids.shape[1]
+    positions = (prompts.mask.cumsum(-1) - 1).clamp(min=0)
+    logits, cache = lean(prompts.ids, positions, prompts.mask.bool(), logits_to_keep=1,
+                         new_cache_capacity=width)
+    cache = cache.repeat_interleave(group, width + max_new_tokens)
+    logits = logits[:, -1].repeat_interleave(group, 0)
+    n = logits.shape[0]
+    keys = torch.ones(n, width + max_new_tokens, dtype=torch.bool, device=device)
+    keys[:, :width] = prompts.mask.bool().repeat_interleave(group, 0)
+    position = positions[:, -1:].repeat_interleave(group, 0) + 1
+    finished = torch.zeros(n, dtype=torch.bool, device=device)
+    tokens = []
+    for step in range(max_new_tokens):
+        tok = _next_tokens(logits, greedy=greedy, temperature=temperature, top_k=top_k,
+                           top_p=top_p, generator=generator)
+        tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
+        tokens.append(tok)
+        finished |= torch.isin(tok, eos)
+        if step == max_new_tokens - 1 or finished.all():
+            break
+        logits, cache = lean(tok[:, None], position, keys, cache=cache)
+        logits = logits[:, -1]
+        position = position + 1
+    return _completions(tokens, eos)
+
+
+def _completions(tokens: list[Tensor], eos: Tensor) -> Completions:
+    """Completions from per-step sampled tokens (N,) each; mask 1 up to and including the first EOS."""
     ids = torch.stack(tokens, dim=1)
     is_eos = torch.isin(ids, eos)
-    # mask: 1 up to and including the first EOS
     after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
-    mask = (~after_eos).long()
-    return Completions(ids=ids, mask=mask, truncated=~is_eos.any(1))
+    return Completions(ids=ids, mask=(~after_eos).long(), truncated=~is_eos.any(1))
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
@@ -195,19 +237,24 @@ def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, *, temperature: float = 1.0,
-                        batch_size: int | None = None) -> Tensor:
+                        batch_size: int | None = None, lean: bool = True) -> Tensor:
     """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp).
 
-    Logits are divided by the sampling temperature, as TRL does. Runs with grad if enabled."""
+    Logits are divided by the sampling temperature, as TRL does. Runs with grad if enabled.
+    lean: use cppo.models.lean's forward when it supports the model."""
     n, t = completion_ids.shape
     step = n if batch_size is None else batch_size
+    lean_forward = lean_forward_for(model)[0] if lean else None
     out = []
     for s in range(0, n, step):
         ids = torch.cat([prompt_ids[s:s + step], completion_ids[s:s + step]], dim=1)
         mask = torch.cat([prompt_mask[s:s + step], completion_mask[s:s + step]], dim=1)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                       use_cache=False, logits_to_keep=t + 1).logits[:, :-1]
+        if lean_forward is not None:
+            logits = lean_forward(ids, positions, mask.bool(), logits_to_keep=t + 1)[0][:, :-1]
+        else:
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                           use_cache=False, logits_to_keep=t + 1).logits[:, :-1]
         if temperature != 1.0:
             logits = logits / temperature
         out.append(selective_log_softmax(logits, completion_ids[s:s + step]))

@@ -27,12 +27,17 @@ class TaskData:
 
 
 def embedded_task(level: int, *, seed: int, num_train: int | None = None,
-                  num_eval: int | None = None) -> TaskData:
+                  num_eval: int | None = None, eval_split: str = "test") -> TaskData:
+    """The embedded arithmetic task: shuffled train rows and a fixed-order `eval_split` (test, or
+    train to measure how much of what was learned is memorised)."""
+    if eval_split not in ("train", "test"):
+        raise ConfigError(f"'eval_dataset_split' is {eval_split!r}; the embedded task has the "
+                          f"splits 'train' and 'test'")
     try:
         train = arithmetic.generate(level, "train", n=num_train, seed=seed)
     except ValueError as err:   # more questions asked for than the level has
         raise ConfigError(f"'num_train_questions' is {num_train}: {err}") from None
-    test = arithmetic.generate(level, "test", seed=0)  # fixed order: same eval set for every seed
+    test = arithmetic.generate(level, eval_split, seed=0)  # fixed order: same eval set every seed
     if num_eval is not None:
         test = test[:num_eval]
     return TaskData(train_rows=[p.to_row() for p in train], eval_rows=[p.to_row() for p in test],
@@ -107,7 +112,7 @@ def load_task(cfg, tokenizer=None, *, train_split: bool = True) -> TaskData:
     """
     if cfg.dataset_name == "embedded":
         return embedded_task(cfg.task_level, seed=cfg.seed, num_train=cfg.num_train_questions,
-                             num_eval=cfg.eval_num_questions)
+                             num_eval=cfg.eval_num_questions, eval_split=cfg.eval_dataset_split)
     from cppo.data.loaders import load_prompt_dataset
 
     conversational = tokenizer is None or getattr(tokenizer, "chat_template", None) is not None

@@ -1,0 +1,123 @@
+"""cppo.models.lean computes the model's own forward: same logits (with padding, with a KV cache,
+GQA and q/k/v biases), same gradients on the model's parameters, same sampled completions; and
+anything it cannot reproduce is refused with a reason."""
+
+import pytest
+import torch
+from torch import nn
+
+from cppo.models.lean import lean_forward_for, unsupported_reason
+from cppo.rollout import completion_logprobs, encode_prompts, sample_completions
+
+
+def _models():
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    common = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)
+    llama = LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, tie_word_embeddings=True, **common))
+    qwen = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False, **common))
+    with torch.no_grad():   # non-zero biases, so that a forgotten bias would show
+        for layer in qwen.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return {"llama": llama.eval(), "qwen2-gqa-bias": qwen.eval()}
+
+
+MODELS = _models()
+
+
+def _padded_batch(n=4, length=9, vocab=40):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (n, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0   # left padding of different widths
+    mask[1, :1] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_match_the_models_forward_with_left_padding(name):
+    model = MODELS[name]
+    lean, reason = lean_forward_for(model)
+    assert reason is None
+    ids, mask, pos = _padded_batch()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got, _ = lean(ids, pos, mask.bool())
+        last, _ = lean(ids, pos, mask.bool(), logits_to_keep=3)
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(last, expected[:, -3:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_prefill_then_cached_decode_matches_one_full_pass(name):
+    model = MODELS[name]
+    lean, _ = lean_forward_for(model)
+    ids, mask, pos = _padded_batch()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        first, cache = lean(ids[:, :5], pos[:, :5], mask[:, :5].bool(), new_cache_capacity=9)
+        steps = [first]
+        for t in range(5, 9):
+            out, cache = lean(ids[:, t:t + 1], pos[:, t:t + 1], mask[:, :t + 1].bool(), cache=cache)
+            steps.append(out)
+    assert cache.length == 9
+    got = torch.cat(steps, dim=1)
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gradients_reach_the_models_parameters_and_match(name):
+    model = MODELS[name]
+    ids, mask, pos = _padded_batch()
+    prompt_ids, prompt_mask = ids[:, :6], mask[:, :6]
+    completion_ids, completion_mask = ids[:, 6:], torch.tensor([[1, 1, 0]] * 4)
+    grads = {}
+    for lean in (False, True):
+        model.zero_grad()
+        logprobs = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids,
+                                       completion_mask, lean=lean)
+        (logprobs * completion_mask).sum().backward()
+        grads[lean] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    assert grads[True].keys() == grads[False].keys()
+    for n in grads[True]:
+        torch.testing.assert_close(grads[True][n], grads[False][n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_sampled_completions_are_the_same_tokens(tiny_model_dir, tiny_tokenizer):
+    from cppo.models import load_model
+    model = load_model(tiny_model_dir).eval()
+    prompts = encode_prompts(tiny_tokenizer, ["12*34=", "5*6=", "99*01="])
+    kwargs = dict(num_generations=8, max_new_tokens=6, eos_token_id=tiny_tokenizer.eos_token_id,
+                  pad_token_id=tiny_tokenizer.pad_token_id, temperature=0.9, top_k=10)
+    plain = sample_completions(model, prompts, generator=torch.Generator().manual_seed(3),
+                               lean=False, **kwargs)
+    lean = sample_completions(model, prompts, generator=torch.Generator().manual_seed(3),
+                              lean=True, **kwargs)
+    assert torch.equal(plain.ids, lean.ids) and torch.equal(plain.mask, lean.mask)
+    assert torch.equal(plain.truncated, lean.truncated)
+
+
+def test_unsupported_models_are_refused_with_a_reason():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20))
+    assert "model_type 'gpt2'" in unsupported_reason(gpt2)
+
+    model = _models()["llama"]
+    model.model.layers[0].self_attn.q_proj = nn.Sequential(model.model.layers[0].self_attn.q_proj)
+    assert "not a plain Linear" in unsupported_reason(model)
+
+    model = _models()["llama"]
+    model.gradient_checkpointing_enable()
+    assert lean_forward_for(model) == (None, "gradient checkpointing is on")
+
+
+def test_lora_models_use_their_own_forward():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_models()["llama"], peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    lean, reason = lean_forward_for(model)
+    assert lean is None and reason
