@@ -121,3 +121,28 @@ def test_lora_models_use_their_own_forward():
     model = peft.get_peft_model(_models()["llama"], peft.LoraConfig(r=2, target_modules=["q_proj"]))
     lean, reason = lean_forward_for(model)
     assert lean is None and reason
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_shared_prompts_give_the_same_logprobs_and_gradients(name):
+    """Completions of the same prompt (G per question) share one prompt pass in the lean path."""
+    model = MODELS[name]
+    ids, mask, _ = _padded_batch(n=3, length=6)
+    rows = torch.tensor([0, 1, 0, 2, 1, 0])             # 3 distinct prompts, shared by 6 rows
+    prompt_ids, prompt_mask = ids[rows], mask[rows]
+    g = torch.Generator().manual_seed(5)
+    completion_ids = torch.randint(3, 40, (6, 4), generator=g)
+    completion_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0],
+                                    [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    results = {}
+    for lean in (False, True):
+        model.zero_grad()
+        logprobs = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids,
+                                       completion_mask, lean=lean, temperature=0.7)
+        (logprobs * completion_mask).sum().backward()
+        results[lean] = (logprobs.detach() * completion_mask,
+                         [p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
+    for got, expected in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)

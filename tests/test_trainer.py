@@ -31,33 +31,55 @@ def make_trainer(model_dir, tmp_path, reward=length_reward, rows=ROWS, **overrid
                        eval_dataset=rows[:8])
 
 
-def count_rows(model, log):
-    """Record (rows, length) of every forward pass through the model's input embedding, which
-    both the model's own forward and cppo's lean forward go through."""
-    model.get_input_embeddings().register_forward_hook(
-        lambda module, inputs, output: log.append(tuple(inputs[0].shape)))
+def count_rows(trainer, log, monkeypatch):
+    """Record (model, rows, length, generating) of every token embedding lookup: both the models'
+    own forward and cppo's lean forward (which embeds the distinct prompts and the completions of
+    a scoring pass separately) go through F.embedding once per pass."""
+    weights = {id(trainer.policy.get_input_embeddings().weight): "policy",
+               id(trainer.reference.get_input_embeddings().weight): "reference"}
+    generating = [False]
+    embedding = torch.nn.functional.embedding
+
+    def counted(ids, weight, *args, **kwargs):
+        log.append((weights.get(id(weight), "other"), *ids.shape, generating[0]))
+        return embedding(ids, weight, *args, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "embedding", counted)
+    original = trainer.backend.generate
+
+    def generate(*args, **kwargs):
+        generating[0] = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            generating[0] = False
+    trainer.backend.generate = generate
 
 
 @pytest.mark.parametrize("lean_forward", [True, False])
 @pytest.mark.parametrize("num_iterations", [1, 2])
-def test_passes_see_only_kept_completions(tiny_model_dir, tmp_path, num_iterations, lean_forward):
+def test_passes_see_only_kept_completions(tiny_model_dir, tmp_path, num_iterations, lean_forward,
+                                          monkeypatch):
     trainer = make_trainer(tiny_model_dir, tmp_path, beta=0.04, num_iterations=num_iterations,
                            max_steps=num_iterations, gradient_accumulation_steps=2,
                            per_device_train_batch_size=4, lean_forward=lean_forward)
     plan = trainer.plan          # B = 8 kept from Q = 4 questions x G = 4 = 16 scored
     assert (plan.questions_per_step, plan.completions_scored, plan.completions_kept) == (4, 16, 8)
-    policy_calls, reference_calls = [], []
-    count_rows(trainer.policy, policy_calls)
-    count_rows(trainer.reference, reference_calls)
+    calls = []
+    count_rows(trainer, calls, monkeypatch)
     trainer.training_round()
-    prompt_length = 7                                    # BOS + "ab*cd="
-    scoring = [n for n, length in policy_calls if length > prompt_length]
+    policy_calls = [c[1:] for c in calls if c[0] == "policy"]
+    reference_calls = [c[1:] for c in calls if c[0] == "reference"]
+    assert len(policy_calls) + len(reference_calls) == len(calls)
+    prompt_length = 7            # BOS + "ab*cd="; completions are at most 5 tokens
+    completion_rows = [n for n, length, generating in policy_calls
+                       if not generating and length != prompt_length]
     # policy: micro-batches of 4 kept rows, mu updates (+ one old-policy pass when mu > 1)
-    assert sum(scoring) == 8 * (num_iterations + (num_iterations > 1))
-    assert max(scoring) == 4
-    assert sum(n for n, _ in reference_calls) == 8      # reference: kept rows, once
-    prefill = [n for n, length in policy_calls if length == prompt_length]
-    decode = [n for n, length in policy_calls if length == 1]
+    assert sum(completion_rows) == 8 * (num_iterations + (num_iterations > 1))
+    assert max(completion_rows) == 4
+    # reference: the kept rows, once
+    assert sum(n for n, length, _ in reference_calls if length != prompt_length) == 8
+    prefill = [n for n, length, generating in policy_calls if generating and length == prompt_length]
+    decode = [n for n, length, generating in policy_calls if generating and length == 1]
     assert prefill == [4] and decode and set(decode) == {16}   # prefill once per question
 
 

@@ -95,6 +95,17 @@ class CPPOConfig:
     top_k: int = option(0, "Top-k sampling (0: off).")
     generation_batch_size: Optional[int] = option(None, "Completions generated per forward batch "
                                               "(None: all of a step at once).")
+    generation_dtype: Optional[str] = option(
+        None, "Sample from a copy of the policy's weights in this dtype (None: the policy's own). "
+        "bfloat16 samples ~1.5x faster on CPUs with AVX512-BF16/AMX and on GPUs; the tokens then "
+        "come from a slightly different distribution, corrected by importance sampling (below). "
+        "Lean forward only (Llama/Qwen2/Mistral, no LoRA).", ("float32", "bfloat16", "float16"))
+    importance_sampling_correction: bool = option(
+        True, "When the sampler is not the policy itself (generation_dtype), weight each token's "
+        "loss by min(pi_policy / pi_sampler, importance_sampling_clip_max) (truncated importance "
+        "sampling; TRL: vllm_importance_sampling_correction with mode token_truncate).")
+    importance_sampling_clip_max: float = option(3.0, "Upper bound of the importance weights (TRL: "
+                                                 "vllm_importance_sampling_clip_max).")
     use_vllm: bool = option(False, "Generate with vLLM (needs `pip install cppo[vllm]`).")
     vllm_mode: str = option("colocate", "vLLM mode.", ("colocate", "server"))
 
@@ -317,6 +328,14 @@ def validate(cfg: CPPOConfig) -> None:
     _check(cfg.temperature > 0, f"'temperature' is {cfg.temperature}; must be > 0")
     _check(0 < cfg.top_p <= 1, f"'top_p' is {cfg.top_p}; allowed: 0 < top_p <= 1")
     _check(cfg.top_k >= 0, f"'top_k' is {cfg.top_k}; must be >= 0 (0: off)")
+    _check(cfg.importance_sampling_clip_max >= 1,
+           f"'importance_sampling_clip_max' is {cfg.importance_sampling_clip_max}; must be >= 1")
+    _check(not (cfg.generation_dtype and cfg.use_vllm),
+           "'generation_dtype' applies to the built-in sampler; with use_vllm, vLLM's dtype is set "
+           "by torch_dtype")
+    _check(not (cfg.generation_dtype and not cfg.lean_forward),
+           f"'generation_dtype' is {cfg.generation_dtype!r} but 'lean_forward' is false; sampling "
+           f"in another dtype needs the lean forward")
     _check(cfg.max_completion_length >= 1,
            f"'max_completion_length' is {cfg.max_completion_length}; must be >= 1")
     _check(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1,

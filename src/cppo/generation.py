@@ -64,7 +64,8 @@ class TransformersBackend:
                     self.model, chunk, num_generations=args.num_generations,
                     max_new_tokens=args.max_completion_length, eos_token_id=tok.eos_token_id,
                     pad_token_id=tok.pad_token_id, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, generator=generator, lean=args.lean_forward))
+                    top_k=args.top_k, generator=generator, lean=args.lean_forward,
+                    dtype=getattr(torch, args.generation_dtype) if args.generation_dtype else None))
         finally:
             self.model.train(was_training)
         return concat_completions(parts, tok.pad_token_id)

@@ -41,11 +41,14 @@ class Completions:
     """Sampled completions, question-major: row q*G + g is completion g of question q.
 
     ids (N, T) padded after EOS; mask (N, T) 1 on tokens up to and including EOS;
-    truncated (N,) True where no EOS was produced within the length limit."""
+    truncated (N,) True where no EOS was produced within the length limit; logprobs (N, T), when
+    the sampler recorded them: log-probability of each token under the distribution it was drawn
+    from (after temperature, top-k, top-p; 0 after EOS)."""
 
     ids: Tensor
     mask: Tensor
     truncated: Tensor
+    logprobs: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -101,14 +104,20 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
 
 
 def _next_tokens(logits: Tensor, *, greedy: bool, temperature: float, top_k: int, top_p: float,
-                 generator: torch.Generator | None) -> Tensor:
+                 generator: torch.Generator | None, logprobs: list | None = None) -> Tensor:
+    """Sample (or argmax) one token per row of logits (N, V); append their log-probs under the
+    sampling distribution to `logprobs` when given."""
     if greedy:
         return logits.argmax(-1)
     logits = filter_logits(logits.float() / temperature, top_k, top_p)
     probs = logits.softmax(-1)
     if generator is not None and generator.device != probs.device:  # e.g. a CPU generator, GPU model
-        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tok = torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
+    else:
+        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if logprobs is not None:
+        logprobs.append(torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
+    return tok
 
 
 @torch.no_grad()
@@ -116,15 +125,23 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
                        eos_token_id: int | Sequence[int], pad_token_id: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
                        generator: torch.Generator | None = None,
-                       batch_size: int | None = None, lean: bool = True) -> Completions:
+                       batch_size: int | None = None, lean: bool = True,
+                       dtype: torch.dtype | None = None) -> Completions:
     """G completions for each of Q prompts: prefill each prompt once, share its KV cache.
 
     batch_size bounds the number of completions decoded together (None: all Q*G at once).
-    lean: use cppo.models.lean's forward when it supports the model (same logits up to rounding)."""
+    lean: use cppo.models.lean's forward when it supports the model (same logits up to rounding).
+    dtype: sample from a copy of the weights in this dtype (e.g. bfloat16: faster on CPUs with
+    AVX512-BF16/AMX and on GPUs; lean forward only) and record each token's log-prob under it
+    (Completions.logprobs) so that the trainer can correct for the mismatch."""
     q = len(prompts)
     per_chunk = q if batch_size is None else max(1, batch_size // num_generations)
     lean_forward = lean_forward_for(model)[0] if lean else None
-    sample_chunk = _sample_chunk if lean_forward is None else functools.partial(_sample_chunk_lean, lean_forward)
+    if dtype is not None and lean_forward is None:
+        raise ValueError(f"sampling in {dtype} needs the lean forward, which does not support this "
+                         f"model: {lean_forward_for(model)[1] if lean else 'lean=False'}")
+    sample_chunk = (_sample_chunk if lean_forward is None
+                    else functools.partial(_sample_chunk_lean, lean_forward, dtype))
     parts = [sample_chunk(model, prompts.select(slice(s, s + per_chunk)), num_generations,
                           max_new_tokens, eos_token_id, pad_token_id, temperature, top_p, top_k,
                           greedy, generator)
@@ -137,10 +154,13 @@ def concat_completions(parts: list[Completions], pad_token_id: int) -> Completio
     if len(parts) == 1:
         return parts[0]
     width = max(p.ids.shape[1] for p in parts)
+    logprobs = None
+    if all(p.logprobs is not None for p in parts):
+        logprobs = torch.cat([F.pad(p.logprobs, (0, width - p.logprobs.shape[1])) for p in parts])
     return Completions(
         ids=torch.cat([F.pad(p.ids, (0, width - p.ids.shape[1]), value=pad_token_id) for p in parts]),
         mask=torch.cat([F.pad(p.mask, (0, width - p.mask.shape[1])) for p in parts]),
-        truncated=torch.cat([p.truncated for p in parts]))
+        truncated=torch.cat([p.truncated for p in parts]), logprobs=logprobs)
 
 
 def _cache_kwarg(model) -> str:
@@ -185,13 +205,21 @@ def _sample_chunk(model, prompts, group, max_new_tokens, eos_token_id, pad_token
     return _completions(tokens, eos)
 
 
-def _sample_chunk_lean(lean, model, prompts, group, max_new_tokens, eos_token_id, pad_token_id,
+def _sample_chunk_lean(lean, dtype, model, prompts, group, max_new_tokens, eos_token_id, pad_token_id,
                        temperature, top_p, top_k, greedy, generator) -> Completions:
-    """_sample_chunk on cppo.models.lean's forward, with a preallocated KV cache."""
+    """_sample_chunk on cppo.models.lean's forward (weights cast to `dtype` if given), with a
+    preallocated KV cache."""
     device = next(model.parameters()).device
     prompts = prompts.to(device)
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
                        device=device)
+    with lean.frozen(dtype):
+        return _decode_lean(lean, prompts, group, max_new_tokens, eos, pad_token_id, temperature,
+                            top_p, top_k, greedy, generator, device, record=dtype is not None)
+
+
+def _decode_lean(lean, prompts, group, max_new_tokens, eos, pad_token_id, temperature, top_p,
+                 top_k, greedy, generator, device, record: bool) -> Completions:
     width = prompts.ids.shape[1]
     positions = (prompts.mask.cumsum(-1) - 1).clamp(min=0)
     logits, cache = lean(prompts.ids, positions, prompts.mask.bool(), logits_to_keep=1,
@@ -203,10 +231,10 @@ def _sample_chunk_lean(lean, model, prompts, group, max_new_tokens, eos_token_id
     keys[:, :width] = prompts.mask.bool().repeat_interleave(group, 0)
     position = positions[:, -1:].repeat_interleave(group, 0) + 1
     finished = torch.zeros(n, dtype=torch.bool, device=device)
-    tokens = []
+    tokens, logprobs = [], ([] if record and not greedy else None)
     for step in range(max_new_tokens):
         tok = _next_tokens(logits, greedy=greedy, temperature=temperature, top_k=top_k,
-                           top_p=top_p, generator=generator)
+                           top_p=top_p, generator=generator, logprobs=logprobs)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
         tokens.append(tok)
         finished |= torch.isin(tok, eos)
@@ -215,7 +243,10 @@ def _sample_chunk_lean(lean, model, prompts, group, max_new_tokens, eos_token_id
         logits, cache = lean(tok[:, None], position, keys, cache=cache)
         logits = logits[:, -1]
         position = position + 1
-    return _completions(tokens, eos)
+    completions = _completions(tokens, eos)
+    if logprobs is not None:
+        completions.logprobs = torch.stack(logprobs, dim=1) * completions.mask
+    return completions
 
 
 def _completions(tokens: list[Tensor], eos: Tensor) -> Completions:
@@ -241,21 +272,27 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp).
 
     Logits are divided by the sampling temperature, as TRL does. Runs with grad if enabled.
-    lean: use cppo.models.lean's forward when it supports the model."""
+    lean: use cppo.models.lean's forward when it supports the model; it also runs each distinct
+    prompt of a micro-batch once instead of once per completion (same values)."""
     n, t = completion_ids.shape
     step = n if batch_size is None else batch_size
     lean_forward = lean_forward_for(model)[0] if lean else None
     out = []
     for s in range(0, n, step):
-        ids = torch.cat([prompt_ids[s:s + step], completion_ids[s:s + step]], dim=1)
-        mask = torch.cat([prompt_mask[s:s + step], completion_mask[s:s + step]], dim=1)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        rows = slice(s, s + step)
         if lean_forward is not None:
-            logits = lean_forward(ids, positions, mask.bool(), logits_to_keep=t + 1)[0][:, :-1]
+            prompts, question = torch.unique(torch.cat([prompt_ids[rows], prompt_mask[rows]], dim=1),
+                                             dim=0, return_inverse=True)
+            width = prompt_ids.shape[1]
+            logits = lean_forward.completion_logits(prompts[:, :width], prompts[:, width:], question,
+                                                    completion_ids[rows], completion_mask[rows])
         else:
+            ids = torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1)
+            mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                            use_cache=False, logits_to_keep=t + 1).logits[:, :-1]
         if temperature != 1.0:
             logits = logits / temperature
-        out.append(selective_log_softmax(logits, completion_ids[s:s + step]))
+        out.append(selective_log_softmax(logits, completion_ids[rows]))
     return torch.cat(out)

@@ -24,10 +24,10 @@ import torch
 from tqdm.auto import tqdm
 
 from cppo import checkpoint as ckpt
-from cppo.algorithm import (combine_rewards, per_token_policy_loss, plan_step,
+from cppo.algorithm import (combine_rewards, importance_weights, per_token_policy_loss, plan_step,
                             reduce_loss, reward_stats, select_completions)
 from cppo.algorithm.selection import recompute_advantages_on_kept
-from cppo.config import CPPOConfig
+from cppo.config import ConfigError, CPPOConfig
 from cppo.data.sources import TaskData, check_rows, load_task
 from cppo.distributed import Distributed
 from cppo.evaluate import evaluate
@@ -48,17 +48,19 @@ class StepBatch:
     advantages: torch.Tensor       # (K,)
     old_logps: torch.Tensor | None = None  # (K, T), only when num_iterations > 1
     ref_logps: torch.Tensor | None = None  # (K, T), only when beta > 0
+    sampler_logps: torch.Tensor | None = None  # (K, T), when the sampler is not the policy
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
     def micro_batches(self, size: int):
+        def part(t, sl):
+            return None if t is None else t[sl]
         for s in range(0, len(self), size):
             sl = slice(s, s + size)
             yield StepBatch(self.prompt_ids[sl], self.prompt_mask[sl], self.completion_ids[sl],
-                            self.completion_mask[sl], self.advantages[sl],
-                            None if self.old_logps is None else self.old_logps[sl],
-                            None if self.ref_logps is None else self.ref_logps[sl])
+                            self.completion_mask[sl], self.advantages[sl], part(self.old_logps, sl),
+                            part(self.ref_logps, sl), part(self.sampler_logps, sl))
 
 
 class QuestionStream:
@@ -108,6 +110,7 @@ class CPPOTrainer:
         self.dist.broadcast_parameters(self.policy)
         torch.manual_seed(args.seed + self.dist.rank)  # dropout differs per process
         self.reference = self._load_reference(model)
+        self._check_generation_dtype()
         self.backend = make_backend(self.policy, self.tokenizer, args)
         self.task = self._load_data(train_dataset, eval_dataset)
         funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
@@ -157,6 +160,15 @@ class CPPOTrainer:
             policy = wrap_with_lora(policy, args, peft_config)
         policy.train()
         return policy, tokenizer
+
+    def _check_generation_dtype(self) -> None:
+        if self.args.generation_dtype is None:
+            return
+        from cppo.models.lean import lean_forward_for
+        lean, reason = lean_forward_for(self.policy)
+        if lean is None:
+            raise ConfigError(f"'generation_dtype' is {self.args.generation_dtype!r}, which needs "
+                              f"the lean forward, but it does not support this model: {reason}")
 
     def _load_reference(self, model):
         """No reference when beta = 0; with LoRA the base (adapters disabled) is the reference."""
@@ -241,8 +253,12 @@ class CPPOTrainer:
         mask = completions.mask[kept]
         if self.args.mask_truncated_completions:
             mask = mask * (~completions.truncated[kept]).long()[:, None]
+        sampler_logps = None
+        if completions.logprobs is not None and self.args.importance_sampling_correction:
+            sampler_logps = completions.logprobs[kept].float()
         return StepBatch(prompts.ids[question], prompts.mask[question], completions.ids[kept],
-                         mask, advantages.flatten().to(kept.device)[kept].float())
+                         mask, advantages.flatten().to(kept.device)[kept].float(),
+                         sampler_logps=sampler_logps)
 
     def logprobs(self, model, batch: StepBatch) -> torch.Tensor:
         if len(batch) == 0:  # global selection can leave a process nothing to train on
@@ -272,7 +288,8 @@ class CPPOTrainer:
         total_sequences = self.dist.sum(len(batch))
         total_tokens = self.dist.sum(int(batch.completion_mask.sum()))
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0}
+        sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0,
+                "is_ratio": 0.0, "logp_diff": 0.0}
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=args.bf16)
         for micro in batch.micro_batches(args.per_device_train_batch_size):
             with autocast:
@@ -280,6 +297,13 @@ class CPPOTrainer:
             per_token, stats = per_token_policy_loss(
                 logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
                 epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps)
+            if micro.sampler_logps is not None:   # the sampler was a cast copy: truncated IS
+                old = logps.detach().float() if micro.old_logps is None else micro.old_logps
+                weights = importance_weights(old, micro.sampler_logps, args.importance_sampling_clip_max)
+                per_token = per_token * weights
+                m = micro.completion_mask.bool()
+                sums["is_ratio"] += float(weights[m].sum())
+                sums["logp_diff"] += float((old - micro.sampler_logps).abs()[m].sum())
             loss = reduce_loss(per_token, micro.completion_mask, args.loss_type,
                                max_completion_length=args.max_completion_length,
                                total_sequences=total_sequences, total_tokens=total_tokens)
@@ -304,6 +328,9 @@ class CPPOTrainer:
                    "learning_rate": self.scheduler.get_last_lr()[0]}
         if args.beta > 0:
             metrics["kl"] = sums["kl"] / tokens
+        if batch.sampler_logps is not None:
+            metrics["sampling/importance_sampling_ratio/mean"] = sums["is_ratio"] / tokens
+            metrics["sampling/sampling_logp_difference/mean"] = sums["logp_diff"] / tokens
         if self.dist.any(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))):
             self.optimizer.zero_grad(set_to_none=True)   # never apply a NaN/inf update
             self.advance_schedule(1)                      # the schedule follows the step count

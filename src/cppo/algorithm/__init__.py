@@ -8,7 +8,8 @@ from cppo.algorithm.advantages import (
     reward_stats,
 )
 from cppo.algorithm.allocation import StepShape, plan_step
-from cppo.algorithm.loss import LOSS_TYPES, masked_mean, per_token_policy_loss, reduce_loss
+from cppo.algorithm.loss import (LOSS_TYPES, importance_weights, masked_mean, per_token_policy_loss,
+                                 reduce_loss)
 from cppo.algorithm.selection import (
     SCOPES,
     SELECTION_RULES,
@@ -27,6 +28,7 @@ __all__ = [
     "check_scale_rewards",
     "combine_rewards",
     "group_advantages",
+    "importance_weights",
     "keep_highest_scores",
     "masked_mean",
     "per_token_policy_loss",

@@ -88,6 +88,16 @@ def per_token_policy_loss(
     return per_token_loss, stats
 
 
+def importance_weights(policy_logps: Tensor, sampler_logps: Tensor, clip_max: float) -> Tensor:
+    """Truncated importance weights (N, T) = min(exp(policy - sampler), clip_max), detached: they
+    re-weight each token's loss when the tokens were drawn from a sampler (e.g. a bfloat16 copy)
+    that differs slightly from the policy whose log-probs the loss uses (TRL's token_truncate)."""
+    if policy_logps.shape != sampler_logps.shape:
+        raise ValueError(f"policy_logps {tuple(policy_logps.shape)} and sampler_logps "
+                         f"{tuple(sampler_logps.shape)} must have the same shape")
+    return torch.exp(policy_logps.detach() - sampler_logps.detach()).clamp(max=clip_max)
+
+
 def reduce_loss(
     per_token: Tensor,
     completion_mask: Tensor,

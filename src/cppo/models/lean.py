@@ -17,12 +17,13 @@ forward, with and without padding and a KV cache).
 `lean_forward_for(model)` returns a LeanForward or None with the reason: anything it does not
 reproduce exactly (other architectures, LoRA/PEFT wrappers, quantised or non-Linear layers,
 sliding windows, dynamic RoPE, attention implementations other than sdpa/eager, gradient
-checkpointing) goes through the model's own forward instead.
+checkpointing, forward hooks on any module) goes through the model's own forward instead.
 """
 
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,30 @@ from torch import Tensor, nn
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq does not depend on the length
+
+
+@dataclass
+class LayerWeights:
+    input_norm: Tensor
+    qkv: Tensor                  # (H*D + 2*H_kv*D, hidden): q, k, v projections stacked
+    qkv_bias: Tensor | None
+    o: Tensor
+    o_bias: Tensor | None
+    post_norm: Tensor
+    gate_up: Tensor              # (2*intermediate, hidden): gate and up projections stacked
+    gate_up_bias: Tensor | None
+    down: Tensor
+    down_bias: Tensor | None
+
+
+@dataclass
+class Weights:
+    embed: Tensor
+    padding_idx: int | None      # the embedding's (its row gets no gradient, as in nn.Embedding)
+    layers: list[LayerWeights]
+    norm: Tensor
+    head: Tensor
+    head_bias: Tensor | None
 
 
 @dataclass
@@ -46,7 +71,7 @@ class KVCache:
         with room for `capacity` positions."""
         def grow(t: Tensor) -> Tensor:
             n, h, _, d = t.shape
-            out = t.new_empty((n * times, h, capacity, d))
+            out = t.new_zeros((n * times, h, capacity, d))   # unfilled slots: masked zeros
             out[:, :, :self.length] = t[:, :, :self.length].repeat_interleave(times, 0)
             return out
         return KVCache([grow(k) for k in self.keys], [grow(v) for v in self.values], self.length)
@@ -86,6 +111,14 @@ def _gradient_checkpointing(model) -> bool:
     return bool(getattr(model, name, False))
 
 
+def _hooked_module(model) -> str | None:
+    """The name of a module with forward (pre-)hooks, or None."""
+    for name, module in model.named_modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            return name or "<model>"
+    return None
+
+
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -103,6 +136,9 @@ def lean_forward_for(model) -> tuple["LeanForward | None", str | None]:
         except TypeError:
             pass
     if lean is not None:
+        hooked = _hooked_module(model)
+        if hooked is not None:
+            return None, f"module {hooked!r} has forward hooks (the lean forward would skip them)"
         if _gradient_checkpointing(model):
             return None, "gradient checkpointing is on"
         if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager", None):
@@ -122,75 +158,190 @@ class LeanForward:
         self.eps = config.rms_norm_eps
         self.scale = model.model.layers[0].self_attn.scaling
         self.rotary = model.model.rotary_emb
+        self._frozen: list | None = None
+        self._rotations: dict = {}
 
     # --- pieces ---------------------------------------------------------------------------------
     def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin (N, 1, L, D) for integer positions (N, L)."""
+        """cos, sin (N, L, 1, D) for integer positions (N, L)."""
         freqs = positions[..., None].float() * self.rotary.inv_freq.float()
-        angles = torch.cat([freqs, freqs], dim=-1)
+        angles = torch.cat([freqs, freqs], dim=-1)[:, :, None]
         scaling = self.rotary.attention_scaling
-        return ((angles.cos() * scaling).to(dtype)[:, None], (angles.sin() * scaling).to(dtype)[:, None])
+        return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
 
-    @staticmethod
-    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def _rotate_half(self, like: Tensor) -> Tensor:
+        """R (D, D) with x @ R == cat(-x[D/2:], x[:D/2]) (transformers' rotate_half)."""
+        key = (like.dtype, like.device)
+        if key not in self._rotations:
+            half = self.head_dim // 2
+            eye = torch.eye(half, dtype=like.dtype, device=like.device)
+            zero = torch.zeros_like(eye)
+            self._rotations[key] = torch.cat([torch.cat([zero, eye], 1), torch.cat([-eye, zero], 1)])
+        return self._rotations[key]
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        dtype = x.dtype                     # half precision: normalise in float32, as transformers
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * x.to(dtype)
 
-    def _heads(self, x: Tensor, heads: int) -> Tensor:
-        n, length, _ = x.shape
-        return x.view(n, length, heads, self.head_dim).transpose(1, 2)
+    def _weights(self, dtype=None) -> "Weights":
+        """The model's weights in the layout this forward uses: [q; k; v] and [gate; up] packed
+        into one matrix each (one matmul instead of three and two). Built from the live
+        parameters, so gradients flow back to them; `dtype` casts (for a sampling snapshot)."""
+        def cast(t):
+            return t if t is None or dtype is None else t.to(dtype)
+
+        def cat(*tensors):
+            return None if tensors[0] is None else cast(torch.cat(tensors))
+        layers = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(LayerWeights(
+                input_norm=cast(layer.input_layernorm.weight),
+                qkv=cat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+                qkv_bias=cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
+                o=cast(attn.o_proj.weight), o_bias=cast(attn.o_proj.bias),
+                post_norm=cast(layer.post_attention_layernorm.weight),
+                gate_up=cat(mlp.gate_proj.weight, mlp.up_proj.weight),
+                gate_up_bias=cat(mlp.gate_proj.bias, mlp.up_proj.bias),
+                down=cast(mlp.down_proj.weight), down_bias=cast(mlp.down_proj.bias)))
+        head = self.model.lm_head
+        embed = self.model.model.embed_tokens
+        return Weights(embed=cast(embed.weight), padding_idx=embed.padding_idx, layers=layers,
+                       norm=cast(self.model.model.norm.weight), head=cast(head.weight),
+                       head_bias=cast(head.bias))
+
+    @contextmanager
+    def frozen(self, dtype=None):
+        """Within: a snapshot of the weights (no grad, packed once, cast to `dtype` if given) is
+        used instead of the live parameters: for sampling, where weights do not change."""
+        with torch.no_grad():
+            self._frozen = self._weights(dtype)
+        try:
+            yield self
+        finally:
+            self._frozen = None
+
+    def _current_weights(self) -> "Weights":
+        return self._frozen if self._frozen is not None else self._weights()
+
+    def _qkv(self, w: "LayerWeights", h: Tensor, rope: tuple[Tensor, Tensor, Tensor]):
+        """Rotated queries (N, H, L, D), rotated keys and values (N, H_kv, L, D) of a layer."""
+        n, length, _ = h.shape
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = F.linear(self._norm(h, w.input_norm), w.qkv, w.qkv_bias)
+        qkv = qkv.view(n, length, heads + 2 * kv_heads, self.head_dim)
+        cos, sin, rotate_half = rope
+        qk = qkv[:, :, :heads + kv_heads]
+        qk = qk * cos + (qk @ rotate_half) * sin
+        return (qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2),
+                qkv[:, :, heads + kv_heads:].transpose(1, 2))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+        """Attention (N, L, H*D) of q (N, H, L, D) over k, v (N, H_kv, S, D); allowed (N, 1, L, S)."""
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale,
+                                           enable_gqa=self.num_kv_heads != self.num_heads)
+        return a.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    def _attend_bmm(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        """_attend for H_kv == H with an additive mask bias (N*H, L, S) made once per call: for
+        decode steps (L = 1) two batched GEMMs beat the fused kernel's per-call set-up."""
+        n, heads, length, dim = q.shape
+        scores = torch.baddbmm(bias, q.reshape(n * heads, length, dim),
+                               k.reshape(n * heads, -1, dim).transpose(1, 2), alpha=self.scale)
+        out = torch.bmm(scores.softmax(-1), v.reshape(n * heads, -1, dim))
+        return out.view(n, heads, length, dim).transpose(1, 2).reshape(n, length, heads * dim)
+
+    def _finish(self, w: "LayerWeights", h: Tensor, attended: Tensor) -> Tensor:
+        """The residual stream after a layer's output projection and MLP."""
+        h = h + F.linear(attended, w.o, w.o_bias)
+        gate, up = F.linear(self._norm(h, w.post_norm), w.gate_up, w.gate_up_bias).chunk(2, -1)
+        return h + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+    def _logits(self, weights: "Weights", h: Tensor) -> Tensor:
+        return F.linear(self._norm(h, weights.norm), weights.head, weights.head_bias)
+
+    @staticmethod
+    def _allowed(key_mask: Tensor, query_positions: Tensor) -> Tensor:
+        """(N, 1, L, S) bool: key j is visible to query i iff key_mask[n, j] and j <= query index
+        i (a query with nothing visible, i.e. left padding, sees itself: finite and unused)."""
+        keys = torch.arange(key_mask.shape[1], device=key_mask.device)
+        allowed = (keys[None, :] <= query_positions[:, None])[None] & key_mask[:, None, :].bool()
+        allowed |= keys[None, :] == query_positions[:, None]
+        return allowed[:, None]
 
     # --- forward --------------------------------------------------------------------------------
     def __call__(self, ids: Tensor, positions: Tensor, key_mask: Tensor, *, cache: KVCache | None = None,
                  logits_to_keep: int = 0, new_cache_capacity: int | None = None) -> tuple[Tensor, KVCache | None]:
         """Logits (N, K, V) of the last K = logits_to_keep positions (0: all) of `ids` (N, L).
 
-        positions (N, L): RoPE positions. key_mask (N, S) bool: which keys may be attended, over
-        the cached positions followed by the new ones (S = cache.length + L); causal order is added
-        here. With `cache`, the new keys/values are written into it (capacity permitting) and it
-        is returned; with `new_cache_capacity`, a fresh cache of that capacity is returned."""
-        model = self.model.model
+        positions (N, L): RoPE positions. key_mask (N, S) bool: which key slots may be attended
+        (causal order is added here); S = L without a cache, else at least cache.length + L
+        (slots past S count as visible). With `cache` (capacity C), the new
+        keys/values are written at slots cache.length.. and S = C: the whole buffer is attended
+        (zeros beyond the filled slots, masked), which keeps it contiguous and copy-free. With
+        `new_cache_capacity`, a fresh (zeroed) cache of that capacity is filled and returned."""
+        weights = self._current_weights()
         n, length = ids.shape
-        h = model.embed_tokens(ids)
-        cos, sin = self._rope(positions, h.dtype)
-        past = cache.length if cache is not None else 0
-        total = past + length
-        causal = torch.ones(length, total, dtype=torch.bool, device=ids.device).tril(past)
-        allowed = causal[None] & key_mask[:, None, :total].bool()
-        # a query with nothing to attend (left padding) attends to itself: finite and unused
-        allowed[:, torch.arange(length), past + torch.arange(length)] = True
-        allowed = allowed[:, None]
-        out_cache = cache
+        h = F.embedding(ids, weights.embed, weights.padding_idx)
+        rope = (*self._rope(positions, h.dtype), self._rotate_half(h))
         if cache is None and new_cache_capacity is not None:
             shape = (n, self.num_kv_heads, new_cache_capacity, self.head_dim)
-            out_cache = KVCache([h.new_empty(shape) for _ in model.layers],
-                                [h.new_empty(shape) for _ in model.layers], 0)
-        for index, layer in enumerate(model.layers):
-            attn = layer.self_attn
-            x = self._norm(h, layer.input_layernorm.weight)
-            q = self._rotate(self._heads(attn.q_proj(x), self.num_heads), cos, sin)
-            k = self._rotate(self._heads(attn.k_proj(x), self.num_kv_heads), cos, sin)
-            v = self._heads(attn.v_proj(x), self.num_kv_heads)
-            if out_cache is not None:
-                out_cache.keys[index][:, :, past:total] = k
-                out_cache.values[index][:, :, past:total] = v
-                if past:
-                    k = out_cache.keys[index][:, :, :total]
-                    v = out_cache.values[index][:, :, :total]
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale,
-                                               enable_gqa=self.num_kv_heads != self.num_heads)
-            h = h + attn.o_proj(a.transpose(1, 2).reshape(n, length, -1))
-            x = self._norm(h, layer.post_attention_layernorm.weight)
-            mlp = layer.mlp
-            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
-        if out_cache is not None:
-            out_cache.length = total
-        h = self._norm(h[:, -logits_to_keep:] if logits_to_keep else h, model.norm.weight)
-        return self.model.lm_head(h), out_cache
+            cache = KVCache([h.new_zeros(shape) for _ in weights.layers],
+                            [h.new_zeros(shape) for _ in weights.layers], 0)
+        past = cache.length if cache is not None else 0
+        slots = past + torch.arange(length, device=ids.device)
+        if cache is not None:   # slots after the new tokens are hidden by causality anyway
+            capacity = cache.keys[0].shape[2]
+            key_mask = F.pad(key_mask.bool(), (0, max(0, capacity - key_mask.shape[1])), value=True)
+            key_mask = key_mask[:, :capacity]
+        allowed = self._allowed(key_mask, slots)
+        bias = None
+        if length == 1 and self.num_kv_heads == self.num_heads and not torch.is_grad_enabled():
+            bias = h.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+            bias = bias.expand(n, self.num_heads, 1, -1).reshape(n * self.num_heads, 1, -1)
+        for index, w in enumerate(weights.layers):
+            q, k, v = self._qkv(w, h, rope)
+            if cache is not None:
+                cache.keys[index][:, :, past:past + length] = k
+                cache.values[index][:, :, past:past + length] = v
+                k, v = cache.keys[index], cache.values[index]
+            attended = self._attend(q, k, v, allowed) if bias is None else self._attend_bmm(q, k, v, bias)
+            h = self._finish(w, h, attended)
+        if cache is not None:
+            cache.length = past + length
+        return self._logits(weights, h[:, -logits_to_keep:] if logits_to_keep else h), cache
+
+    def completion_logits(self, prompt_ids: Tensor, prompt_mask: Tensor, question: Tensor,
+                          completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
+        """Logits (N, T, V) predicting each completion token, with each distinct prompt run once.
+
+        prompt_ids, prompt_mask (Q, Lp): the distinct left-padded prompts; question (N,): the
+        prompt of each completion; completion_ids, completion_mask (N, T). The same function as
+        one forward over [prompt, completion] per row, but the prompt's projections and MLPs are
+        computed once per prompt, not once per completion (G completions of a question share it)."""
+        weights = self._current_weights()
+        prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
+        q_len, t_len = prompt_ids.shape[1], completion_ids.shape[1]
+        prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+        completion_positions = (prompt_positions[question, -1:] + 1
+                                + torch.arange(t_len, device=completion_ids.device))
+        h_prompt = F.embedding(prompt_ids, weights.embed, weights.padding_idx)
+        h = F.embedding(completion_ids, weights.embed, weights.padding_idx)
+        rotate_half = self._rotate_half(h)
+        rope_prompt = (*self._rope(prompt_positions, h.dtype), rotate_half)
+        rope_completion = (*self._rope(completion_positions, h.dtype), rotate_half)
+        allowed_prompt = self._allowed(prompt_mask, torch.arange(q_len, device=h.device))
+        allowed = self._allowed(torch.cat([prompt_mask[question], completion_mask], dim=1),
+                                q_len + torch.arange(t_len, device=h.device))
+        for w in weights.layers:
+            qp, kp, vp = self._qkv(w, h_prompt, rope_prompt)
+            qc, kc, vc = self._qkv(w, h, rope_completion)
+            h = self._finish(w, h, self._attend(
+                qc, torch.cat([kp[question], kc], dim=2), torch.cat([vp[question], vc], dim=2), allowed))
+            h_prompt = self._finish(w, h_prompt, self._attend(qp, kp, vp, allowed_prompt))
+        # token 0 is predicted at the prompt's last position, token t at completion position t-1
+        return self._logits(weights, torch.cat([h_prompt[question, -1:], h[:, :-1]], dim=1))
