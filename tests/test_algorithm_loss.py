@@ -288,3 +288,15 @@ def test_masked_mean_values():
     assert masked_mean(values, torch.zeros(2, 3)).item() == 0.0
     weights = torch.tensor([[0.5, 0.0, 1.5], [0.0, 0.0, 0.0]])
     assert masked_mean(values, weights).item() == pytest.approx((0.5 + 4.5) / 2.0)
+
+
+def test_importance_weights_known_values_and_truncation():
+    from cppo.algorithm import importance_weights
+    policy = torch.log(torch.tensor([[0.5, 0.2], [0.9, 0.05]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.2], [0.3, 0.5]]))
+    weights = importance_weights(policy, sampler, clip_max=2.5)
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 1.0], [2.5, 0.1]]))  # 3.0 -> 2.5
+    policy.requires_grad_(True)
+    assert not importance_weights(policy, sampler, 3.0).requires_grad   # weights, not a path
+    with pytest.raises(ValueError, match="same shape"):
+        importance_weights(policy, sampler[:, :1], 3.0)

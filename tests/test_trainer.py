@@ -32,18 +32,28 @@ def make_trainer(model_dir, tmp_path, reward=length_reward, rows=ROWS, **overrid
 
 
 def count_rows(trainer, log, monkeypatch):
-    """Record (model, rows, length, generating) of every token embedding lookup: both the models'
-    own forward and cppo's lean forward (which embeds the distinct prompts and the completions of
-    a scoring pass separately) go through F.embedding once per pass."""
+    """Record (model, completion rows, sequence length, generating) of every forward pass:
+    the models' own forward passes through F.embedding with (rows, length) ids; cppo's lean
+    scoring pass (which runs each distinct prompt once) is recorded with its completion rows."""
+    from cppo.models.lean import LeanForward
     weights = {id(trainer.policy.get_input_embeddings().weight): "policy",
                id(trainer.reference.get_input_embeddings().weight): "reference"}
     generating = [False]
     embedding = torch.nn.functional.embedding
 
     def counted(ids, weight, *args, **kwargs):
-        log.append((weights.get(id(weight), "other"), *ids.shape, generating[0]))
+        if ids.dim() == 2:          # a (rows, length) forward; the lean scoring pass is below
+            log.append((weights.get(id(weight), "other"), *ids.shape, generating[0]))
         return embedding(ids, weight, *args, **kwargs)
     monkeypatch.setattr(torch.nn.functional, "embedding", counted)
+    scoring = LeanForward.completion_logits
+
+    def counted_scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask):
+        name = weights.get(id(self.model.get_input_embeddings().weight), "other")
+        log.append((name, completion_ids.shape[0], prompt_ids.shape[1] + completion_ids.shape[1],
+                    generating[0]))
+        return scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask)
+    monkeypatch.setattr(LeanForward, "completion_logits", counted_scoring)
     original = trainer.backend.generate
 
     def generate(*args, **kwargs):
@@ -71,13 +81,13 @@ def test_passes_see_only_kept_completions(tiny_model_dir, tmp_path, num_iteratio
     reference_calls = [c[1:] for c in calls if c[0] == "reference"]
     assert len(policy_calls) + len(reference_calls) == len(calls)
     prompt_length = 7            # BOS + "ab*cd="; completions are at most 5 tokens
-    completion_rows = [n for n, length, generating in policy_calls
-                       if not generating and length != prompt_length]
+    completion_rows = [n for n, length, generating in policy_calls if length > prompt_length]
+    assert not any(generating for _, length, generating in policy_calls if length > prompt_length)
     # policy: micro-batches of 4 kept rows, mu updates (+ one old-policy pass when mu > 1)
     assert sum(completion_rows) == 8 * (num_iterations + (num_iterations > 1))
     assert max(completion_rows) == 4
     # reference: the kept rows, once
-    assert sum(n for n, length, _ in reference_calls if length != prompt_length) == 8
+    assert sum(n for n, length, _ in reference_calls if length > prompt_length) == 8
     prefill = [n for n, length, generating in policy_calls if generating and length == prompt_length]
     decode = [n for n, length, generating in policy_calls if generating and length == 1]
     assert prefill == [4] and decode and set(decode) == {16}   # prefill once per question
@@ -184,3 +194,35 @@ def test_one_step_with_eca_attention_matches_sdpa(tiny_model_dir, tmp_path):
     assert m_sdpa["loss"] == pytest.approx(m_eca["loss"], rel=1e-4, abs=1e-6)
     for a, b in zip(p_sdpa, p_eca):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_sampling_records_logprobs_and_reweights_the_loss(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, generation_dtype="bfloat16", max_steps=2)
+    prompts, completions = trainer.generate(ROWS[:2])
+    assert completions.logprobs is not None and completions.logprobs.dtype == torch.float32
+    assert (completions.logprobs[completions.mask == 0] == 0).all()
+    assert (completions.logprobs[completions.mask == 1] < 0).all()
+    # the bfloat16 sampler's log-probs are close to, but not exactly, the float32 policy's
+    policy = trainer.logprobs(trainer.policy, trainer.build_batch(
+        prompts, completions, torch.ones(2, 4), torch.ones(2, 4, dtype=torch.bool)))
+    valid = completions.mask.bool()
+    difference = (policy - completions.logprobs).abs()[valid]
+    assert 0 < difference.max() < 0.1
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    ratios = [r["sampling/importance_sampling_ratio/mean"] for r in records
+              if "sampling/importance_sampling_ratio/mean" in r]
+    assert ratios and all(0.9 < r < 1.1 for r in ratios)
+
+
+def test_generation_dtype_needs_a_model_the_lean_forward_supports(tiny_model_dir, tmp_path):
+    from cppo.config import ConfigError
+    with pytest.raises(ConfigError, match="lean_forward"):
+        CPPOConfig(generation_dtype="bfloat16", lean_forward=False)
+    model = load_model(tiny_model_dir)
+    model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    with pytest.raises(ConfigError, match="forward hooks"):
+        CPPOTrainer(model=model, processing_class=load_tokenizer(tiny_model_dir),
+                    reward_funcs=[length_reward], train_dataset=ROWS,
+                    args=CPPOConfig(output_dir=str(tmp_path / "run"), generation_dtype="bfloat16",
+                                    max_steps=1, per_device_train_batch_size=8, num_generations=4))

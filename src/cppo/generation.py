@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from cppo.models.lean import lean_forward_for
 from cppo.rollout import Completions, PromptBatch, concat_completions, sample_completions
 
 
@@ -54,7 +55,10 @@ class TransformersBackend:
         per_chunk = self.questions_per_chunk(len(prompts))
         parts = []
         was_training = self.model.training
-        self.model.eval()
+        # dropout off for sampling; the lean forward has none, so the mode is left as it is
+        toggle = was_training and not (args.lean_forward and lean_forward_for(self.model)[0] is not None)
+        if toggle:
+            self.model.eval()
         try:
             for start in range(0, len(prompts), per_chunk):
                 generator = torch.Generator(device=device).manual_seed(
@@ -67,7 +71,8 @@ class TransformersBackend:
                     top_k=args.top_k, generator=generator, lean=args.lean_forward,
                     dtype=getattr(torch, args.generation_dtype) if args.generation_dtype else None))
         finally:
-            self.model.train(was_training)
+            if toggle:
+                self.model.train(was_training)
         return concat_completions(parts, tok.pad_token_id)
 
 

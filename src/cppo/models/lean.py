@@ -111,9 +111,9 @@ def _gradient_checkpointing(model) -> bool:
     return bool(getattr(model, name, False))
 
 
-def _hooked_module(model) -> str | None:
-    """The name of a module with forward (pre-)hooks, or None."""
-    for name, module in model.named_modules():
+def _hooked_module(lean: "LeanForward") -> str | None:
+    """The name of a module of the model with forward (pre-)hooks, or None."""
+    for name, module in lean.modules:
         if module._forward_hooks or module._forward_pre_hooks:
             return name or "<model>"
     return None
@@ -136,13 +136,15 @@ def lean_forward_for(model) -> tuple["LeanForward | None", str | None]:
         except TypeError:
             pass
     if lean is not None:
-        hooked = _hooked_module(model)
+        hooked = _hooked_module(lean)
         if hooked is not None:
             return None, f"module {hooked!r} has forward hooks (the lean forward would skip them)"
         if _gradient_checkpointing(model):
             return None, "gradient checkpointing is on"
         if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager", None):
             return None, f"attn_implementation {model.config._attn_implementation!r}"
+        if model.training and getattr(model.config, "attention_dropout", 0.0):
+            return None, "attention dropout in training mode (the lean forward has no dropout)"
     return lean, reason
 
 
@@ -151,6 +153,7 @@ class LeanForward:
 
     def __init__(self, model) -> None:
         self.model = model
+        self.modules = list(model.named_modules())   # for the forward-hook check on every call
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -322,26 +325,36 @@ class LeanForward:
         prompt_ids, prompt_mask (Q, Lp): the distinct left-padded prompts; question (N,): the
         prompt of each completion; completion_ids, completion_mask (N, T). The same function as
         one forward over [prompt, completion] per row, but the prompt's projections and MLPs are
-        computed once per prompt, not once per completion (G completions of a question share it)."""
+        computed once per prompt, not once per completion (G completions of a question share it).
+        The per-token work (norms, projections, MLP) runs on the prompt and completion tokens
+        together, as one flat batch of Q*Lp + N*T tokens; only attention is done per part."""
         weights = self._current_weights()
         prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
-        q_len, t_len = prompt_ids.shape[1], completion_ids.shape[1]
+        (num_prompts, q_len), (n, t_len) = prompt_ids.shape, completion_ids.shape
+        split = num_prompts * q_len
         prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
         completion_positions = (prompt_positions[question, -1:] + 1
                                 + torch.arange(t_len, device=completion_ids.device))
-        h_prompt = F.embedding(prompt_ids, weights.embed, weights.padding_idx)
-        h = F.embedding(completion_ids, weights.embed, weights.padding_idx)
-        rotate_half = self._rotate_half(h)
-        rope_prompt = (*self._rope(prompt_positions, h.dtype), rotate_half)
-        rope_completion = (*self._rope(completion_positions, h.dtype), rotate_half)
+        ids = torch.cat([prompt_ids.reshape(-1), completion_ids.reshape(-1)])
+        h = F.embedding(ids, weights.embed, weights.padding_idx)[None]          # (1, tokens, d)
+        positions = torch.cat([prompt_positions.reshape(-1), completion_positions.reshape(-1)])
+        rope = (*self._rope(positions[None], h.dtype), self._rotate_half(h))
         allowed_prompt = self._allowed(prompt_mask, torch.arange(q_len, device=h.device))
         allowed = self._allowed(torch.cat([prompt_mask[question], completion_mask], dim=1),
                                 q_len + torch.arange(t_len, device=h.device))
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+
         for w in weights.layers:
-            qp, kp, vp = self._qkv(w, h_prompt, rope_prompt)
-            qc, kc, vc = self._qkv(w, h, rope_completion)
-            h = self._finish(w, h, self._attend(
-                qc, torch.cat([kp[question], kc], dim=2), torch.cat([vp[question], vc], dim=2), allowed))
-            h_prompt = self._finish(w, h_prompt, self._attend(qp, kp, vp, allowed_prompt))
+            q, k, v = self._qkv(w, h, rope)                  # (1, H, tokens, D), (1, H_kv, tokens, D)
+            qp, kp, vp = (t[0, :, :split].unflatten(1, (num_prompts, q_len)).transpose(0, 1)
+                          for t in (q, k, v))                 # (Q, H, Lp, D)
+            qc, kc, vc = (t[0, :, split:].unflatten(1, (n, t_len)).transpose(0, 1)
+                          for t in (q, k, v))                 # (N, H, T, D)
+            attended_prompt = self._attend(qp, kp, vp, allowed_prompt)              # (Q, Lp, H*D)
+            attended = self._attend(qc, torch.cat([kp[question], kc], dim=2),
+                                    torch.cat([vp[question], vc], dim=2), allowed)  # (N, T, H*D)
+            h = self._finish(w, h, torch.cat([attended_prompt.reshape(-1, heads * dim),
+                                              attended.reshape(-1, heads * dim)])[None])
+        h_prompt, h_completion = h[0, :split].view(num_prompts, q_len, -1), h[0, split:].view(n, t_len, -1)
         # token 0 is predicted at the prompt's last position, token t at completion position t-1
-        return self._logits(weights, torch.cat([h_prompt[question, -1:], h[:, :-1]], dim=1))
+        return self._logits(weights, torch.cat([h_prompt[question, -1:], h_completion[:, :-1]], dim=1))
