@@ -48,7 +48,7 @@ TIME_BUDGET_SECONDS = 3600       # the full table should finish within about an 
 TRAIN_PHASES = ("generate", "score", "logprobs", "update")
 
 DEFAULTS = dict(train_questions=1024, seeds="3", eval_questions=500, evals_per_run=4,
-                learning_rate=3e-5, trl_steps=10, trl_warmup=3)
+                learning_rate=3e-5, trl_steps=10, trl_warmup=3, generation_dtype="policy")
 QUICK = dict(train_questions=32, seeds="1", rows="grpo,cppo-0.875,fair-0.875,trl",
              eval_questions=200, evals_per_run=2, trl_steps=5, trl_warmup=2)
 
@@ -313,7 +313,8 @@ def base_config(args, row: Row, seed: int, output_dir: Path, steps: int | None =
                   eval_num_questions=args.eval_questions,
                   eval_steps=max(1, math.ceil(total / args.evals_per_run)),
                   save_steps=0, save_total_limit=1, logging_steps=1, report_to=["jsonl"],
-                  progress_bar=False, seed=seed, output_dir=str(output_dir))
+                  progress_bar=False, seed=seed, output_dir=str(output_dir),
+                  generation_dtype=None if args.generation_dtype == "policy" else args.generation_dtype)
     values.update(row.config_values())
     values.update(overrides)
     return CPPOConfig(**values)
@@ -417,7 +418,7 @@ def ours_step_seconds(args, runs_dir: Path, steps: int) -> dict:
     import io
     from cppo.trainer import CPPOTrainer
     cfg = base_config(args, all_rows()["grpo"], 0, runs_dir / "trl_ours", steps=steps,
-                      eval_steps=0, eval_num_questions=16)
+                      eval_steps=0, eval_num_questions=16, generation_dtype=None)  # TRL: float32
     trainer = CPPOTrainer(args=cfg)
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
@@ -510,7 +511,8 @@ def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
              f"Recipe: embedded model and task (2x2-digit multiplication), N = {settings['train_questions']} "
              f"training questions, one pass (num_train_epochs=1, max_steps=-1), G = {GROUP_SIZE}, "
              f"lr {settings['learning_rate']:g} constant, AdamW, beta 0, loss dapo, 1 update per batch, "
-             f"temperature 1.0; seeds {settings['seeds']}; held-out greedy accuracy on "
+             f"temperature 1.0, sampling weights in {settings.get('generation_dtype', 'policy')} "
+             f"(TRL comparison: float32); seeds {settings['seeds']}; held-out greedy accuracy on "
              f"{settings['eval_questions']} test questions every ~{100 // settings['evals_per_run']} % "
              f"of a run. Speed-ups use training seconds (train_seconds: the trainer's rounds, "
              f"without evaluation and checkpoints); wall seconds add evaluation and the final checkpoint.",
@@ -714,6 +716,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"held-out evaluations per run, evenly spaced, plus one before "
                              f"(default {DEFAULTS['evals_per_run']}, quick {QUICK['evals_per_run']})")
     parser.add_argument("--learning_rate", type=float, default=DEFAULTS["learning_rate"])
+    parser.add_argument("--generation_dtype", default=DEFAULTS["generation_dtype"],
+                        choices=["float32", "bfloat16", "policy"],
+                        help="sampling weights dtype for every training row ('policy': the "
+                             "policy's own float32); the TRL comparison always samples in float32")
     parser.add_argument("--trl_steps", type=int, default=None, help="steps timed in the TRL comparison")
     parser.add_argument("--trl_warmup", type=int, default=None, help="warm-up steps before timing")
     parser.add_argument("--no_estimate", action="store_true", help="skip the timing probe")
@@ -772,7 +778,7 @@ def main(argv=None) -> int:
                         "seeds": args.seed_list, "rows": args.row_list,
                         "eval_questions": args.eval_questions, "evals_per_run": args.evals_per_run,
                         "learning_rate": args.learning_rate, "group_size": GROUP_SIZE,
-                        "update_batch": UPDATE_BATCH},
+                        "update_batch": UPDATE_BATCH, "generation_dtype": args.generation_dtype},
            "runs": []}
     print(f"cppo table: rows {', '.join(args.row_list)}; seeds {args.seed_list}; "
           f"N = {args.train_questions}; machine {raw['machine']['platform']}, "
