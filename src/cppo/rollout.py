@@ -209,7 +209,7 @@ def _sample_chunk_lean(lean, dtype, model, prompts, group, max_new_tokens, eos_t
                        temperature, top_p, top_k, greedy, generator) -> Completions:
     """_sample_chunk on cppo.models.lean's forward (weights cast to `dtype` if given), with a
     preallocated KV cache."""
-    device = next(model.parameters()).device
+    device = lean.device
     prompts = prompts.to(device)
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
                        device=device)

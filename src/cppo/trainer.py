@@ -317,7 +317,8 @@ class CPPOTrainer:
             sums["region"] += float(stats["is_region_clipped"][m].sum())
             sums["tokens"] += int(m.sum())
         self.dist.average_gradients(self.policy)
-        with_grad = [p for p in self.policy.parameters() if p.grad is not None]
+        with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
+                     if p.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(  # max_norm inf: measure, don't clip
             with_grad, args.max_grad_norm if args.max_grad_norm > 0 else math.inf)) if with_grad else 0.0
         tokens = max(sums["tokens"], 1)

@@ -139,7 +139,7 @@ def lean_forward_for(model) -> tuple["LeanForward | None", str | None]:
         hooked = _hooked_module(lean)
         if hooked is not None:
             return None, f"module {hooked!r} has forward hooks (the lean forward would skip them)"
-        if _gradient_checkpointing(model):
+        if any(getattr(module, "gradient_checkpointing", False) for _, module in lean.modules):
             return None, "gradient checkpointing is on"
         if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager", None):
             return None, f"attn_implementation {model.config._attn_implementation!r}"
@@ -153,7 +153,7 @@ class LeanForward:
 
     def __init__(self, model) -> None:
         self.model = model
-        self.modules = list(model.named_modules())   # for the forward-hook check on every call
+        self.modules = list(model.named_modules())   # for the hook and checkpointing checks
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -163,6 +163,10 @@ class LeanForward:
         self.rotary = model.model.rotary_emb
         self._frozen: list | None = None
         self._rotations: dict = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.model.embed_tokens.weight.device
 
     # --- pieces ---------------------------------------------------------------------------------
     def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
