@@ -1,7 +1,12 @@
-"""Rollout speed: cppo's KV-shared sampler against transformers `generate(num_return_sequences=G)`.
+"""Rollout and scoring speed: cppo's sampler against transformers `generate(num_return_sequences=G)`,
+and cppo's lean scoring pass against the model's own forward.
 
-Same model, same prompts, same G and length limit, sampling at temperature 1.0; repetitions are
-interleaved (ours, theirs, ours, ...) and medians reported, so both see the same machine load.
+Rollouts: same model, prompts, G and length limit, temperature 1.0, for four samplers: the
+KV-shared sampler on the model's own forward, the same on cppo's lean forward, the lean forward on
+bfloat16 weights (generation_dtype), and transformers generate. Scoring: forward + backward of the
+completions' log-probs (what an update step runs), the model's forward against the lean one
+(each distinct prompt once). Repetitions are interleaved and medians reported, so every variant
+sees the same machine load.
 
     python benchmarks/rollout.py                 # embedded model, Q in {16, 64, 128}, G = 16
     python benchmarks/rollout.py --quick
@@ -20,7 +25,7 @@ import torch
 
 from cppo.data import arithmetic
 from cppo.models import load_model, load_tokenizer
-from cppo.rollout import encode_prompts, sample_completions
+from cppo.rollout import completion_logprobs, encode_prompts, sample_completions
 
 
 def time_once(fn) -> float:
@@ -29,10 +34,21 @@ def time_once(fn) -> float:
     return time.perf_counter() - start
 
 
+def interleaved(variants, repeats: int) -> list[float]:
+    """Median seconds of each variant, runs interleaved (one warm-up run each)."""
+    for run in variants:
+        run()
+    times = [[] for _ in variants]
+    for _ in range(repeats):
+        for run, bucket in zip(variants, times):
+            bucket.append(time_once(run))
+    return [statistics.median(t) for t in times]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--questions", type=int, nargs="+", default=[16, 64, 128])
+    parser.add_argument("--questions", type=int, nargs="+", default=[1, 16, 64, 128])
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--max_new_tokens", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
@@ -48,16 +64,19 @@ def main() -> None:
     lines = [f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads; model {args.model}; G = {args.group}, "
              f"max_new_tokens = {args.max_new_tokens}; median of {args.repeats} interleaved runs.",
-             "", "| questions | completions | cppo sampler (s) | transformers generate (s) | speed-up |",
-             "|---|---|---|---|---|"]
+             "", "Rollouts (seconds; speed-up = transformers generate / row):", "",
+             "| questions | completions | KV-shared, model forward | KV-shared, lean | lean, bf16 weights "
+             "| transformers generate | speed-up (lean) | speed-up (lean bf16) |",
+             "|---|---|---|---|---|---|---|---|"]
     results = []
     for q in args.questions:
         prompts = encode_prompts(tok, [r["prompt"] for r in rows[:q]])
 
-        def ours():
-            sample_completions(model, prompts, num_generations=args.group,
-                               max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id,
-                               pad_token_id=tok.pad_token_id, generator=gen)
+        def sampler(lean, dtype=None):
+            return lambda: sample_completions(
+                model, prompts, num_generations=args.group, max_new_tokens=args.max_new_tokens,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=gen,
+                lean=lean, dtype=dtype)
 
         def theirs():
             with torch.no_grad():
@@ -65,15 +84,32 @@ def main() -> None:
                                temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=args.group,
                                max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id,
                                pad_token_id=tok.pad_token_id)
-        ours(), theirs()  # warm-up
-        a, b = [], []
-        for _ in range(args.repeats):
-            a.append(time_once(ours))
-            b.append(time_once(theirs))
-        ta, tb = statistics.median(a), statistics.median(b)
-        results.append((q, ta, tb))
-        lines.append(f"| {q} | {q * args.group} | {ta:.3f} | {tb:.3f} | {tb / ta:.2f}x |")
+        variants = [sampler(False), sampler(True), sampler(True, torch.bfloat16), theirs]
+        times = interleaved(variants, args.repeats)
+        results.append((q, *times))
+        plain, lean, lean_bf16, hf = times
+        lines.append(f"| {q} | {q * args.group} | {plain:.3f} | {lean:.3f} | {lean_bf16:.3f} | {hf:.3f} "
+                     f"| {hf / lean:.2f}x | {hf / lean_bf16:.2f}x |")
         print(lines[-1], flush=True)
+
+    lines += ["", "Scoring pass, forward + backward of the completions' log-probs (seconds):", "",
+              "| questions x completions kept | model forward | lean (distinct prompts once) | speed-up |",
+              "|---|---|---|---|"]
+    model.train()
+    for q, per in ((1, 16), (8, 2), (16, 1), (128, 2)):
+        prompts = encode_prompts(tok, [r["prompt"] for r in rows[:q] for _ in range(per)])
+        ids = torch.randint(3, len(tok), (q * per, args.max_new_tokens), generator=gen)
+        mask = torch.ones_like(ids)
+
+        def scoring(lean):
+            def run():
+                model.zero_grad(set_to_none=True)
+                completion_logprobs(model, prompts.ids, prompts.mask, ids, mask, lean=lean).sum().backward()
+            return run
+        plain, lean = interleaved([scoring(False), scoring(True)], args.repeats)
+        lines.append(f"| {q} x {per} | {plain:.3f} | {lean:.3f} | {plain / lean:.2f}x |")
+        print(lines[-1], flush=True)
+    model.eval()
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,8 +119,9 @@ def main() -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [r[0] * args.group for r in results]
-    ax.plot(xs, [r[1] for r in results], "o-", label="cppo KV-shared sampler")
-    ax.plot(xs, [r[2] for r in results], "s-", label="transformers generate")
+    for column, label in enumerate(("KV-shared, model forward", "KV-shared, lean forward",
+                                    "lean forward, bf16 weights", "transformers generate"), start=1):
+        ax.plot(xs, [r[column] for r in results], "o-", label=label)
     ax.set(xlabel="completions per batch", ylabel="seconds", title="Rollout time (lower is better)")
     ax.legend()
     ax.grid(alpha=0.3)

@@ -272,20 +272,29 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp).
 
     Logits are divided by the sampling temperature, as TRL does. Runs with grad if enabled.
-    lean: use cppo.models.lean's forward when it supports the model; it also runs each distinct
-    prompt of a micro-batch once instead of once per completion (same values)."""
+    lean: use cppo.models.lean's forward when it supports the model; when a micro-batch has at
+    least two completions per distinct prompt on average, it also runs each distinct prompt once
+    instead of once per completion (same values)."""
     n, t = completion_ids.shape
     step = n if batch_size is None else batch_size
     lean_forward = lean_forward_for(model)[0] if lean else None
     out = []
     for s in range(0, n, step):
         rows = slice(s, s + step)
+        prompts = None
         if lean_forward is not None:
             prompts, question = torch.unique(torch.cat([prompt_ids[rows], prompt_mask[rows]], dim=1),
                                              dim=0, return_inverse=True)
+        if prompts is not None and 2 * len(prompts) <= len(question):
+            # at least two completions per distinct prompt on average: run each prompt once
             width = prompt_ids.shape[1]
             logits = lean_forward.completion_logits(prompts[:, :width], prompts[:, width:], question,
                                                     completion_ids[rows], completion_mask[rows])
+        elif lean_forward is not None:   # (nearly) all prompts distinct: one pass per sequence
+            ids = torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1)
+            mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = lean_forward(ids, positions, mask.bool(), logits_to_keep=t + 1)[0][:, :-1]
         else:
             ids = torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1)
             mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
