@@ -44,11 +44,12 @@ ABLATION_RATE = 0.875
 ACCURACY_TOLERANCE = 0.01        # CPPO may be at most 1 point below GRPO
 BOUND_FRACTION = 0.9             # measured speed-up must reach 90 % of the measured bound
 TRL_SPEED_RATIO = 2.0            # our GRPO step must be 2x faster than TRL's
+TRL_ROUNDS = 2                   # TRL runs, interleaved with TRL_ROUNDS + 1 runs of ours
 TIME_BUDGET_SECONDS = 3600       # the full table should finish within about an hour
 TRAIN_PHASES = ("generate", "score", "logprobs", "update")
 
 DEFAULTS = dict(train_questions=1024, seeds="3", eval_questions=500, evals_per_run=4,
-                learning_rate=3e-5, trl_steps=10, trl_warmup=3, generation_dtype="policy")
+                learning_rate=3e-5, trl_steps=30, trl_warmup=5, generation_dtype="policy")
 QUICK = dict(train_questions=32, seeds="1", rows="grpo,cppo-0.875,fair-0.875,trl",
              eval_questions=200, evals_per_run=2, trl_steps=5, trl_warmup=2)
 
@@ -385,23 +386,32 @@ def run_trl_comparison(args, runs_dir: Path) -> dict:
     except ImportError:
         trl = None
         result["error"] = "TRL not installed (pip install 'cppo[bench]')"
-    ours = []
-    for when in ("before", "after") if trl else ("before",):   # ours on both sides of TRL's run
+    ours, theirs = [], []
+    rounds = TRL_ROUNDS if trl else 1
+    for index in range(rounds + 1 if trl else 1):   # ours, TRL, ours, TRL, ..., ours
         try:
-            ours.append(ours_step_seconds(args, runs_dir / when, steps))
+            ours.append(ours_step_seconds(args, runs_dir / f"ours{index}", steps))
         except Exception as err:  # noqa: BLE001 - a broken comparison must not end the table
             result["ours"] = {"error": f"{type(err).__name__}: {err}"}
-        if trl and when == "before":
+        if trl and index < rounds:
             try:
-                result["trl"] = trl_step_seconds(args, runs_dir, steps)
+                theirs.append(trl_step_seconds(args, runs_dir / f"trl{index}", steps))
             except Exception as err:  # noqa: BLE001
                 result["error"] = f"TRL run failed: {type(err).__name__}: {err}"
+    if theirs:
+        periods = [p for t in theirs for p in t["periods"]]
+        result["trl"] = {"seconds_per_step": statistics.median(periods),
+                         "mean_seconds_per_step": statistics.fmean(periods),
+                         "tokens_per_s": sum(t["tokens"] for t in theirs) / sum(periods),
+                         "steps": len(periods), "periods": periods,
+                         "per_run_median": [statistics.median(t["periods"]) for t in theirs]}
     if ours and "ours" not in result:
         periods = [p for o in ours for p in o["periods"]]
         result["ours"] = {"seconds_per_step": statistics.median(periods),
                           "mean_seconds_per_step": statistics.fmean(periods),
                           "tokens_per_s": sum(o["tokens"] for o in ours) / sum(periods),
-                          "steps": len(periods), "periods": periods}
+                          "steps": len(periods), "periods": periods,
+                          "per_run_median": [statistics.median(o["periods"]) for o in ours]}
     if "trl" in result and "seconds_per_step" in result.get("ours", {}):
         result["ratio"] = result["trl"]["seconds_per_step"] / result["ours"]["seconds_per_step"]
     return result
@@ -471,12 +481,14 @@ def trl_step_seconds(args, runs_dir: Path, steps: int) -> dict:
                               processing_class=tokenizer, callbacks=[StepClock()])
         trainer.train()
     periods = _periods(ends, args.trl_warmup)
-    return {"seconds_per_step": statistics.median(periods), "mean_seconds_per_step": statistics.fmean(periods),
-            "tokens_per_s": sum(counted[args.trl_warmup:]) / sum(periods),
-            "steps": len(periods), "periods": periods}
+    return {"periods": periods, "tokens": sum(counted[args.trl_warmup:])}
 
 
 # ================================================================ report ========================
+def fmt_list(values) -> str:
+    return ", ".join(f"{v:.3f}" for v in values) if isinstance(values, list) else "n/a"
+
+
 def machine() -> dict:
     import torch
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -582,8 +594,10 @@ def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
                   cell(theirs, "seconds_per_step", 3), cell(theirs, "tokens_per_s", 0),
                   fmt_num(trl.get("ratio"), 2, "x") if trl.get("ratio") else trl.get("error", "n/a")]]
         lines += [markdown_table(["trainer", "s/step (median)", "completion tokens/s", "ours faster by"], table), "",
-                  f"{trl['measured_steps']} steps measured after {trl['warmup_steps']} warm-up steps; ours "
-                  "runs once before and once after TRL's run and pools both. A step is timed from the end "
+                  f"{trl['measured_steps']} steps measured after {trl['warmup_steps']} warm-up steps per "
+                  f"run; runs interleaved (ours, TRL, ours, TRL, ours) and each side's steps pooled; "
+                  f"per-run medians: ours {fmt_list(ours.get('per_run_median'))}, TRL "
+                  f"{fmt_list(theirs.get('per_run_median'))} s. A step is timed from the end "
                   "of one optimizer step to the end of the next (generation, scoring, update, logging; "
                   "ours logs every step, TRL not at all). TRL: gradient_checkpointing off, beta 0, loss "
                   "dapo, use_cpu, bf16 off." + (f" Ours failed: {ours['error']}" if "error" in ours else ""), ""]
