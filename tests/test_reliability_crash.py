@@ -115,7 +115,10 @@ def test_kill_mid_checkpoint_write_leaves_the_previous_one_loadable(killed, tiny
 def test_ctrl_c_finishes_the_step_and_saves(killed):
     out = killed["ctrl_c"]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and 3 <= summary["steps"] <= 6   # SIGINT races the last steps
+    # SIGINT races the last steps; landing after the last one (during the final checkpoint,
+    # evaluation or plots) lets the run complete normally: exit code 0 either way (the fixture)
+    assert (summary["status"] == "interrupted" and 3 <= summary["steps"] <= 6) or \
+        (summary["status"] == "completed" and summary["steps"] == 6)
     assert ckpt.latest_checkpoint(out).name == f"checkpoint-{summary['steps']}"
 
 

@@ -226,3 +226,22 @@ def test_generation_dtype_needs_a_model_the_lean_forward_supports(tiny_model_dir
                     reward_funcs=[length_reward], train_dataset=ROWS,
                     args=CPPOConfig(output_dir=str(tmp_path / "run"), generation_dtype="bfloat16",
                                     max_steps=1, per_device_train_batch_size=8, num_generations=4))
+
+
+def test_ctrl_c_after_the_last_step_still_completes_cleanly(tiny_model_dir, tmp_path, monkeypatch):
+    """A SIGINT while the final plots are drawn only asks to stop: no KeyboardInterrupt, the run
+    ends 'completed' with its final checkpoint and summary (CI once caught it mid-import)."""
+    import os
+    import signal
+    import cppo.trainer as trainer_module
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=2)
+    original = trainer_module.write_plots
+
+    def interrupted_plots(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(trainer_module, "write_plots", interrupted_plots)
+    summary = trainer.train()
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    assert (tmp_path / "run" / "checkpoint-2").is_dir()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handler restored

@@ -419,8 +419,18 @@ class CPPOTrainer:
         start_wall = time.perf_counter() - self.wall_offset
         if not self.history:
             self._evaluate(log, start_wall, label="before")
+        # Ctrl-C from here to the end only asks to stop: the loop finishes its step, and the
+        # final checkpoint, evaluation and summary always complete (a second Ctrl-C aborts)
         previous_handler = signal.signal(signal.SIGINT, self._request_stop) \
             if _in_main_thread() else None
+        try:
+            return self._train_loop(log, resumed_from, start_wall)
+        finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGINT, previous_handler)
+
+    def _train_loop(self, log, resumed_from, start_wall: float) -> dict:
+        args = self.args
         status = "completed"
         bar = tqdm(total=self.total_steps, initial=self.step, desc="cppo train", unit="step",
                    disable=not (args.progress_bar and self.dist.is_main), dynamic_ncols=True)
@@ -451,8 +461,6 @@ class CPPOTrainer:
             self.last_round_step = self.step
         finally:
             bar.close()
-            if previous_handler is not None:
-                signal.signal(signal.SIGINT, previous_handler)
         self.save(start_wall)  # parameters are finite here: a NaN/inf update is never applied
         if status == "completed" and (not self.history or self.history[-1]["step"] != self.step):
             self._evaluate(log, start_wall, label="after")
