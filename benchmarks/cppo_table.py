@@ -531,7 +531,7 @@ def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
              "", "## Main table (paper protocol: B = 16 completions per update for every row)", ""]
     head = ["row", "P", "Q/step", "steps", "accuracy %", "Δ vs GRPO pt", "train s", "wall s",
             "speed-up (train)", "speed-up (wall)", "paper", "bound", "% of bound",
-            f"time to GRPO acc (train s)", "reached"]
+            "time to GRPO acc (train s)", "reached"]
     body = []
     for n in names:
         s = stats[n]

@@ -1,7 +1,6 @@
 """The shipped tiny model: loads offline, is small, has the advertised partial skill."""
 
 import json
-import os
 
 import pytest
 

@@ -76,7 +76,6 @@ def write_plots(records: list[dict], output_dir: str | Path) -> list[Path]:
     """PNG plots of reward and held-out accuracy against wall time."""
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     output_dir = Path(output_dir)
     written = []

@@ -18,7 +18,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -350,7 +350,7 @@ class CPPOTrainer:
 
     def training_round(self) -> dict:
         """Generate for a batch of questions, score, prune, and run num_iterations updates."""
-        args, plan, timer = self.args, self.plan, self.timer
+        args, timer = self.args, self.timer
         rows = self.take_questions()
         with timer("generate"):
             prompts, completions = self.generate(rows)

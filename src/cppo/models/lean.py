@@ -161,7 +161,7 @@ class LeanForward:
         self.eps = config.rms_norm_eps
         self.scale = model.model.layers[0].self_attn.scaling
         self.rotary = model.model.rotary_emb
-        self._frozen: list | None = None
+        self._frozen: Weights | None = None   # the sampling snapshot inside frozen()
         self._rotations: dict = {}
 
     @property
@@ -346,8 +346,7 @@ class LeanForward:
         allowed_prompt = self._allowed(prompt_mask, torch.arange(q_len, device=h.device))
         allowed = self._allowed(torch.cat([prompt_mask[question], completion_mask], dim=1),
                                 q_len + torch.arange(t_len, device=h.device))
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-
+        heads, dim = self.num_heads, self.head_dim
         for w in weights.layers:
             q, k, v = self._qkv(w, h, rope)                  # (1, H, tokens, D), (1, H_kv, tokens, D)
             qp, kp, vp = (t[0, :, :split].unflatten(1, (num_prompts, q_len)).transpose(0, 1)
