@@ -399,22 +399,22 @@ def run_trl_comparison(args, runs_dir: Path) -> dict:
             except Exception as err:  # noqa: BLE001
                 result["error"] = f"TRL run failed: {type(err).__name__}: {err}"
     if theirs:
-        periods = [p for t in theirs for p in t["periods"]]
-        result["trl"] = {"seconds_per_step": statistics.median(periods),
-                         "mean_seconds_per_step": statistics.fmean(periods),
-                         "tokens_per_s": sum(t["tokens"] for t in theirs) / sum(periods),
-                         "steps": len(periods), "periods": periods,
-                         "per_run_median": [statistics.median(t["periods"]) for t in theirs]}
+        result["trl"] = pooled_step_seconds(theirs)
     if ours and "ours" not in result:
-        periods = [p for o in ours for p in o["periods"]]
-        result["ours"] = {"seconds_per_step": statistics.median(periods),
-                          "mean_seconds_per_step": statistics.fmean(periods),
-                          "tokens_per_s": sum(o["tokens"] for o in ours) / sum(periods),
-                          "steps": len(periods), "periods": periods,
-                          "per_run_median": [statistics.median(o["periods"]) for o in ours]}
+        result["ours"] = pooled_step_seconds(ours)
     if "trl" in result and "seconds_per_step" in result.get("ours", {}):
         result["ratio"] = result["trl"]["seconds_per_step"] / result["ours"]["seconds_per_step"]
     return result
+
+
+def pooled_step_seconds(runs: list[dict]) -> dict:
+    """Seconds per step and tokens/s over several timed runs ({"periods", "tokens"} each)."""
+    periods = [p for run in runs for p in run["periods"]]
+    return {"seconds_per_step": statistics.median(periods),
+            "mean_seconds_per_step": statistics.fmean(periods),
+            "tokens_per_s": sum(run["tokens"] for run in runs) / sum(periods),
+            "steps": len(periods), "periods": periods,
+            "per_run_median": [statistics.median(run["periods"]) for run in runs]}
 
 
 def _periods(ends: list[float], warmup: int) -> list[float]:

@@ -170,12 +170,16 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _eos_tensor(eos_token_id: int | Sequence[int], device) -> Tensor:
+    return torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
+                        device=device)
+
+
 def _sample_chunk(model, prompts, group, max_new_tokens, eos_token_id, pad_token_id, temperature,
                   top_p, top_k, greedy, generator) -> Completions:
+    """Prefill with the model's own forward, repeat its cache G times, decode with it."""
     device = next(model.parameters()).device
     prompts = prompts.to(device)
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
-                       device=device)
     positions = (prompts.mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=prompts.ids, attention_mask=prompts.mask, position_ids=positions,
                 use_cache=True, logits_to_keep=1)
@@ -183,66 +187,61 @@ def _sample_chunk(model, prompts, group, max_new_tokens, eos_token_id, pad_token
     cache = getattr(out, cache_arg)
     if group > 1:
         cache.batch_repeat_interleave(group)
-    logits = out.logits[:, -1].repeat_interleave(group, 0)
-    attention = prompts.mask.repeat_interleave(group, 0)
-    position = positions[:, -1:].repeat_interleave(group, 0) + 1
-    n = logits.shape[0]
-    finished = torch.zeros(n, dtype=torch.bool, device=device)
-    tokens = []
-    for step in range(max_new_tokens):
-        tok = _next_tokens(logits, greedy=greedy, temperature=temperature, top_k=top_k,
-                           top_p=top_p, generator=generator)
-        tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
-        tokens.append(tok)
-        finished |= torch.isin(tok, eos)
-        if finished.all() or step == max_new_tokens - 1:
-            break
-        attention = F.pad(attention, (0, 1), value=1)
-        out = model(input_ids=tok[:, None], attention_mask=attention, position_ids=position,
-                    use_cache=True, **{cache_arg: cache})
-        logits = out.logits[:, -1]
-        position = position + 1
-    return _completions(tokens, eos)
+    state = {"attention": prompts.mask.repeat_interleave(group, 0),
+             "position": positions[:, -1:].repeat_interleave(group, 0) + 1}
+
+    def advance(tok: Tensor) -> Tensor:
+        state["attention"] = F.pad(state["attention"], (0, 1), value=1)
+        out = model(input_ids=tok[:, None], attention_mask=state["attention"],
+                    position_ids=state["position"], use_cache=True, **{cache_arg: cache})
+        state["position"] = state["position"] + 1
+        return out.logits[:, -1]
+    return _decode(out.logits[:, -1].repeat_interleave(group, 0), advance, max_new_tokens,
+                   _eos_tensor(eos_token_id, device), pad_token_id, record=False, greedy=greedy,
+                   temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
 
 
 def _sample_chunk_lean(lean, dtype, model, prompts, group, max_new_tokens, eos_token_id, pad_token_id,
                        temperature, top_p, top_k, greedy, generator) -> Completions:
-    """_sample_chunk on cppo.models.lean's forward (weights cast to `dtype` if given), with a
-    preallocated KV cache."""
+    """_sample_chunk on cppo.models.lean's forward (weights cast to `dtype` if given, and then
+    each token's sampler log-prob recorded), with a preallocated KV cache."""
     device = lean.device
     prompts = prompts.to(device)
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
-                       device=device)
-    with lean.frozen(dtype):
-        return _decode_lean(lean, prompts, group, max_new_tokens, eos, pad_token_id, temperature,
-                            top_p, top_k, greedy, generator, device, record=dtype is not None)
-
-
-def _decode_lean(lean, prompts, group, max_new_tokens, eos, pad_token_id, temperature, top_p,
-                 top_k, greedy, generator, device, record: bool) -> Completions:
     width = prompts.ids.shape[1]
     positions = (prompts.mask.cumsum(-1) - 1).clamp(min=0)
-    logits, cache = lean(prompts.ids, positions, prompts.mask.bool(), logits_to_keep=1,
-                         new_cache_capacity=width)
-    cache = cache.repeat_interleave(group, width + max_new_tokens)
-    logits = logits[:, -1].repeat_interleave(group, 0)
-    n = logits.shape[0]
-    keys = torch.ones(n, width + max_new_tokens, dtype=torch.bool, device=device)
-    keys[:, :width] = prompts.mask.bool().repeat_interleave(group, 0)
-    position = positions[:, -1:].repeat_interleave(group, 0) + 1
-    finished = torch.zeros(n, dtype=torch.bool, device=device)
-    tokens, logprobs = [], ([] if record and not greedy else None)
+    with lean.frozen(dtype):
+        logits, cache = lean(prompts.ids, positions, prompts.mask.bool(), logits_to_keep=1,
+                             new_cache_capacity=width)
+        cache = cache.repeat_interleave(group, width + max_new_tokens)
+        keys = torch.ones(len(prompts) * group, width + max_new_tokens, dtype=torch.bool, device=device)
+        keys[:, :width] = prompts.mask.bool().repeat_interleave(group, 0)
+        state = {"position": positions[:, -1:].repeat_interleave(group, 0) + 1}
+
+        def advance(tok: Tensor) -> Tensor:
+            logits, _ = lean(tok[:, None], state["position"], keys, cache=cache)
+            state["position"] = state["position"] + 1
+            return logits[:, -1]
+        return _decode(logits[:, -1].repeat_interleave(group, 0), advance, max_new_tokens,
+                       _eos_tensor(eos_token_id, device), pad_token_id, record=dtype is not None,
+                       greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+                       generator=generator)
+
+
+def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token_id: int, *,
+            record: bool, **sampling) -> Completions:
+    """Sample up to max_new_tokens tokens per row from first logits (N, V); advance(tokens (N,))
+    runs one decode step and returns the next logits. Rows that have produced EOS get padding;
+    with `record`, each token's log-prob under the sampling distribution is kept."""
+    finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    tokens, logprobs = [], ([] if record and not sampling["greedy"] else None)
     for step in range(max_new_tokens):
-        tok = _next_tokens(logits, greedy=greedy, temperature=temperature, top_k=top_k,
-                           top_p=top_p, generator=generator, logprobs=logprobs)
+        tok = _next_tokens(logits, logprobs=logprobs, **sampling)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
         tokens.append(tok)
         finished |= torch.isin(tok, eos)
         if step == max_new_tokens - 1 or finished.all():
             break
-        logits, cache = lean(tok[:, None], position, keys, cache=cache)
-        logits = logits[:, -1]
-        position = position + 1
+        logits = advance(tok)
     completions = _completions(tokens, eos)
     if logprobs is not None:
         completions.logprobs = torch.stack(logprobs, dim=1) * completions.mask

@@ -297,11 +297,11 @@ class CPPOTrainer:
             per_token, stats = per_token_policy_loss(
                 logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
                 epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps)
+            m = micro.completion_mask.bool()
             if micro.sampler_logps is not None:   # the sampler was a cast copy: truncated IS
                 old = logps.detach().float() if micro.old_logps is None else micro.old_logps
                 weights = importance_weights(old, micro.sampler_logps, args.importance_sampling_clip_max)
                 per_token = per_token * weights
-                m = micro.completion_mask.bool()
                 sums["is_ratio"] += float(weights[m].sum())
                 sums["logp_diff"] += float((old - micro.sampler_logps).abs()[m].sum())
             loss = reduce_loss(per_token, micro.completion_mask, args.loss_type,
@@ -309,7 +309,6 @@ class CPPOTrainer:
                                total_sequences=total_sequences, total_tokens=total_tokens)
             loss = loss * self.dist.world_size   # DDP averages gradients over processes
             loss.backward()
-            m = micro.completion_mask.bool()
             sums["loss"] += loss.item() / self.dist.world_size
             sums["kl"] += float(stats["kl"][m].sum())
             sums["low"] += float(stats["is_low_clipped"][m].sum())

@@ -79,16 +79,17 @@ class KVCache:
 
 def unsupported_reason(model) -> str | None:
     """Why the lean forward cannot reproduce `model` exactly, or None when it can."""
+    return _architecture_reason(model) or _switch_reason(model, list(model.named_modules()))
+
+
+def _architecture_reason(model) -> str | None:
+    """What about the model's architecture the lean forward does not reproduce (fixed for a model)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
     if type(model).__name__ not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
         return f"wrapped or subclassed model ({type(model).__name__})"
-    if _gradient_checkpointing(model):
-        return "gradient checkpointing is on"
-    if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager", None):
-        return f"attn_implementation {config._attn_implementation!r}"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r}"
     if getattr(config, "pretraining_tp", 1) != 1:
@@ -105,17 +106,20 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def _gradient_checkpointing(model) -> bool:
-    name = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
-            else "is_gradient_checkpointing")
-    return bool(getattr(model, name, False))
-
-
-def _hooked_module(lean: "LeanForward") -> str | None:
-    """The name of a module of the model with forward (pre-)hooks, or None."""
-    for name, module in lean.modules:
+def _switch_reason(model, modules: list) -> str | None:
+    """What, among the things that can change on a model after loading, the lean forward does
+    not reproduce: forward hooks, gradient checkpointing, the attention implementation, dropout.
+    `modules` is the model's named_modules() list."""
+    if any(getattr(module, "gradient_checkpointing", False) for _, module in modules):
+        return "gradient checkpointing is on"          # (it registers hooks of its own)
+    for name, module in modules:
         if module._forward_hooks or module._forward_pre_hooks:
-            return name or "<model>"
+            return f"module {name or '<model>'!r} has forward hooks (the lean forward would skip them)"
+    config = model.config
+    if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager", None):
+        return f"attn_implementation {config._attn_implementation!r}"
+    if model.training and getattr(config, "attention_dropout", 0.0):
+        return "attention dropout in training mode (the lean forward has no dropout)"
     return None
 
 
@@ -124,27 +128,20 @@ _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def lean_forward_for(model) -> tuple["LeanForward | None", str | None]:
     """(LeanForward, None) when the model is supported, else (None, reason). The architecture
-    check runs once per model; the switches that can change later (gradient checkpointing,
-    attention implementation) are checked on every call."""
+    check runs once per model; the switches that can change later are checked on every call."""
     try:
         lean, reason = _CACHE[model]
     except (KeyError, TypeError):
-        reason = unsupported_reason(model)
+        reason = _architecture_reason(model)
         lean = None if reason else LeanForward(model)
         try:
             _CACHE[model] = (lean, reason)
         except TypeError:
             pass
     if lean is not None:
-        hooked = _hooked_module(lean)
-        if hooked is not None:
-            return None, f"module {hooked!r} has forward hooks (the lean forward would skip them)"
-        if any(getattr(module, "gradient_checkpointing", False) for _, module in lean.modules):
-            return None, "gradient checkpointing is on"
-        if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager", None):
-            return None, f"attn_implementation {model.config._attn_implementation!r}"
-        if model.training and getattr(model.config, "attention_dropout", 0.0):
-            return None, "attention dropout in training mode (the lean forward has no dropout)"
+        switch = _switch_reason(model, lean.modules)
+        if switch is not None:
+            return None, switch
     return lean, reason
 
 
@@ -153,7 +150,7 @@ class LeanForward:
 
     def __init__(self, model) -> None:
         self.model = model
-        self.modules = list(model.named_modules())   # for the hook and checkpointing checks
+        self.modules = list(model.named_modules())   # for _switch_reason on every call
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
