@@ -56,3 +56,19 @@ def test_pretrain_and_eval_commands(tmp_path, capsys):
     data = json.loads(result.read_text())
     assert data["num_questions"] == 20 and 0 <= data["greedy_accuracy"] <= 1
     assert "greedy accuracy" in capsys.readouterr().out
+
+
+def test_pretrain_learning_rate_schedules():
+    from cppo.config import ConfigError
+    from cppo.pretrain import PretrainConfig, lr_factor
+    constant = PretrainConfig(steps=100, warmup_steps=10)
+    assert [lr_factor(s, constant) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert all(lr_factor(s, constant) == 1.0 for s in range(10, 100))
+    cosine = PretrainConfig(steps=100, warmup_steps=10, lr_schedule="cosine")
+    assert [lr_factor(s, cosine) for s in (0, 9)] == [0.1, 1.0]
+    after = [lr_factor(s, cosine) for s in range(10, 100)]
+    assert after[0] == 1.0 and all(a > b for a, b in zip(after, after[1:]))
+    assert lr_factor(55, cosine) == pytest.approx(0.5)      # half-way through the decay
+    assert 0 < after[-1] < 0.001
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        PretrainConfig(lr_schedule="linear")

@@ -8,6 +8,7 @@ directory (config.json, model.safetensors, tokenizer) and a model card with the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shlex
@@ -35,6 +36,8 @@ class PretrainConfig:
     batch_size: int = option(256, "Problems per step.")
     learning_rate: float = option(1e-3, "AdamW learning rate.")
     warmup_steps: int = option(50, "Linear warm-up steps.")
+    lr_schedule: str = option("constant", "Learning rate after the warm-up: 'constant', or 'cosine' "
+                              "decay to 0 at the last step.")
     weight_decay: float = option(0.01, "AdamW weight decay.")
     hidden_size: int = option(128, "Model width.")
     num_layers: int = option(4, "Transformer layers.")
@@ -55,8 +58,19 @@ class PretrainConfig:
                 raise ConfigError(f"'{key}' is {getattr(self, key)}; must be >= 1")
         if self.learning_rate <= 0:
             raise ConfigError(f"'learning_rate' is {self.learning_rate}; must be > 0")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ConfigError(f"'lr_schedule' is {self.lr_schedule!r}; allowed: constant, cosine")
         if self.task_level not in arithmetic.LEVELS:
             raise ConfigError(f"'task_level' is {self.task_level}; allowed: 1, 2, 3, 4")
+
+
+def lr_factor(step: int, cfg: PretrainConfig) -> float:
+    """Multiplier of the learning rate at optimizer step `step` (0-based)."""
+    warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+    if cfg.lr_schedule == "constant" or step < cfg.warmup_steps:
+        return warm
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def encode_supervised(tokenizer, problems) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +103,7 @@ def pretrain(cfg: PretrainConfig, command: str | None = None) -> dict:
     ids, loss_mask = encode_supervised(tokenizer, train)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     generator = torch.Generator().manual_seed(cfg.seed)
     start = time.perf_counter()
     model.train()
