@@ -311,6 +311,7 @@ def base_config(args, row: Row, seed: int, output_dir: Path, steps: int | None =
     values = dict(model="embedded", dataset_name="embedded", num_generations=GROUP_SIZE,
                   gradient_accumulation_steps=1, num_train_questions=args.train_questions,
                   num_train_epochs=1, max_steps=steps or -1, learning_rate=args.learning_rate,
+                  lr_scheduler_type="constant",
                   eval_num_questions=args.eval_questions,
                   eval_steps=max(1, math.ceil(total / args.evals_per_run)),
                   save_steps=0, save_total_limit=1, logging_steps=1, report_to=["jsonl"],

@@ -131,8 +131,9 @@ class CPPOConfig:
     per_device_train_batch_size: int = option(256, "Completions per micro-batch on each device "
                                           "(TRL: counts completions, not prompts).")
     gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
-    learning_rate: float = option(6e-5, "AdamW learning rate.")
-    lr_scheduler_type: str = option("constant", "Learning-rate schedule.", LR_SCHEDULERS)
+    learning_rate: float = option(1.6e-4, "AdamW learning rate (peak, when the schedule decays).")
+    lr_scheduler_type: str = option("cosine", "Learning-rate schedule (after warm-up): cosine decays "
+                                   "to 0 at the last step.", LR_SCHEDULERS)
     warmup_ratio: float = option(0.0, "Fraction of steps of linear warm-up.")
     weight_decay: float = option(0.0, "AdamW weight decay.")
     adam_beta1: float = option(0.9, "AdamW beta1.")
