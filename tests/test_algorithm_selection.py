@@ -170,7 +170,7 @@ def test_max_variance_works_per_question():
 
 def test_max_variance_rejects_step_scope():
     rewards = torch.rand(2, 4)
-    with pytest.raises(ValueError, match=r"'max_variance'.*needs scope='question', got scope='step'"):
+    with pytest.raises(ValueError, match=r"'max_variance' needs scope in \('question',\), got scope='step'"):
         select_completions(rewards, rewards, num_keep=4, scope="step", rule="max_variance")
 
 

@@ -43,11 +43,13 @@ def test_command_line_lists_parse():
     ({"pruning_rate": 1.0}, "'pruning_rate' is 1.0; allowed: 0 <= pruning_rate < 1"),
     ({"pruning_rate": -0.1}, "'pruning_rate' is -0.1"),
     ({"num_generations": 1}, "pruning needs >= 2 completions per question"),
-    ({"pruning_rate": 0, "per_device_train_batch_size": 20}, "not divisible by num_generations"),
+    ({"pruning_rate": 0, "per_device_train_batch_size": 20},
+     "per_device_train_batch_size x gradient_accumulation_steps = 20 x 1 = 20 completions, "
+     "num_generations = 16"),
     ({"loss_type": "ppo"}, "'loss_type' is 'ppo'; allowed: grpo, bnpo, dr_grpo, dapo"),
     ({"scale_rewards": "yes"}, "'scale_rewards' is 'yes'"),
     ({"selection_rule": "best"}, "'selection_rule' is 'best'"),
-    ({"selection_rule": "max_variance"}, "set selection_scope=question"),
+    ({"selection_rule": "max_variance"}, "'selection_scope' is 'step': set selection_scope=question"),
     ({"temperature": 0}, "'temperature' is 0.0; must be > 0"),
     ({"top_p": 1.5}, "'top_p' is 1.5"),
     ({"learning_rate": float("nan")}, "'learning_rate' must be a finite number"),
@@ -57,7 +59,7 @@ def test_command_line_lists_parse():
     ({"report_to": ["wandb"]}, "'report_to' has 'wandb'"),
     ({"task_level": 7}, "'task_level' is 7"),
     ({"selection_scope": "question", "num_generations": 16, "pruning_rate": 0.6,
-      "per_device_train_batch_size": 10}, "does not divide the update batch"),
+      "per_device_train_batch_size": 10}, "must be divisible by keep_per_question=6"),
 ])
 def test_config_errors_name_the_key(values, message):
     with pytest.raises(ConfigError, match=pytest.importorskip("re").escape(message)):
@@ -90,3 +92,48 @@ def test_help_documents_every_field(capsys):
     for fld in dataclasses.fields(CPPOConfig):
         assert f"--{fld.name}" in text
     assert "(default: 0.875)" in text
+
+
+# ---------------------------------------------------------------- one source of truth
+
+
+@pytest.mark.parametrize("batch", [9, 16, 12, 15, 18])
+def test_step_plan_is_validated_by_the_planner(batch):
+    """G = 16, P = 0.84375 keeps 16 x 0.15625 = 2.5 per question: the planner rounds half up
+    (3), so a batch of 9 is fine and 16 is not; the config must agree with it exactly."""
+    from cppo.algorithm import plan_step
+    values = {"num_generations": 16, "pruning_rate": 0.84375, "selection_scope": "question",
+              "per_device_train_batch_size": batch}
+    try:
+        plan_step(completions_per_update=batch, group_size=16, pruning_rate=0.84375,
+                  allocation=True, scope="question")
+    except ValueError:
+        with pytest.raises(ConfigError, match="per_device_train_batch_size.*num_generations = 16.*"
+                                              "pruning_rate = 0.84375.*selection_scope = 'question'"):
+            CPPOConfig.from_dict(values)
+    else:
+        assert CPPOConfig.from_dict(values).step_plan().keep_per_question == 3
+    assert (batch % 3 == 0) == (batch in (9, 12, 15, 18))
+
+
+def test_config_takes_names_from_the_algorithm_registries():
+    from cppo.algorithm import LOSS_TYPES, SCALE_REWARDS, SELECTION_RULES, register_rule
+    for loss_type in LOSS_TYPES:
+        assert CPPOConfig(loss_type=loss_type).loss_type == loss_type
+    for scale in SCALE_REWARDS:
+        assert CPPOConfig(scale_rewards=scale).scale_rewards == scale
+
+    @register_rule("keep_first_config_test", scopes=("question",))
+    def keep_first(advantages, rewards, *, num_keep, scope, generator):
+        raise AssertionError("not called by the config")
+
+    try:
+        cfg = CPPOConfig.from_dict({"selection_rule": "keep_first_config_test",
+                                    "selection_scope": "question", "pruning_rate": 0.5})
+        assert cfg.selection_rule == "keep_first_config_test"
+        with pytest.raises(ConfigError, match="keep_first_config_test ranks only with selection_scope"):
+            CPPOConfig.from_dict({"selection_rule": "keep_first_config_test"})
+    finally:
+        del SELECTION_RULES["keep_first_config_test"]
+    with pytest.raises(ConfigError, match="'selection_rule' is 'keep_first_config_test'"):
+        CPPOConfig.from_dict({"selection_rule": "keep_first_config_test"})

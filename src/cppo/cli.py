@@ -13,7 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cppo.config import ConfigError, CPPOConfig, build_dataclass, option, read_yaml
+from cppo.config import (ConfigError, CPPOConfig, _check, build_dataclass, check_fields, option,
+                         read_yaml)
 
 
 @dataclass
@@ -34,12 +35,10 @@ class EvalConfig:
     attn_implementation: str | None = option(None, "Attention implementation.")
 
     def __post_init__(self):
-        if self.k < 0:
-            raise ConfigError(f"'k' is {self.k}; must be >= 0")
-        if self.batch_size < 1:
-            raise ConfigError(f"'batch_size' is {self.batch_size}; must be >= 1")
-        if self.temperature <= 0:
-            raise ConfigError(f"'temperature' is {self.temperature}; must be > 0")
+        check_fields(self)
+        _check(self.k >= 0, f"'k' is {self.k}; must be >= 0")
+        _check(self.batch_size >= 1, f"'batch_size' is {self.batch_size}; must be >= 1")
+        _check(self.temperature > 0, f"'temperature' is {self.temperature}; must be > 0")
 
 
 @dataclass
@@ -49,6 +48,9 @@ class ExportConfig:
     split: str = option("train", "Split: train or test.", ("train", "test"))
     n: int | None = option(None, "Number of problems (None: the whole split).")
     seed: int = option(0, "Order seed.")
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 def _add_fields(parser: argparse.ArgumentParser, cls) -> None:

@@ -20,24 +20,24 @@ from typing import Any, Optional
 
 import yaml
 
+from cppo.algorithm import LOSS_TYPES, SCALE_REWARDS, SCOPES, SELECTION_RULES, StepShape, plan_step, rule_traits
+
 
 class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it and what is allowed."""
 
 
-def option(default, help: str, choices: tuple | None = None, **kw):
+def option(default, help: str, choices: typing.Collection | None = None, **kw):
     """A dataclass field carrying its help text (and allowed choices) in metadata; shared by
-    every config dataclass of the CLI."""
+    every config dataclass of the CLI. `choices` may be a registry (a dict): it is read when a
+    value is checked, so names registered later are allowed."""
     meta = {"help": help, "choices": choices}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-SCALE_REWARDS = ("group", "batch", "none")
-SELECTION_RULES = ("largest_abs", "smallest_abs", "random", "max_variance")
-SELECTION_SCOPES = ("question", "step", "global")
+SELECTION_SCOPES = (*SCOPES, "global")  # global: the step scope over all processes
 LR_SCHEDULERS = ("constant", "linear", "cosine", "constant_with_warmup")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
@@ -169,6 +169,13 @@ class CPPOConfig:
     def completions_per_update(self) -> int:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
+    def step_plan(self) -> StepShape:
+        """Questions sampled, completions scored and kept per optimizer step (algorithm/allocation)."""
+        scope = "step" if self.selection_scope == "global" else self.selection_scope
+        return plan_step(completions_per_update=self.completions_per_update,
+                         group_size=self.num_generations, pruning_rate=self.pruning_rate,
+                         allocation=self.allocation, scope=scope)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -291,9 +298,10 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: CPPOConfig) -> None:
-    """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
-    hints = field_types()
+def check_fields(cfg) -> None:
+    """Checks every config dataclass shares: a value is one of its field's choices, and numbers
+    are finite. Each dataclass's own rules follow, written as `_check(ok, message)`."""
+    hints = field_types(type(cfg))
     for fld in dataclasses.fields(cfg):
         value = getattr(cfg, fld.name)
         choices = fld.metadata.get("choices")
@@ -303,6 +311,11 @@ def validate(cfg: CPPOConfig) -> None:
         if tp in (int, float) and value is not None and not isinstance(value, bool):
             _check(isinstance(value, (int, float)) and math.isfinite(value),
                    f"'{fld.name}' must be a finite number, got {value!r}")
+
+
+def validate(cfg: CPPOConfig) -> None:
+    """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
+    check_fields(cfg)
     _check(0.0 <= cfg.pruning_rate < 1.0,
            f"'pruning_rate' is {cfg.pruning_rate}; allowed: 0 <= pruning_rate < 1 "
            f"(1 would prune every completion)")
@@ -314,11 +327,6 @@ def validate(cfg: CPPOConfig) -> None:
            f"'per_device_train_batch_size' is {cfg.per_device_train_batch_size}; must be >= 1")
     _check(cfg.gradient_accumulation_steps >= 1,
            f"'gradient_accumulation_steps' is {cfg.gradient_accumulation_steps}; must be >= 1")
-    if cfg.pruning_rate == 0 or not cfg.allocation:
-        _check(cfg.completions_per_update % cfg.num_generations == 0,
-               f"per_device_train_batch_size x gradient_accumulation_steps = "
-               f"{cfg.completions_per_update} completions is not divisible by num_generations = "
-               f"{cfg.num_generations}; each question needs all its {cfg.num_generations} completions")
     _check(cfg.learning_rate > 0, f"'learning_rate' is {cfg.learning_rate}; must be > 0")
     _check(0.0 <= cfg.warmup_ratio < 1.0, f"'warmup_ratio' is {cfg.warmup_ratio}; allowed: [0, 1)")
     _check(cfg.beta >= 0, f"'beta' is {cfg.beta}; must be >= 0")
@@ -363,17 +371,20 @@ def validate(cfg: CPPOConfig) -> None:
     for sink in cfg.report_to:
         _check(sink in ("jsonl", "tensorboard", "none"),
                f"'report_to' has {sink!r}; allowed: jsonl, tensorboard, none")
-    if cfg.selection_rule == "max_variance":
-        _check(cfg.selection_scope == "question",
-               "'selection_rule' max_variance (PODS) ranks within a question; set "
-               "selection_scope=question")
-    if cfg.selection_scope == "question" and cfg.pruning_rate > 0:
-        keep = max(1, round(cfg.num_generations * (1 - cfg.pruning_rate)))
-        if cfg.allocation:
-            _check(cfg.completions_per_update % keep == 0,
-                   f"selection_scope=question keeps {keep} of {cfg.num_generations} completions "
-                   f"per question, which does not divide the update batch of "
-                   f"{cfg.completions_per_update} completions")
+    scopes = rule_traits(cfg.selection_rule).scopes
+    _check(cfg.selection_scope in scopes or (cfg.selection_scope == "global" and "step" in scopes),
+           f"'selection_rule' {cfg.selection_rule} ranks only with selection_scope in "
+           f"{', '.join(scopes)}; 'selection_scope' is {cfg.selection_scope!r}: set "
+           f"selection_scope={scopes[0]}")
+    try:
+        cfg.step_plan()
+    except ValueError as err:
+        raise ConfigError(
+            f"no step plan for per_device_train_batch_size x gradient_accumulation_steps = "
+            f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} = "
+            f"{cfg.completions_per_update} completions, num_generations = {cfg.num_generations}, "
+            f"pruning_rate = {cfg.pruning_rate}, allocation = {cfg.allocation}, selection_scope = "
+            f"{cfg.selection_scope!r}: {err}") from None
     _check(cfg.lora_r >= 1, f"'lora_r' is {cfg.lora_r}; must be >= 1")
     _check(cfg.generation_batch_size is None or cfg.generation_batch_size >= 1,
            f"'generation_batch_size' is {cfg.generation_batch_size}; must be >= 1 or None")

@@ -23,8 +23,9 @@ from transformers import LlamaForCausalLM
 
 from cppo.data import arithmetic
 from cppo.evaluate import evaluate
-from cppo.config import option
+from cppo.config import _check, check_fields, option
 from cppo.models.loading import tiny_model_config
+from cppo.padding import pad_token_lists
 from cppo.models.tokenizer import build_tokenizer
 
 
@@ -37,7 +38,7 @@ class PretrainConfig:
     learning_rate: float = option(1e-3, "AdamW learning rate.")
     warmup_steps: int = option(50, "Linear warm-up steps.")
     lr_schedule: str = option("constant", "Learning rate after the warm-up: 'constant', or 'cosine' "
-                              "decay to 0 at the last step.")
+                              "decay to 0 at the last step.", ("constant", "cosine"))
     weight_decay: float = option(0.01, "AdamW weight decay.")
     hidden_size: int = option(128, "Model width.")
     num_layers: int = option(4, "Transformer layers.")
@@ -51,17 +52,13 @@ class PretrainConfig:
     progress_bar: bool = option(True, "Show a progress bar.")
 
     def __post_init__(self):
-        from cppo.config import ConfigError
+        check_fields(self)
         for key in ("steps", "batch_size", "hidden_size", "num_layers", "num_heads",
                     "intermediate_size", "eval_questions", "threads"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"'{key}' is {getattr(self, key)}; must be >= 1")
-        if self.learning_rate <= 0:
-            raise ConfigError(f"'learning_rate' is {self.learning_rate}; must be > 0")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ConfigError(f"'lr_schedule' is {self.lr_schedule!r}; allowed: constant, cosine")
-        if self.task_level not in arithmetic.LEVELS:
-            raise ConfigError(f"'task_level' is {self.task_level}; allowed: 1, 2, 3, 4")
+            _check(getattr(self, key) >= 1, f"'{key}' is {getattr(self, key)}; must be >= 1")
+        _check(self.learning_rate > 0, f"'learning_rate' is {self.learning_rate}; must be > 0")
+        _check(self.task_level in arithmetic.LEVELS,
+               f"'task_level' is {self.task_level}; allowed: {', '.join(map(str, arithmetic.LEVELS))}")
 
 
 def lr_factor(step: int, cfg: PretrainConfig) -> float:
@@ -81,13 +78,9 @@ def encode_supervised(tokenizer, problems) -> tuple[torch.Tensor, torch.Tensor]:
         answer = tokenizer(p.answer_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         masks.append([0] * len(prompt) + [1] * len(answer))
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, (r, m) in enumerate(zip(rows, masks)):
-        ids[i, :len(r)] = torch.tensor(r)
-        mask[i, :len(m)] = torch.tensor(m, dtype=torch.bool)
-    return ids, mask
+    ids, _ = pad_token_lists(rows, tokenizer.pad_token_id, side="right")
+    loss_mask, _ = pad_token_lists(masks, 0, side="right")
+    return ids, loss_mask.bool()
 
 
 def pretrain(cfg: PretrainConfig, command: str | None = None) -> dict:

@@ -24,9 +24,9 @@ import torch
 from tqdm.auto import tqdm
 
 from cppo import checkpoint as ckpt
-from cppo.algorithm import (combine_rewards, importance_weights, per_token_policy_loss, plan_step,
+from cppo.algorithm import (combine_rewards, importance_weights, per_token_policy_loss,
                             reduce_loss, reward_stats, select_completions)
-from cppo.algorithm.selection import recompute_advantages_on_kept
+from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
 from cppo.config import ConfigError, CPPOConfig
 from cppo.data.sources import TaskData, check_rows, load_task
 from cppo.distributed import Distributed
@@ -117,10 +117,7 @@ class CPPOTrainer:
         self.rewards = RewardRunner(funcs if isinstance(funcs, (list, tuple)) else [funcs],
                                     args.reward_weights)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
-        self.plan = plan_step(completions_per_update=args.completions_per_update,
-                              group_size=args.num_generations, pruning_rate=args.pruning_rate,
-                              allocation=args.allocation,
-                              scope="step" if args.selection_scope == "global" else args.selection_scope)
+        self.plan = args.step_plan()
         self.total_steps = self._total_steps()
         self.optimizer = make_adamw([p for p in self.policy.parameters() if p.requires_grad], args)
         from transformers import get_scheduler
@@ -141,16 +138,13 @@ class CPPOTrainer:
 
     # ---------------------------------------------------------------- setup -----------------
     def _load_policy(self, model, processing_class, peft_config):
-        from cppo.models import load_model, load_tokenizer
+        from cppo.models import load_model, load_tokenizer, ready_for_generation
         args = self.args
         name = model if isinstance(model, str) else (args.model if model is None else None)
         policy = model if name is None else load_model(
             name, torch_dtype=args.torch_dtype, attn_implementation=args.attn_implementation)
-        tokenizer = processing_class or load_tokenizer(
-            name or getattr(policy.config, "_name_or_path", None) or args.model)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.padding_side = "left"
+        tokenizer = ready_for_generation(processing_class or load_tokenizer(
+            name or getattr(policy.config, "_name_or_path", None) or args.model))
         policy.to(self.device)
         if args.gradient_checkpointing:
             # the sampler passes use_cache explicitly, so generation keeps its KV cache
@@ -357,7 +351,7 @@ class CPPOTrainer:
             rewards, per_function_means = self.score(rows, completions)
             advantages = self.dist.group_advantages(rewards, args.scale_rewards)
             keep_mask = self.select(advantages, rewards)
-            if args.selection_rule == "max_variance":  # question scope: local statistics
+            if rule_traits(args.selection_rule).advantages_on_kept:  # question scope: local statistics
                 advantages = recompute_advantages_on_kept(rewards, keep_mask, args.scale_rewards)
             batch = self.build_batch(prompts, completions, advantages, keep_mask)
         metrics = self.step_metrics(rows, rewards, per_function_means, advantages, keep_mask,

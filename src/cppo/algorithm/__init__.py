@@ -11,16 +11,21 @@ from cppo.algorithm.allocation import StepShape, plan_step
 from cppo.algorithm.loss import (LOSS_TYPES, importance_weights, masked_mean, per_token_policy_loss,
                                  reduce_loss)
 from cppo.algorithm.selection import (
+    RULE_TRAITS,
     SCOPES,
     SELECTION_RULES,
+    RuleTraits,
     keep_highest_scores,
     recompute_advantages_on_kept,
     register_rule,
+    rule_traits,
     select_completions,
 )
 
 __all__ = [
     "LOSS_TYPES",
+    "RULE_TRAITS",
+    "RuleTraits",
     "SCALE_REWARDS",
     "SCOPES",
     "SELECTION_RULES",
@@ -37,5 +42,6 @@ __all__ = [
     "reduce_loss",
     "register_rule",
     "reward_stats",
+    "rule_traits",
     "select_completions",
 ]

@@ -100,7 +100,7 @@ def plan_step(
         if batch % keep_per_question != 0:
             raise ValueError(
                 f"completions_per_update={batch} must be divisible by keep_per_question="
-                f"{keep_per_question} (= round({group_size} * (1 - {pruning}))) for allocation with "
+                f"{keep_per_question} (= {group_size} * (1 - {pruning}) rounded half up) for allocation with "
                 "scope='question'; change the batch or the pruning rate, or use scope='step'"
             )
         questions = batch // keep_per_question

@@ -6,13 +6,15 @@ exactly `num_keep` True entries. Scope:
   'step':     one selection over all Q * G completions of the step (a question keeps 0..G),
               as in the CPPO authors' code.
 
-Rules (registry SELECTION_RULES; add one with `@register_rule("name")`):
+Rules (registry SELECTION_RULES; add one with `@register_rule("name")`; what a rule needs from
+the trainer, its scopes and whether advantages are recomputed on the kept completions, is in
+RULE_TRAITS):
   largest_abs   CPPO default: keep the largest |A| (they carry the most policy gradient).
   smallest_abs  ablation: keep the smallest |A|.
   random        ablation: uniformly random, reproducible with a seeded torch.Generator.
   max_variance  PODS (Xu et al., 2025): per question keep the subset with maximum reward
-                variance; 'question' scope only. Advantages should then be recomputed on the kept
-                subset with `recompute_advantages_on_kept`.
+                variance; 'question' scope only. Advantages are then recomputed on the kept
+                subset with `recompute_advantages_on_kept` (traits advantages_on_kept=True).
 
 Tie-breaking (deterministic, never torch.topk): score-based rules sort with a stable sort, so
 among exactly equal scores the lower flat index wins -- question-major, then completion index
@@ -25,6 +27,7 @@ kept), and takes the smallest i among equal variances. Scores compare by exact f
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -47,23 +50,49 @@ class SelectionRule(Protocol):
     ) -> Tensor: ...
 
 
+@dataclass(frozen=True)
+class RuleTraits:
+    """What a selection rule asks of its caller.
+
+    scopes: the scopes it can rank in. advantages_on_kept: the advantages used for the loss are
+    recomputed within each question's kept completions (`recompute_advantages_on_kept`).
+    """
+
+    scopes: tuple[str, ...] = SCOPES
+    advantages_on_kept: bool = False
+
+
 SELECTION_RULES: dict[str, SelectionRule] = {}
+RULE_TRAITS: dict[str, RuleTraits] = {}
 
 
-def register_rule(name: str) -> Callable[[SelectionRule], SelectionRule]:
-    """Decorator adding a rule to SELECTION_RULES under `name`.
+def register_rule(
+    name: str, *, scopes: tuple[str, ...] = SCOPES, advantages_on_kept: bool = False
+) -> Callable[[SelectionRule], SelectionRule]:
+    """Decorator adding a rule to SELECTION_RULES (and its traits to RULE_TRAITS) under `name`.
 
     A rule takes (advantages, rewards, *, num_keep, scope, generator), all (Q, G) tensors,
     arguments already validated, and returns a bool keep_mask (Q, G) with num_keep True.
     """
+    unknown = [s for s in scopes if s not in SCOPES]
+    if unknown or not scopes:
+        raise ValueError(f"rule {name!r}: scopes must be a non-empty subset of {SCOPES}, got {scopes!r}")
 
     def add(rule: SelectionRule) -> SelectionRule:
         if name in SELECTION_RULES:
             raise ValueError(f"selection rule {name!r} is already registered")
         SELECTION_RULES[name] = rule
+        RULE_TRAITS[name] = RuleTraits(tuple(scopes), advantages_on_kept)
         return rule
 
     return add
+
+
+def rule_traits(name: str) -> RuleTraits:
+    """The traits of a registered rule (defaults for one put into SELECTION_RULES by hand)."""
+    if name not in SELECTION_RULES:
+        raise ValueError(f"unknown selection rule {name!r}; registered rules: {sorted(SELECTION_RULES)}")
+    return RULE_TRAITS.get(name, RuleTraits())
 
 
 def keep_highest_scores(scores: Tensor, *, num_keep: int, scope: str) -> Tensor:
@@ -104,16 +133,12 @@ def keep_random(advantages, rewards, *, num_keep, scope, generator):
     return keep_highest_scores(scores.to(advantages.device), num_keep=num_keep, scope=scope)
 
 
-@register_rule("max_variance")
+@register_rule("max_variance", scopes=("question",), advantages_on_kept=True)
 def keep_max_reward_variance(advantages, rewards, *, num_keep, scope, generator):
     """PODS: per question keep the m rewards of maximum variance = the i highest + m - i lowest.
 
     The best i in 0..m is found by scanning; equal variances keep the smallest i.
     """
-    if scope != "question":
-        raise ValueError(
-            f"rule 'max_variance' (PODS) selects within each question and needs scope='question', got scope={scope!r}"
-        )
     num_questions, group_size = rewards.shape
     keep_per_question = num_keep // max(num_questions, 1)
     if keep_per_question == 0:
@@ -168,8 +193,9 @@ def select_completions(
         )
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
-    if rule not in SELECTION_RULES:
-        raise ValueError(f"unknown selection rule {rule!r}; registered rules: {sorted(SELECTION_RULES)}")
+    allowed = rule_traits(rule).scopes
+    if scope not in allowed:
+        raise ValueError(f"rule {rule!r} needs scope in {allowed}, got scope={scope!r}")
     num_questions, group_size = advantages.shape
     total = num_questions * group_size
     if not _is_int(num_keep) or not 0 <= num_keep <= total:
