@@ -30,13 +30,14 @@ class EvalResult:
         return text + f" ({self.seconds:.1f} s)"
 
 
-def _correct(reward_fn, rows, texts, group: int) -> torch.Tensor:
-    """(Q, group) bool: reward >= 1 means correct."""
-    columns = {k: [r[k] for r in rows for _ in range(group)] for k in rows[0] if k != "prompt"}
-    prompts = [r["prompt"] for r in rows for _ in range(group)]
+def _correct(reward_fn, rows, texts, num_generations: int) -> torch.Tensor:
+    """(Q, num_generations) bool: reward >= 1 means correct."""
+    columns = {key: [r[key] for r in rows for _ in range(num_generations)]
+               for key in rows[0] if key != "prompt"}
+    prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
     rewards = reward_fn(prompts=prompts, completions=texts, **columns)
     scores = torch.tensor([float("nan") if v is None else v for v in rewards])
-    return (scores >= 1.0).view(len(rows), group)
+    return (scores >= 1.0).view(len(rows), num_generations)
 
 
 @torch.no_grad()

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from cppo.models.lean import lean_forward_for
+from cppo.padding import pad_token_lists
 from cppo.rollout import Completions, PromptBatch, concat_completions, sample_completions
 
 
@@ -85,12 +86,7 @@ def completions_from_token_lists(token_lists: list[list[int]], eos_token_id, pad
         end = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
         kept.append(list(tokens[:min(end or max_new_tokens, max_new_tokens)]))
         truncated.append(end is None or end > max_new_tokens)
-    width = max(1, max(map(len, kept), default=1))
-    ids = torch.full((len(kept), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(kept), width), dtype=torch.long)
-    for row, tokens in enumerate(kept):
-        ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        mask[row, :len(tokens)] = 1
+    ids, mask = pad_token_lists(kept, pad_token_id, side="right", min_width=1)
     truncated = torch.tensor(truncated, dtype=torch.bool)
     return Completions(ids.to(device), mask.to(device), truncated.to(device))
 
@@ -163,19 +159,20 @@ class VLLMBackend:
         args, tok = self.args, self.tokenizer
         self._sync_weights(round_index)
         token_prompts = [row[mask.bool()].tolist() for row, mask in zip(prompts.ids.cpu(), prompts.mask.cpu())]
-        g = args.num_generations
+        num_generations = args.num_generations
         common = dict(temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k if args.top_k > 0 else -1, max_tokens=args.max_completion_length)
         outputs: list[list[int]] = []
         if self.llm is not None:
-            params = [self.vllm.SamplingParams(n=g, seed=chunk_seed(args.seed, round_index, question_offset + i),
-                                               **common) for i in range(len(token_prompts))]
+            params = [self.vllm.SamplingParams(
+                n=num_generations, seed=chunk_seed(args.seed, round_index, question_offset + i), **common)
+                for i in range(len(token_prompts))]
             results = self.llm.generate([{"prompt_token_ids": p} for p in token_prompts], params,
                                         use_tqdm=False)
             for result in results:
                 outputs += [list(o.token_ids) for o in result.outputs]
         else:
-            result = self.client.generate(prompts=tok.batch_decode(token_prompts), n=g,
+            result = self.client.generate(prompts=tok.batch_decode(token_prompts), n=num_generations,
                                           repetition_penalty=1.0, **common)
             outputs = result["completion_ids"] if isinstance(result, dict) else result
         return completions_from_token_lists(outputs, tok.eos_token_id, tok.pad_token_id,

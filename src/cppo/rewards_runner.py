@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from cppo.config import ConfigError
+from cppo.errors import snippet
 
 PREFLIGHT_COMPLETIONS = ("", "0")   # an empty answer and a number: reaches gold parsing too
 PREFLIGHT_ENCODED_ROWS = 8          # prompts tokenised by preflight (all rows are of one kind)
@@ -124,10 +125,5 @@ class RewardRunner:
                     self([row], probes, None, len(probes), conversational=conversational)
                 except RewardError as row_err:
                     raise RewardPreflightError(f"before training, on row {i} "
-                                               f"({_snippet(row)}): {row_err}") from row_err
+                                               f"({snippet(row)}): {row_err}") from row_err
             raise RewardPreflightError(f"before training: {err}") from err
-
-
-def _snippet(row: dict) -> str:
-    text = repr(row)
-    return text if len(text) <= 160 else text[:157] + "..."

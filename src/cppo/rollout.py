@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cppo.models.lean import lean_forward_for
+from cppo.padding import pad_token_lists
 
 
 @dataclass
@@ -78,15 +79,7 @@ def encode_prompts(tokenizer, prompts: Sequence, max_prompt_length: int | None =
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             ids = ids[-max_prompt_length:]
         rows.append(ids)
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
-    return PromptBatch(ids, mask)
+    return PromptBatch(*pad_token_lists(rows, tokenizer.pad_token_id, side="left"))
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -175,7 +168,7 @@ def _eos_tensor(eos_token_id: int | Sequence[int], device) -> Tensor:
                         device=device)
 
 
-def _sample_chunk(model, prompts, group, max_new_tokens, eos_token_id, pad_token_id, temperature,
+def _sample_chunk(model, prompts, num_generations, max_new_tokens, eos_token_id, pad_token_id, temperature,
                   top_p, top_k, greedy, generator) -> Completions:
     """Prefill with the model's own forward, repeat its cache G times, decode with it."""
     device = next(model.parameters()).device
@@ -185,10 +178,10 @@ def _sample_chunk(model, prompts, group, max_new_tokens, eos_token_id, pad_token
                 use_cache=True, logits_to_keep=1)
     cache_arg = _cache_kwarg(model)
     cache = getattr(out, cache_arg)
-    if group > 1:
-        cache.batch_repeat_interleave(group)
-    state = {"attention": prompts.mask.repeat_interleave(group, 0),
-             "position": positions[:, -1:].repeat_interleave(group, 0) + 1}
+    if num_generations > 1:
+        cache.batch_repeat_interleave(num_generations)
+    state = {"attention": prompts.mask.repeat_interleave(num_generations, 0),
+             "position": positions[:, -1:].repeat_interleave(num_generations, 0) + 1}
 
     def advance(tok: Tensor) -> Tensor:
         state["attention"] = F.pad(state["attention"], (0, 1), value=1)
@@ -196,13 +189,13 @@ def _sample_chunk(model, prompts, group, max_new_tokens, eos_token_id, pad_token
                     position_ids=state["position"], use_cache=True, **{cache_arg: cache})
         state["position"] = state["position"] + 1
         return out.logits[:, -1]
-    return _decode(out.logits[:, -1].repeat_interleave(group, 0), advance, max_new_tokens,
+    return _decode(out.logits[:, -1].repeat_interleave(num_generations, 0), advance, max_new_tokens,
                    _eos_tensor(eos_token_id, device), pad_token_id, record=False, greedy=greedy,
                    temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
 
 
-def _sample_chunk_lean(lean, dtype, model, prompts, group, max_new_tokens, eos_token_id, pad_token_id,
-                       temperature, top_p, top_k, greedy, generator) -> Completions:
+def _sample_chunk_lean(lean, dtype, model, prompts, num_generations, max_new_tokens, eos_token_id,
+                       pad_token_id, temperature, top_p, top_k, greedy, generator) -> Completions:
     """_sample_chunk on cppo.models.lean's forward (weights cast to `dtype` if given, and then
     each token's sampler log-prob recorded), with a preallocated KV cache."""
     device = lean.device
@@ -212,16 +205,17 @@ def _sample_chunk_lean(lean, dtype, model, prompts, group, max_new_tokens, eos_t
     with lean.frozen(dtype):
         logits, cache = lean(prompts.ids, positions, prompts.mask.bool(), logits_to_keep=1,
                              new_cache_capacity=width)
-        cache = cache.repeat_interleave(group, width + max_new_tokens)
-        keys = torch.ones(len(prompts) * group, width + max_new_tokens, dtype=torch.bool, device=device)
-        keys[:, :width] = prompts.mask.bool().repeat_interleave(group, 0)
-        state = {"position": positions[:, -1:].repeat_interleave(group, 0) + 1}
+        cache = cache.repeat_interleave(num_generations, width + max_new_tokens)
+        keys = torch.ones(len(prompts) * num_generations, width + max_new_tokens, dtype=torch.bool,
+                          device=device)
+        keys[:, :width] = prompts.mask.bool().repeat_interleave(num_generations, 0)
+        state = {"position": positions[:, -1:].repeat_interleave(num_generations, 0) + 1}
 
         def advance(tok: Tensor) -> Tensor:
             logits, _ = lean(tok[:, None], state["position"], keys, cache=cache)
             state["position"] = state["position"] + 1
             return logits[:, -1]
-        return _decode(logits[:, -1].repeat_interleave(group, 0), advance, max_new_tokens,
+        return _decode(logits[:, -1].repeat_interleave(num_generations, 0), advance, max_new_tokens,
                        _eos_tensor(eos_token_id, device), pad_token_id, record=dtype is not None,
                        greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
                        generator=generator)

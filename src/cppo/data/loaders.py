@@ -28,6 +28,7 @@ from typing import Iterable
 import datasets
 
 from cppo.data.prompts import PROMPT_STYLES, build_prompt
+from cppo.errors import snippet
 from cppo.rewards.answers import extract_gsm8k_gold, extract_last_boxed, normalize_number
 
 logger = logging.getLogger(__name__)
@@ -233,15 +234,11 @@ def _detect_format(columns: list[str], where: str) -> str:
 
 # --- rows -----------------------------------------------------------------------------------------
 
-def _snippet(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 200 else text[:197] + "..."
-
 
 def _text_field(row: dict, name: str) -> str:
     value = row.get(name)
     if not isinstance(value, str) or not value.strip():
-        raise _BadRow(f"{name!r} must be a non-empty string, got {_snippet(value)}")
+        raise _BadRow(f"{name!r} must be a non-empty string, got {snippet(value)}")
     return value
 
 
@@ -254,7 +251,7 @@ def _gsm8k_row(row: dict, style: str, conversational: bool) -> dict:
     if isinstance(gold, str):
         gold = gold.strip().replace(",", "")
     if not isinstance(gold, str) or normalize_number(gold) is None:
-        raise _BadRow(f"unparsable GSM8K answer (expected '... #### <number>'): {_snippet(row.get('answer'))}")
+        raise _BadRow(f"unparsable GSM8K answer (expected '... #### <number>'): {snippet(row.get('answer'))}")
     return _with_prompt(build_prompt(question, style, conversational), row, answer=gold)
 
 
@@ -266,7 +263,7 @@ def _math_row(row: dict, style: str, conversational: bool) -> dict:
     if not isinstance(answer, str) or not answer.strip():
         answer = extract_last_boxed(row.get("solution")) if isinstance(row.get("solution"), str) else None
         if not answer:
-            raise _BadRow(f"no answer: the solution has no \\boxed{{...}}: {_snippet(row.get('solution'))}")
+            raise _BadRow(f"no answer: the solution has no \\boxed{{...}}: {snippet(row.get('solution'))}")
     return _with_prompt(build_prompt(problem, style, conversational), row, answer=answer.strip())
 
 
@@ -288,7 +285,7 @@ def _prompt_row(row: dict, style: str, conversational: bool) -> dict:
     ):
         return row
     raise _BadRow(f"'prompt' must be non-empty text or a list of {{'role', 'content'}} messages, "
-                  f"got {_snippet(prompt)}")
+                  f"got {snippet(prompt)}")
 
 
 def _to_dataset(rows: list[dict], where: str) -> datasets.Dataset:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cppo.config import ConfigError
 from cppo.data import arithmetic
+from cppo.errors import snippet
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def check_rows(rows: list[dict], *, name: str, required: tuple[str, ...] = ("pro
             if row_kind is None:
                 raise ConfigError(f"{name}: row {i}: 'prompt' must be text or a list of "
                                   f"{{'role': ..., 'content': ...}} messages, got "
-                                  f"{_snippet(row['prompt'])}")
+                                  f"{snippet(row['prompt'])}")
             if kind is not None and row_kind != kind:
                 raise ConfigError(f"{name}: row {i} has a {row_kind} prompt but earlier rows have "
                                   f"{kind} prompts; use one kind for the whole dataset")
@@ -87,11 +88,6 @@ def _prompt_kind(prompt) -> str | None:
             and isinstance(m.get("content"), (str, list)) for m in prompt):
         return "chat"
     return None
-
-
-def _snippet(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 ACCURACY_REWARDS = {"gsm8k": "gsm8k", "math": "math"}  # data format -> registry name

@@ -78,10 +78,16 @@ def load_tokenizer(name: str = "embedded"):
         raise ModelLoadError(f"could not load the tokenizer of model '{name}': {err}. The model "
                              f"directory needs tokenizer files (tokenizer.json, "
                              f"tokenizer_config.json)") from err
-    if tok.pad_token is None:  # many causal LMs ship without one; generation needs it
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    return tok
+    return ready_for_generation(tok)
+
+
+def ready_for_generation(tokenizer):
+    """Give the tokenizer a pad token (its EOS, where it ships none: many causal LMs) and pad on
+    the left, as batched generation needs; returns it."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
 
 
 def load_model(name: str = "embedded", *, torch_dtype: str = "float32",
