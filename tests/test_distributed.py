@@ -12,11 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import _dist_worker
+from helpers import ROWS, dist_worker
 from cppo.distributed import Distributed, UnsupportedLauncherError, check_launcher
-
-ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -43,7 +40,7 @@ def test_two_processes_make_the_same_step_as_one(tiny_model_dir, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _dist_worker.run(spec(tiny_model_dir, one, batch=8, scope="step"))
+        dist_worker.run(spec(tiny_model_dir, one, batch=8, scope="step"))
     finally:
         torch.set_num_threads(threads)
     # 2 processes x 2 questions (8 kept of 16, pruned over both processes: selection_scope=global)
@@ -54,7 +51,7 @@ def test_two_processes_make_the_same_step_as_one(tiny_model_dir, tmp_path):
     env.pop("WORLD_SIZE", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               str(Path(_dist_worker.__file__)), str(spec_file)]
+               str(Path(dist_worker.__file__)), str(spec_file)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 

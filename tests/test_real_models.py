@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from _tiny_hf import gsm8k_rows, math_rows, save_tiny, write_jsonl
+from helpers import write_jsonl
+from helpers.tiny_hf import gsm8k_rows, math_rows, save_tiny
 from cppo.config import CPPOConfig
 from cppo.data.sources import load_task
 from cppo.models import load_model, load_tokenizer
@@ -71,7 +72,7 @@ def test_chat_template_prompts_and_plain_prompts(tiny_dirs, data, arch):
 def test_dtype_gradient_checkpointing_and_attention_implementation(tiny_dirs, data, tmp_path):
     cfg = small(model=tiny_dirs["llama"], dataset_name=data["gsm8k"], torch_dtype="bfloat16",
                 gradient_checkpointing=True, attn_implementation="eager", bf16=True, prompt_style="none",
-                reward_funcs=["_tiny_hf:odd_length_reward"], output_dir=str(tmp_path), max_steps=1)
+                reward_funcs=["helpers:odd_length_reward"], output_dir=str(tmp_path), max_steps=1)
     trainer = CPPOTrainer(args=cfg)
     assert next(trainer.policy.parameters()).dtype == torch.bfloat16
     assert trainer.policy.is_gradient_checkpointing
@@ -92,7 +93,7 @@ def test_cppo_train_on_gsm8k_and_math_files(tiny_dirs, data, tmp_path, arch, dat
     from cppo.cli import main
     out = tmp_path / "run"
     code = main(["train", "--model", tiny_dirs[arch], "--dataset_name", data[dataset],
-                 "--prompt_style", style, "--reward_funcs", f"{accuracy},_tiny_hf:odd_length_reward",
+                 "--prompt_style", style, "--reward_funcs", f"{accuracy},helpers:odd_length_reward",
                  "--num_generations", "4", "--per_device_train_batch_size", "4",
                  "--pruning_rate", "0.5", "--max_completion_length", "6", "--max_steps", "2",
                  "--eval_steps", "0", "--eval_num_questions", "2", "--progress_bar", "false",
@@ -158,7 +159,7 @@ def lora_trainer(model_dir, dataset, tmp_path, **overrides):
     cfg = small(model=model_dir, dataset_name=dataset, use_peft=True, lora_r=4, lora_alpha=8,
                 beta=0.04, num_iterations=2, max_steps=4, learning_rate=1e-2, prompt_style="none",
                 eval_num_questions=1,
-                reward_funcs=["_tiny_hf:odd_length_reward"], output_dir=str(tmp_path / "run"),
+                reward_funcs=["helpers:odd_length_reward"], output_dir=str(tmp_path / "run"),
                 save_steps=2, **overrides)
     return CPPOTrainer(args=cfg)
 

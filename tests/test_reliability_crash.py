@@ -19,7 +19,8 @@ import torch
 
 from cppo import checkpoint as ckpt
 from cppo.cli import main
-from helpers_reliability import load_weights, single_thread, start_train, step_records, train_args, wait_until, write_rows
+from helpers import (load_weights, single_thread, start_train, step_records, train_args, wait_until,
+                     write_jsonl)
 
 PAUSES = {"mid_write": "weights:4", "after_rename": "renamed:4", "mid_step": None, "ctrl_c": None}
 COUNTERS = ("questions_seen", "completions_scored", "completions_trained", "tokens_generated",
@@ -35,7 +36,7 @@ def _one_torch_thread():
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("crash")
-    return root, write_rows(root / "rows.jsonl")
+    return root, write_jsonl(root / "rows.jsonl")
 
 
 @pytest.fixture(scope="module")

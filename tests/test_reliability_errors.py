@@ -13,7 +13,7 @@ import torch
 
 from cppo.cli import main
 from cppo.config import ConfigError
-from helpers_reliability import ROWS, make_trainer, single_thread, write_rows
+from helpers import ROWS, make_trainer, single_thread, write_jsonl
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 
@@ -33,7 +33,7 @@ def _jsonl(path: Path, lines: list[str]) -> str:
 def env(tmp_path_factory, tiny_model_dir):
     """Files the cases point at: data files, model directories, a config file, checkpoints."""
     d = tmp_path_factory.mktemp("errors")
-    files = {"model": tiny_model_dir, "good": str(write_rows(d / "good.jsonl"))}
+    files = {"model": tiny_model_dir, "good": str(write_jsonl(d / "good.jsonl"))}
     files["empty"] = _jsonl(d / "empty.jsonl", [])
     files["bad_json"] = _jsonl(d / "bad.jsonl", ['{"prompt": "1+1="}', '{"prompt": "2+2=",'])
     files["not_object"] = _jsonl(d / "list.jsonl", ['["1+1="]'])
@@ -90,7 +90,7 @@ CASES = [
     ("not_a_choice", ["--loss_type", "ppo"], "'loss_type' is 'ppo'; allowed: grpo, bnpo, dr_grpo, dapo"),
     ("not_finite", ["--learning_rate", "nan"], "'learning_rate' must be a finite number"),
     ("batch_not_divisible", ["--pruning_rate", "0", "--per_device_train_batch_size", "6"],
-     "is not divisible by num_generations = 4"),
+     "x 1 = 6 completions, num_generations = 4, pruning_rate = 0.0"),
     ("weights_count", ["--reward_weights", "1,2"], "'reward_weights' has 2 values but 'reward_funcs' has 1"),
     ("generation_batch_size", ["--generation_batch_size", "0"], "'generation_batch_size' is 0; must be >= 1"),
     ("seed_range", ["--seed", str(2**64)], "'seed' is 18446744073709551616; allowed: 0 <= seed < 2**32"),
@@ -118,8 +118,8 @@ CASES = [
      "needs the dataset column 'answer'"),
     ("reward_bad_gold", ["--dataset_name", "{bad_gold}", "--reward_funcs", "arithmetic"],
      "on row 0 ({{'prompt': '12*34=', 'answer': 'lots'}}): reward function 'arithmetic' raised ValueError"),
-    ("reward_raises", ["--reward_funcs", "helpers_reliability:raising_reward"], "raised ZeroDivisionError"),
-    ("reward_not_finite", ["--reward_funcs", "helpers_reliability:nan_reward"], "rewards must be finite"),
+    ("reward_raises", ["--reward_funcs", "helpers:raising_reward"], "raised ZeroDivisionError"),
+    ("reward_not_finite", ["--reward_funcs", "helpers:nan_reward"], "rewards must be finite"),
     ("resume_other_model", ["--output_dir", "{other_arch}", "--resume", "true"], "does not match the model"),
     ("resume_pickled_object", ["--output_dir", "{poisoned}", "--resume", "true"],
      "refusing to load {poisoned}/checkpoint-1/optimizer.pt: it holds pickled objects"),
@@ -128,7 +128,7 @@ CASES = [
 
 def base_args(env, tmp_path) -> list[str]:
     return ["train", "--model", env["model"], "--dataset_name", env["good"],
-            "--reward_funcs", "helpers_reliability:length_reward", "--output_dir", str(tmp_path / "run"),
+            "--reward_funcs", "helpers:odd_length_reward", "--output_dir", str(tmp_path / "run"),
             "--max_steps", "1", "--per_device_train_batch_size", "8", "--num_generations", "4",
             "--pruning_rate", "0.5", "--max_completion_length", "3", "--eval_steps", "0",
             "--progress_bar", "false"]

@@ -9,7 +9,7 @@ import torch
 
 import cppo.trainer
 from cppo import checkpoint as ckpt
-from helpers_reliability import single_thread, load_weights, make_trainer
+from helpers import single_thread, load_weights, make_trainer
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -20,7 +20,7 @@ from cppo.data.arithmetic import arithmetic_accuracy_reward, arithmetic_format_r
 from cppo.rewards.answers import extract_last_boxed, extract_numeric_answer
 from cppo.rewards.math_rewards import make_math_accuracy_reward
 from cppo.rewards_runner import RewardRunner
-from helpers_reliability import make_trainer, single_thread
+from helpers import make_trainer, single_thread
 
 BOUND_S = 10.0   # generous: every case here takes milliseconds; a quadratic or exponential parser does not
 

@@ -9,26 +9,7 @@ from cppo.config import CPPOConfig
 from cppo.models import load_model, load_tokenizer
 from cppo.rewards_runner import RewardError
 from cppo.trainer import CPPOTrainer
-
-
-def length_reward(prompts, completions, completion_ids=None, **kw):
-    """Varied rewards on a random model: 1 for completions of odd length, 0 otherwise."""
-    return [float(len(c) % 2) for c in completions]
-
-
-ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
-
-
-def make_trainer(model_dir, tmp_path, reward=length_reward, rows=ROWS, **overrides):
-    values = dict(model=model_dir, output_dir=str(tmp_path / "run"), max_steps=4,
-                  per_device_train_batch_size=8, num_generations=4, pruning_rate=0.5,
-                  max_completion_length=5, eval_steps=0, save_steps=2, progress_bar=False,
-                  eval_num_questions=8, learning_rate=1e-3, seed=3)
-    values.update(overrides)
-    cfg = CPPOConfig(**values)
-    return CPPOTrainer(model=load_model(model_dir), processing_class=load_tokenizer(model_dir),
-                       reward_funcs=[reward], args=cfg, train_dataset=rows,
-                       eval_dataset=rows[:8])
+from helpers import ROWS, make_trainer, odd_length_reward
 
 
 def count_rows(trainer, log, monkeypatch):
@@ -69,7 +50,7 @@ def count_rows(trainer, log, monkeypatch):
 @pytest.mark.parametrize("num_iterations", [1, 2])
 def test_passes_see_only_kept_completions(tiny_model_dir, tmp_path, num_iterations, lean_forward,
                                           monkeypatch):
-    trainer = make_trainer(tiny_model_dir, tmp_path, beta=0.04, num_iterations=num_iterations,
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", beta=0.04, num_iterations=num_iterations,
                            max_steps=num_iterations, gradient_accumulation_steps=2,
                            per_device_train_batch_size=4, lean_forward=lean_forward)
     plan = trainer.plan          # B = 8 kept from Q = 4 questions x G = 4 = 16 scored
@@ -94,14 +75,14 @@ def test_passes_see_only_kept_completions(tiny_model_dir, tmp_path, num_iteratio
 
 
 def test_grpo_without_pruning_keeps_everything(tiny_model_dir, tmp_path):
-    trainer = make_trainer(tiny_model_dir, tmp_path, pruning_rate=0.0, max_steps=1)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", pruning_rate=0.0, max_steps=1)
     assert (trainer.plan.questions_per_step, trainer.plan.completions_kept) == (2, 8)
     metrics = trainer.training_round()
     assert metrics["cppo/completions_kept"] == 8 and metrics["cppo/kept_fraction"] == 1.0
 
 
 def test_all_zero_advantages_skip_the_step(tiny_model_dir, tmp_path):
-    trainer = make_trainer(tiny_model_dir, tmp_path, reward=lambda completions, **kw: [1.0] * len(completions),
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", reward=lambda completions, **kw: [1.0] * len(completions),
                            max_steps=2)
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     summary = trainer.train()
@@ -135,14 +116,14 @@ def test_interrupted_and_resumed_run_ends_with_the_same_parameters(tiny_model_di
 
 
 def test_update_changes_parameters_and_logs_trl_metrics(tiny_model_dir, tmp_path):
-    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=2, eval_steps=1)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, eval_steps=1)
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     summary = trainer.train()
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     step = [r for r in records if "reward" in r][0]
-    for key in ["reward", "reward_std", "frac_reward_zero_std", "rewards/length_reward/mean",
+    for key in ["reward", "reward_std", "frac_reward_zero_std", "rewards/odd_length_reward/mean",
                 "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean",
                 "loss", "grad_norm", "learning_rate", "cppo/kept_fraction",
                 "cppo/mean_abs_advantage_kept", "cppo/mean_abs_advantage_pruned",
@@ -163,14 +144,14 @@ def test_update_changes_parameters_and_logs_trl_metrics(tiny_model_dir, tmp_path
 ])
 def test_bad_reward_functions_fail_before_training(tiny_model_dir, tmp_path, reward, message):
     with pytest.raises(RewardError, match=message):
-        make_trainer(tiny_model_dir, tmp_path, reward=reward)
+        make_trainer(tiny_model_dir, tmp_path / "run", reward=reward)
 
 
 def test_bad_rows_fail_before_training(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="row 1 has no 'prompt' column"):
-        make_trainer(tiny_model_dir, tmp_path, rows=[{"prompt": "1*2="}, {"question": "x"}])
+        make_trainer(tiny_model_dir, tmp_path / "run", rows=[{"prompt": "1*2="}, {"question": "x"}])
     with pytest.raises(RewardError, match="needs the dataset column 'answer'"):
-        make_trainer(tiny_model_dir, tmp_path, reward="arithmetic", rows=[{"prompt": "1*2="}] * 4)
+        make_trainer(tiny_model_dir, tmp_path / "run", reward="arithmetic", rows=[{"prompt": "1*2="}] * 4)
 
 
 def test_one_step_with_eca_attention_matches_sdpa(tiny_model_dir, tmp_path):
@@ -185,7 +166,7 @@ def test_one_step_with_eca_attention_matches_sdpa(tiny_model_dir, tmp_path):
                          learning_rate=1e-3, seed=3, attn_implementation=impl)
         trainer = CPPOTrainer(model=load_model(tiny_model_dir, attn_implementation=impl),
                               processing_class=load_tokenizer(tiny_model_dir),
-                              reward_funcs=[length_reward], args=cfg, train_dataset=ROWS)
+                              reward_funcs=[odd_length_reward], args=cfg, train_dataset=ROWS)
         assert trainer.policy.config._attn_implementation == impl
         metrics = trainer.training_round()
         results.append((metrics, [p.detach().clone() for p in trainer.policy.parameters()]))
@@ -197,7 +178,7 @@ def test_one_step_with_eca_attention_matches_sdpa(tiny_model_dir, tmp_path):
 
 
 def test_bfloat16_sampling_records_logprobs_and_reweights_the_loss(tiny_model_dir, tmp_path):
-    trainer = make_trainer(tiny_model_dir, tmp_path, generation_dtype="bfloat16", max_steps=2)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", generation_dtype="bfloat16", max_steps=2)
     prompts, completions = trainer.generate(ROWS[:2])
     assert completions.logprobs is not None and completions.logprobs.dtype == torch.float32
     assert (completions.logprobs[completions.mask == 0] == 0).all()
@@ -223,7 +204,7 @@ def test_generation_dtype_needs_a_model_the_lean_forward_supports(tiny_model_dir
     model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
     with pytest.raises(ConfigError, match="forward hooks"):
         CPPOTrainer(model=model, processing_class=load_tokenizer(tiny_model_dir),
-                    reward_funcs=[length_reward], train_dataset=ROWS,
+                    reward_funcs=[odd_length_reward], train_dataset=ROWS,
                     args=CPPOConfig(output_dir=str(tmp_path / "run"), generation_dtype="bfloat16",
                                     max_steps=1, per_device_train_batch_size=8, num_generations=4))
 
@@ -234,7 +215,7 @@ def test_ctrl_c_after_the_last_step_still_completes_cleanly(tiny_model_dir, tmp_
     import os
     import signal
     import cppo.trainer as trainer_module
-    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=2)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2)
     original = trainer_module.write_plots
 
     def interrupted_plots(*args, **kwargs):

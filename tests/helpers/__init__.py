@@ -1,8 +1,9 @@
-"""Shared pieces of the reliability tests: a reward that varies on a random model, a tiny jsonl
-dataset, and `cppo train` run in a child process that a test can SIGKILL.
+"""What the tests share: the tiny arithmetic rows, a reward that varies on a random model, a
+trainer on the tiny model, and `cppo train` run in a child process that a test can signal.
 
-The child finds this module through PYTHONPATH, so `--reward_funcs helpers_reliability:length_reward`
-works in it exactly as in the test process.
+Children find this package through PYTHONPATH, so `--reward_funcs helpers:odd_length_reward` works
+in them exactly as in the test process. helpers.tiny_hf builds tiny Llama/Qwen2 models and
+GSM8K/MATH-format rows; helpers/dist_worker.py is the torchrun script of test_distributed.py.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ def single_thread():
         torch.set_num_threads(before)
 
 
-def length_reward(prompts, completions, completion_ids=None, **kw):
-    """Varied rewards on a random model: 1 for completions of odd length, 0 otherwise."""
-    return [float(len(c) % 2) for c in completions]
+def odd_length_reward(prompts, completions, completion_ids=None, **columns):
+    """Varied rewards on a random model: 1 for completions with an odd number of characters
+    (of the last message's content for chat completions), 0 otherwise."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(len(t) % 2) for t in texts]
 
 
-def write_rows(path: Path, rows=ROWS) -> Path:
+def write_jsonl(path: Path, rows=ROWS) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -46,7 +50,7 @@ def write_rows(path: Path, rows=ROWS) -> Path:
 def train_args(model_dir: str, data: Path, output_dir: Path, **overrides) -> list[str]:
     """`cppo train` arguments for a 6-step run on the tiny model, checkpoint every 2 steps."""
     values = dict(model=model_dir, dataset_name=str(data), output_dir=str(output_dir),
-                  reward_funcs="helpers_reliability:length_reward", max_steps=6,
+                  reward_funcs="helpers:odd_length_reward", max_steps=6,
                   per_device_train_batch_size=8, num_generations=4, pruning_rate=0.5,
                   max_completion_length=5, eval_steps=0, save_steps=2, save_total_limit=1,
                   progress_bar="false", eval_num_questions=4, learning_rate=1e-3, seed=3,
@@ -101,8 +105,8 @@ def load_weights(checkpoint: Path) -> dict:
     return load_file(checkpoint / "model.safetensors")
 
 
-def make_trainer(model_dir: str, output_dir: Path, reward=length_reward, rows=ROWS, **overrides):
-    """A CPPOTrainer on the tiny model, in this process (as tests/test_trainer.py builds it)."""
+def make_trainer(model_dir: str, output_dir: Path, reward=odd_length_reward, rows=ROWS, **overrides):
+    """A CPPOTrainer on the tiny model in this process: 4 steps of B = 8 kept of Q = 4 x G = 4."""
     from cppo.config import CPPOConfig
     from cppo.models import load_model, load_tokenizer
     from cppo.trainer import CPPOTrainer

@@ -4,7 +4,6 @@ the "any transformers model / real dataset" paths offline."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -64,12 +63,6 @@ def save_tiny(arch: str, path: Path, chat_template: bool = True) -> str:
     return str(path)
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def gsm8k_rows(n: int, start: int = 0) -> list[dict]:
     return [{"question": f"Tom has {a} apples and buys {a + 3} more. How many now?",
              "answer": f"He has {a} + {a + 3} = {2 * a + 3}.\n#### {2 * a + 3:,}"}
@@ -80,9 +73,3 @@ def math_rows(n: int, start: int = 0) -> list[dict]:
     return [{"problem": f"Compute ${a}/{2 * a}$ in lowest terms.",
              "solution": f"Cancel {a}: $\\frac{{{a}}}{{{2 * a}}} = \\boxed{{\\frac{{1}}{{2}}}}$.",
              "level": "Level 1", "type": "Prealgebra"} for a in range(start + 1, start + 1 + n)]
-
-
-def odd_length_reward(prompts, completions, completion_ids=None, **columns):
-    """Varied rewards on a random model: 1 for completions with an odd number of characters."""
-    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    return [float(len(t) % 2) for t in texts]
