@@ -13,14 +13,15 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from cppo import checkpoint as ckpt
 from cppo.cli import main
-from helpers import (load_weights, single_thread, start_train, step_records, train_args, wait_until,
-                     write_jsonl)
+from helpers import (PARK_ENV, load_weights, single_thread, start_train, step_records, train_args,
+                     wait_until, write_jsonl)
 
 PAUSES = {"mid_write": "weights:4", "after_rename": "renamed:4", "mid_step": None, "ctrl_c": None}
 COUNTERS = ("questions_seen", "completions_scored", "completions_trained", "tokens_generated",
@@ -46,11 +47,15 @@ def killed(data, tiny_model_dir):
     children = {}
     for name, pause in PAUSES.items():
         env = {ckpt.PAUSE_ENV: pause} if pause else {}
+        if name == "ctrl_c":             # parks inside step 4 until signalled (helpers.park_in_training)
+            env = {PARK_ENV: str(root / name)}
         log = root / f"{name}.log"
         children[name] = (root / name, start_train(train_args(tiny_model_dir, rows, root / name),
                                                    log, **env), log, pause)
 
     def at_kill_point(out, log, pause):
+        if out.name == "ctrl_c":
+            return Path(f"{out}.parked").exists()
         if pause is None:              # somewhere in step 4 or later (or a checkpoint write)
             return len(step_records(out)) >= 3
         return f"{ckpt.PAUSE_ENV} {pause.replace(':', ' ')}" in log.read_text()
@@ -63,8 +68,9 @@ def killed(data, tiny_model_dir):
                 raise AssertionError(f"{name}: child exited ({proc.returncode}) before its kill "
                                      f"point:\n{log.read_text()[-3000:]}")
             if at_kill_point(out, log, pause):
-                if name == "ctrl_c":   # SIGINT: finish the step, save, exit (waited for below)
+                if name == "ctrl_c":   # SIGINT in step 4: finish it, save, exit (waited for below)
                     os.kill(proc.pid, signal.SIGINT)
+                    Path(f"{out}.go").touch()
                     interrupted.append((proc, log))
                 else:
                     os.kill(proc.pid, signal.SIGKILL)
@@ -114,13 +120,13 @@ def test_kill_mid_checkpoint_write_leaves_the_previous_one_loadable(killed, tiny
 
 
 def test_ctrl_c_finishes_the_step_and_saves(killed):
+    """SIGINT during step 4 of 6 (exit code 0: the fixture): the step finishes, is saved, and
+    the run stops there."""
     out = killed["ctrl_c"]
     summary = json.loads((out / "summary.json").read_text())
-    # SIGINT races the last steps; landing after the last one (during the final checkpoint,
-    # evaluation or plots) lets the run complete normally: exit code 0 either way (the fixture)
-    assert (summary["status"] == "interrupted" and 3 <= summary["steps"] <= 6) or \
-        (summary["status"] == "completed" and summary["steps"] == 6)
-    assert ckpt.latest_checkpoint(out).name == f"checkpoint-{summary['steps']}"
+    assert summary["status"] == "interrupted" and summary["steps"] == 4
+    assert [r["step"] for r in step_records(out)] == [1, 2, 3, 4]
+    assert ckpt.latest_checkpoint(out) == out / "checkpoint-4"
 
 
 def test_kill_after_rename_before_pruning_keeps_both(killed):

@@ -1,6 +1,7 @@
 """Bad model output: empty completions, completions that never stop, only special tokens, huge
-numbers, deeply nested or malformed LaTeX. Every reward returns a value (or None) within a bounded
-time per sample, and a training step on such completions goes on.
+numbers, deeply nested or malformed LaTeX. Every reward returns a value (or None), and a training
+step on such completions goes on. Nothing here is timed: the inputs are large enough that a
+quadratic or exponential parser (or a hang) runs into the test's pytest-timeout.
 
 (tests/test_rewards_*.py check the extractors on short random text; here the inputs are the big
 and degenerate ones a broken policy produces, and the rewards are called through RewardRunner,
@@ -9,7 +10,6 @@ as the trainer calls them.)
 
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -22,7 +22,9 @@ from cppo.rewards.math_rewards import make_math_accuracy_reward
 from cppo.rewards_runner import RewardRunner
 from helpers import make_trainer, single_thread
 
-BOUND_S = 10.0   # generous: every case here takes milliseconds; a quadratic or exponential parser does not
+# every case takes milliseconds; a quadratic parser on the megabyte inputs below (about 10^12
+# steps) or a hang does not finish within the timeout of each test here
+pytestmark = pytest.mark.timeout(300)
 
 SPECIAL_TOKENS = ["<eos>", "<pad>", "<bos>", "<unk>", "</s>", "<|endoftext|>", "<|im_end|>", "<think>",
                   "</answer>", "\x00", "\ufffd"]
@@ -44,35 +46,29 @@ completions = st.lists(st.one_of(_degenerate, st.lists(_degenerate, max_size=3).
 REGISTRY = ["arithmetic", "arithmetic_format", "gsm8k", "format", "boxed_format"]
 
 
-def timed(fn, *args, **kwargs):
-    start = time.monotonic()
-    out = fn(*args, **kwargs)
-    return out, time.monotonic() - start
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(completions, st.integers(min_value=0, max_value=99_999))
 def test_arithmetic_reward_is_a_bounded_zero_or_one(texts, gold):
     answers = [f"{gold:04d}"] * len(texts)
     for reward in (arithmetic_accuracy_reward, arithmetic_format_reward):
-        values, took = timed(reward, None, texts, answer=answers)
+        values = reward(None, texts, answer=answers)
         assert all(v in (0.0, 1.0) for v in values)
-        assert len(values) == len(texts) and took < BOUND_S
+        assert len(values) == len(texts)
     for text in texts:
-        stated, took = timed(extract_answer, text)
-        assert (stated is None or isinstance(stated, int)) and took < BOUND_S
+        stated = extract_answer(text)
+        assert stated is None or isinstance(stated, int)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(completions, st.booleans())
 def test_reward_runner_scores_degenerate_completions(texts, conversational):
     """Every registry reward (math-verify's below) through RewardRunner: a number or NaN per
-    completion, no exception, bounded time; also with chat-message completions."""
+    completion, no exception; also with chat-message completions."""
     runner = RewardRunner(REGISTRY)
     rows = [{"prompt": "12*34=" if not conversational else [{"role": "user", "content": "12*34="}],
              "answer": "0408"}]
-    out, took = timed(runner, rows, texts, None, len(texts), conversational=conversational)
-    assert out.shape == (len(texts), len(REGISTRY)) and took < BOUND_S * len(texts)
+    out = runner(rows, texts, None, len(texts), conversational=conversational)
+    assert out.shape == (len(texts), len(REGISTRY))
     finite = out[~torch.isnan(out)]
     assert ((finite == 0) | (finite == 1)).all()
 
@@ -81,27 +77,25 @@ def test_extractors_on_the_largest_inputs_are_linear():
     """A megabyte of nesting or digits: no recursion error, no quadratic time."""
     for text in ("\\boxed{" + "{" * 200_000 + "1" + "}" * 200_000 + "}", "9" * 1_000_000,
                  "\\boxed{" * 200_000, "<answer>" * 100_000 + "1" + "</answer>"):
-        _, took = timed(extract_numeric_answer, text)
-        assert took < BOUND_S
-        _, took = timed(extract_last_boxed, text)
-        assert took < BOUND_S
+        for extract in (extract_numeric_answer, extract_last_boxed):
+            found = extract(text)
+            assert found is None or (isinstance(found, str) and len(found) <= len(text))
 
 
 def test_math_verify_reward_through_the_runner_is_bounded():
-    """math-verify in its worker processes: every degenerate completion gets 0/1/None in time."""
+    """math-verify in its worker processes: every degenerate completion gets 0/1/None (a pair
+    that outlives timeout_s is killed and scores 0: the work per pair is bounded)."""
     reward = make_math_accuracy_reward(num_workers=2, timeout_s=3.0)
     texts = ["", "9" * 5000, "<eos><pad><pad>", "\\boxed{" + "\\frac{" * 400 + "1" + "}{2}" * 400 + "}",
              "\\boxed{9^{9^{9^{9^{9}}}}}", "\\boxed{" * 300 + "1", "\\sqrt{" * 200 + "2",
              "\\boxed{\\frac{1}{0}}"]
     try:
         runner = RewardRunner([reward])
-        out, took = timed(runner, [{"prompt": "p", "answer": "2"}], texts, None, len(texts))
+        out = runner([{"prompt": "p", "answer": "2"}], texts, None, len(texts))
     finally:
         reward.verifier.close()
     values = out[:, 0]
     assert ((values == 0) | (values == 1) | torch.isnan(values)).all()
-    # 3 s per pair, 2 at a time, plus starting the workers (importing sympy on a loaded machine)
-    assert took < 3.0 * math.ceil(len(texts) / 2) + 120
 
 
 # --- a training step on degenerate completions ---------------------------------------------------

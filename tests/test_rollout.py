@@ -22,8 +22,13 @@ def test_greedy_matches_transformers_generate(tiny_model_dir):
                          pad_token_id=tok.pad_token_id)[:, prompts.ids.shape[1]:]
     ref = ref.repeat_interleave(2, 0)
     for row in range(ref.shape[0]):
+        expected = ref[row].tolist()          # up to and including the first EOS, as we stop
+        if tok.eos_token_id in expected:
+            expected = expected[:expected.index(tok.eos_token_id) + 1]
         n = int(ours.mask[row].sum())
-        assert ours.ids[row, :n].tolist() == ref[row, :n].tolist()
+        assert ours.ids[row, :n].tolist() == expected   # the same tokens and the same length
+        assert (ours.ids[row, n:] == tok.pad_token_id).all()
+        assert bool(ours.truncated[row]) == (tok.eos_token_id not in expected)
 
 
 def test_shared_prefill_gives_the_same_distribution_as_repeating_the_prompt(tiny_model_dir):
@@ -60,8 +65,8 @@ def test_batched_generation_equals_one_batch(tiny_model_dir):
               pad_token_id=tok.pad_token_id)
     whole = sample_completions(model, prompts, **kw)
     chunked = sample_completions(model, prompts, batch_size=2, **kw)
-    n = whole.ids.shape[1]
-    assert torch.equal(whole.ids, chunked.ids[:, :n])
+    assert torch.equal(whole.ids, chunked.ids) and torch.equal(whole.mask, chunked.mask)
+    assert torch.equal(whole.truncated, chunked.truncated)
 
 
 def test_logprobs_match_a_direct_forward(tiny_model_dir):

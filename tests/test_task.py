@@ -1,6 +1,7 @@
 """The embedded task: determinism, split disjointness, answers, rewards, export, tokenizer."""
 
 import json
+import re
 
 import pytest
 
@@ -31,9 +32,13 @@ def test_generation_is_seeded_and_distinct():
     (1, "07+85=", "092"), (2, "47*6=", "282"), (3, "37*42=", "1554"), (4, "12*34+56=", "00464"),
 ])
 def test_answers_are_exact(level, prompt, answer):
-    problems = {p.prompt: p for p in arithmetic.all_problems(level)} if level < 4 else None
-    if problems is not None:
-        assert problems[prompt].answer_text == answer
+    operands = tuple(int(x) for x in re.split(r"[*+]", prompt[:-1]))
+    problem = arithmetic._make(level, operands)
+    assert problem.prompt == prompt and problem.answer_text == answer
+    assert problem.answer == int(answer) and problem.width == arithmetic.answer_width(level)
+    if level < 4:                     # 10^6 problems at level 4: too many to list in a test
+        assert problem in arithmetic.all_problems(level)
+
 
 
 def test_every_level3_answer_matches_python():

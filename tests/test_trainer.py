@@ -226,3 +226,24 @@ def test_ctrl_c_after_the_last_step_still_completes_cleanly(tiny_model_dir, tmp_
     assert summary["status"] == "completed" and summary["steps"] == 2
     assert (tmp_path / "run" / "checkpoint-2").is_dir()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handler restored
+
+
+def test_importance_weights_scale_the_loss_and_its_gradient(tiny_model_dir, tmp_path):
+    """A sampler whose log-probs are the policy's - log 2 gives every token the weight 2 (clip 3):
+    the update's loss and gradient norm are exactly twice those of the same batch without it."""
+    import dataclasses
+    import math
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, max_grad_norm=0.0)
+    prompts, completions = trainer.generate(ROWS[:2])
+    advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.25, -0.25, 1.0, -1.0]])
+    batch = trainer.build_batch(prompts, completions, advantages, torch.ones(2, 4, dtype=torch.bool))
+    with torch.no_grad():
+        policy_logps = trainer.logprobs(trainer.policy, batch)
+    reweighted = dataclasses.replace(batch, sampler_logps=policy_logps - math.log(2.0))
+    start = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    plain = trainer.update(batch)
+    trainer.policy.load_state_dict(start)
+    weighted = trainer.update(reweighted)
+    assert weighted["sampling/importance_sampling_ratio/mean"] == pytest.approx(2.0, rel=1e-5)
+    assert weighted["loss"] == pytest.approx(2 * plain["loss"], rel=1e-4)
+    assert weighted["grad_norm"] == pytest.approx(2 * plain["grad_norm"], rel=1e-4)

@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parent.parent   # tests/: children import helpers from it
 ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
 
 
@@ -34,11 +34,28 @@ def single_thread():
         torch.set_num_threads(before)
 
 
+PARK_ENV = "CPPO_TEST_PARK_RUN"   # see park_in_training
+
+
 def odd_length_reward(prompts, completions, completion_ids=None, **columns):
     """Varied rewards on a random model: 1 for completions with an odd number of characters
     (of the last message's content for chat completions), 0 otherwise."""
+    park_in_training()
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [float(len(t) % 2) for t in texts]
+
+
+def park_in_training() -> None:
+    """Test hook for a child run: with PARK_ENV=<output_dir> set, the first reward call after 3
+    logged steps (so inside step 4) creates <output_dir>.parked and waits for <output_dir>.go, so
+    that a test can signal the child at a known point in the middle of training. A no-op otherwise."""
+    run = os.environ.get(PARK_ENV)
+    if not run or Path(run + ".parked").exists() or len(step_records(Path(run))) < 3:
+        return
+    Path(run + ".parked").touch()
+    deadline = time.monotonic() + 300
+    while not Path(run + ".go").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def write_jsonl(path: Path, rows=ROWS) -> Path:
