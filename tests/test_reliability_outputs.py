@@ -77,9 +77,9 @@ def test_extractors_on_the_largest_inputs_are_linear():
     """A megabyte of nesting or digits: no recursion error, no quadratic time."""
     for text in ("\\boxed{" + "{" * 200_000 + "1" + "}" * 200_000 + "}", "9" * 1_000_000,
                  "\\boxed{" * 200_000, "<answer>" * 100_000 + "1" + "</answer>"):
-        for extract in (extract_numeric_answer, extract_last_boxed):
-            found = extract(text)
-            assert found is None or (isinstance(found, str) and len(found) <= len(text))
+        extract_numeric_answer(text)   # returns (a number or None), does not recurse or hang
+        boxed = extract_last_boxed(text)
+        assert boxed is None or (isinstance(boxed, str) and len(boxed) <= len(text))
 
 
 def test_math_verify_reward_through_the_runner_is_bounded():
