@@ -32,7 +32,7 @@ from cppo.data.sources import TaskData, check_rows, load_task
 from cppo.distributed import Distributed
 from cppo.evaluate import evaluate
 from cppo.generation import chunk_seed, make_backend
-from cppo.rewards_runner import RewardRunner
+from cppo.rewards_runner import RewardRunner, unpadded_ids
 from cppo.rollout import Completions, PromptBatch, completion_logprobs, encode_prompts
 from cppo.tracking import MetricsLog, PhaseTimer, write_plots
 
@@ -222,7 +222,8 @@ class CPPOTrainer:
     def score(self, rows: list[dict], completions: Completions) -> tuple[torch.Tensor, dict]:
         """Rewards (Q, G) of the weighted reward functions, plus per-function means."""
         texts = self.tokenizer.batch_decode(completions.ids.cpu(), skip_special_tokens=True)
-        per_function = self.rewards(rows, texts, completions.ids, self.args.num_generations,
+        per_function = self.rewards(rows, texts, unpadded_ids(completions.ids, completions.mask),
+                                    self.args.num_generations,
                                     conversational=not isinstance(rows[0]["prompt"], str))
         rewards = combine_rewards(per_function, self.rewards.weights)
         return rewards.view(len(rows), self.args.num_generations), self.rewards.means(per_function)
@@ -291,22 +292,25 @@ class CPPOTrainer:
         sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0,
                 "is_ratio": 0.0, "logp_diff": 0.0}
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+        num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
         for micro in batch.micro_batches(args.per_device_train_batch_size):
             with autocast:
                 logps = self.logprobs(self.policy, micro)
-            per_token, stats = per_token_policy_loss(
-                logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
-                epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps)
             m = micro.completion_mask.bool()
+            weights = None
             if micro.sampler_logps is not None:   # the sampler was a cast copy: truncated IS
                 old = logps.detach().float() if micro.old_logps is None else micro.old_logps
                 weights = importance_weights(old, micro.sampler_logps, args.importance_sampling_clip_max)
-                per_token = per_token * weights
                 sums["is_ratio"] += float(weights[m].sum())
                 sums["logp_diff"] += float((old - micro.sampler_logps).abs()[m].sum())
+            per_token, stats = per_token_policy_loss(   # IS weights on the policy term only (TRL)
+                logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
+                epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps,
+                sampling_weights=weights)
             loss = reduce_loss(per_token, micro.completion_mask, args.loss_type,
                                max_completion_length=args.max_completion_length,
-                               total_sequences=total_sequences, total_tokens=total_tokens)
+                               total_sequences=total_sequences, total_tokens=total_tokens,
+                               accumulation_steps=num_micro)
             loss = loss * self.dist.world_size   # DDP averages gradients over processes
             loss.backward()
             sums["loss"] += loss.item() / self.dist.world_size
