@@ -134,3 +134,21 @@ def test_reward_runner_refuses_a_padded_tensor():
     runner = RewardRunner([lambda prompts, completions, completion_ids, **kw: [0.0] * len(prompts)])
     with pytest.raises(TypeError, match="unpadded lists"):
         runner([{"prompt": "p"}], ["a", "b"], torch.zeros(2, 3, dtype=torch.long), 2)
+
+
+@pytest.mark.parametrize("max_steps", [3, 5])
+def test_max_steps_not_a_multiple_of_num_iterations(tiny_model_dir, tmp_path, max_steps):
+    """mu = 2 and an odd max_steps: the run stops at max_steps exactly and the cosine rate never
+    rises again (it would past the schedule's end)."""
+    import json
+    from tests.test_trainer import make_trainer
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=max_steps, num_iterations=2,
+                           lr_scheduler_type="cosine", eval_num_questions=1, save_steps=0)
+    summary = trainer.train()
+    assert summary["steps"] == max_steps == trainer.step
+    assert trainer.scheduler.last_epoch == max_steps
+    rates = [json.loads(line)["learning_rate"]
+             for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if "learning_rate" in json.loads(line)]
+    assert rates == sorted(rates, reverse=True)
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)

@@ -269,9 +269,18 @@ class CPPOTrainer:
                                    batch_size=self.args.per_device_train_batch_size,
                                    lean=self.args.lean_forward)
 
+    def autocast(self):
+        """The one precision of every pass of a step (old policy, reference, policy): bf16
+        autocast when `bf16` is on, so the first iteration's ratio is exactly 1."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16)
+
     @torch.no_grad()
     def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
         """Old-policy log-probs (once per generation batch, when mu > 1) and reference ones."""
+        with self.autocast():
+            self._fill_old_and_ref_logprobs(batch)
+
+    def _fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
         if self.args.num_iterations > 1:
             self.policy.eval()
             batch.old_logps = self.logprobs(self.policy, batch)
@@ -291,10 +300,9 @@ class CPPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0,
                 "is_ratio": 0.0, "logp_diff": 0.0}
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=args.bf16)
         num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
         for micro in batch.micro_batches(args.per_device_train_batch_size):
-            with autocast:
+            with self.autocast():
                 logps = self.logprobs(self.policy, micro)
             m = micro.completion_mask.bool()
             weights = None
@@ -368,15 +376,16 @@ class CPPOTrainer:
                                     completions)
         # every process must take part in the collectives, even one that kept nothing
         nothing_to_learn = self.dist.all_zero(batch.advantages)
+        iterations = min(args.num_iterations, self.total_steps - self.step)  # never past max_steps
         if nothing_to_learn:  # every kept advantage is 0: the policy gradient is 0; skip
-            self.counters["skipped_steps"] += args.num_iterations
-            self.step += args.num_iterations
-            self.advance_schedule(args.num_iterations)
+            self.counters["skipped_steps"] += iterations
+            self.step += iterations
+            self.advance_schedule(iterations)
             metrics["cppo/skipped"] = 1
             return metrics
         with timer("logprobs"):
             self.fill_old_and_ref_logprobs(batch)
-        for _ in range(args.num_iterations):
+        for _ in range(iterations):
             with timer("update"):
                 update = self.update(batch)
             self.step += 1
@@ -387,7 +396,7 @@ class CPPOTrainer:
             else:
                 self.consecutive_nonfinite = 0
             metrics.update(update)
-        self.counters["completions_trained"] += len(batch) * args.num_iterations
+        self.counters["completions_trained"] += len(batch) * iterations
         return metrics
 
     def step_metrics(self, rows, rewards, per_function_means, advantages, keep_mask,
@@ -474,7 +483,7 @@ class CPPOTrainer:
 
     def _crossed(self, every: int) -> bool:
         """True when the last round crossed a multiple of `every` optimizer steps."""
-        before = self.step - self.args.num_iterations
+        before = (self.step - 1) // self.args.num_iterations * self.args.num_iterations  # round start
         return self.step // every > before // every
 
     def _request_stop(self, signum, frame) -> None:
