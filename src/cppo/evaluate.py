@@ -30,13 +30,14 @@ class EvalResult:
         return text + f" ({self.seconds:.1f} s)"
 
 
-def _correct(reward_fn, rows, texts, group: int) -> torch.Tensor:
-    """(Q, group) bool: reward >= 1 means correct."""
-    columns = {k: [r[k] for r in rows for _ in range(group)] for k in rows[0] if k != "prompt"}
-    prompts = [r["prompt"] for r in rows for _ in range(group)]
-    rewards = reward_fn(prompts=prompts, completions=texts, **columns)
-    scores = torch.tensor([float("nan") if v is None else v for v in rewards])
-    return (scores >= 1.0).view(len(rows), group)
+def _correct(reward_fn, rows, completions, tokenizer, group: int) -> torch.Tensor:
+    """(Q, group) bool: reward >= 1 means correct. The reward is called as in training (TRL's
+    signature): chat-message completions for chat prompts, unpadded completion_ids."""
+    from cppo.rewards_runner import RewardRunner, unpadded_ids
+    texts = tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
+    scores = RewardRunner([reward_fn])(rows, texts, unpadded_ids(completions.ids, completions.mask),
+                                       group, conversational=not isinstance(rows[0]["prompt"], str))
+    return (scores[:, 0] >= 1.0).view(len(rows), group)   # NaN (None: does not apply) is wrong
 
 
 @torch.no_grad()
@@ -58,13 +59,11 @@ def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16, temp
         common = dict(max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                       pad_token_id=tokenizer.pad_token_id)
         greedy = sample_completions(model, prompts, num_generations=1, greedy=True, **common)
-        texts = tokenizer.batch_decode(greedy.ids, skip_special_tokens=True)
-        greedy_hits += int(_correct(reward_fn, chunk, texts, 1).sum())
+        greedy_hits += int(_correct(reward_fn, chunk, greedy, tokenizer, 1).sum())
         if k > 0:
             sampled = sample_completions(model, prompts, num_generations=k, temperature=temperature,
                                          generator=generator, **common)
-            texts = tokenizer.batch_decode(sampled.ids, skip_special_tokens=True)
-            hits = _correct(reward_fn, chunk, texts, k)
+            hits = _correct(reward_fn, chunk, sampled, tokenizer, k)
             pass_hits += int(hits.any(1).sum())
             sample_hits += float(hits.float().mean(1).sum())
         bar.update(len(chunk))

@@ -186,6 +186,7 @@ class CPPOTrainer:
         rows = [dict(r) for r in train_dataset]
         check_rows(rows, name="train_dataset")
         evals = [dict(r) for r in eval_dataset] if eval_dataset is not None else []
+        evals = evals[:self.args.eval_num_questions]   # None: all
         if self.args.num_train_questions is not None:
             rows = rows[:self.args.num_train_questions]
         return TaskData(train_rows=rows, eval_rows=evals, accuracy_reward="", description="user data")
@@ -516,8 +517,9 @@ class CPPOTrainer:
         rows = self.task.eval_rows
         if not rows or not self.dist.is_main:
             return
-        from cppo.rewards import get_reward_function
-        reward = get_reward_function(self.task.accuracy_reward or self.args.reward_funcs[0])
+        from cppo.rewards import get_reward_function   # the task's accuracy reward, else the
+        reward = (get_reward_function(self.task.accuracy_reward) if self.task.accuracy_reward
+                  else self.rewards.funcs[0])               # first reward function passed in
         with self.timer("eval"):
             result = evaluate(self.policy, self.tokenizer, rows, reward, k=0,
                               max_new_tokens=self.args.max_completion_length,
