@@ -42,15 +42,20 @@ def _correct(reward_fn, rows, completions, tokenizer, group: int) -> torch.Tenso
 
 @torch.no_grad()
 def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16, temperature: float = 1.0,
-             max_new_tokens: int = 8, batch_size: int = 4096, seed: int = 0,
+             max_new_tokens: int = 8, batch_size: int | None = None, seed: int = 0,
              max_prompt_length: int | None = None, progress: bool = True) -> EvalResult:
-    """Greedy accuracy and (k > 0) pass@k over rows with a 'prompt' column, in batches."""
+    """Greedy accuracy and (k > 0) pass@k over rows with a 'prompt' column, in batches of
+    batch_size completions (None: as many as fit in memory, cppo.memory.eval_batch_size)."""
     import time
     start = time.perf_counter()
     was_training = model.training
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     greedy_hits, pass_hits, sample_hits = 0, 0, 0.0
+    if batch_size is None:
+        from cppo.memory import eval_batch_size
+        batch_size = eval_batch_size(model, tokenizer, rows, max_new_tokens=max_new_tokens, k=k,
+                                     memory_budget_gib=None, max_prompt_length=max_prompt_length)
     per_batch = max(1, batch_size // max(k, 1))
     bar = tqdm(total=len(rows), desc="eval", unit="q", disable=not progress, leave=False)
     for s in range(0, len(rows), per_batch):

@@ -32,6 +32,7 @@ from cppo.data.sources import TaskData, check_rows, load_task
 from cppo.distributed import Distributed
 from cppo.evaluate import evaluate
 from cppo.generation import chunk_seed, make_backend
+from cppo.memory import check_batch_settings, plan_for_run
 from cppo.rewards_runner import RewardRunner, unpadded_ids
 from cppo.rollout import Completions, PromptBatch, completion_logprobs, encode_prompts
 from cppo.tracking import MetricsLog, PhaseTimer, write_plots
@@ -111,8 +112,11 @@ class CPPOTrainer:
         torch.manual_seed(args.seed + self.dist.rank)  # dropout differs per process
         self.reference = self._load_reference(model)
         self._check_generation_dtype()
-        self.backend = make_backend(self.policy, self.tokenizer, args)
         self.task = self._load_data(train_dataset, eval_dataset)
+        self.batch_sizes = plan_for_run(args, self.policy, self.reference, self.device,  # memory
+                                        tokenizer=self.tokenizer, rows=self.task.train_rows)
+        self.backend = make_backend(self.policy, self.tokenizer, args,
+                                    chunk_size=args.generation_chunk_size or self.batch_sizes.generation)
         funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
         self.rewards = RewardRunner(funcs if isinstance(funcs, (list, tuple)) else [funcs],
                                     args.reward_weights)
@@ -121,6 +125,8 @@ class CPPOTrainer:
                               group_size=args.num_generations, pruning_rate=args.pruning_rate,
                               allocation=args.allocation,
                               scope="step" if args.selection_scope == "global" else args.selection_scope)
+        check_batch_settings(args, self.batch_sizes, completions_per_round=(
+            self.plan.questions_per_step * args.num_generations * self.dist.world_size))
         self.total_steps = self._total_steps()
         self.optimizer = make_adamw([p for p in self.policy.parameters() if p.requires_grad], args)
         from transformers import get_scheduler
@@ -523,7 +529,8 @@ class CPPOTrainer:
         with self.timer("eval"):
             result = evaluate(self.policy, self.tokenizer, rows, reward, k=0,
                               max_new_tokens=self.args.max_completion_length,
-                              max_prompt_length=self.args.max_prompt_length, progress=False)
+                              max_prompt_length=self.args.max_prompt_length, progress=False,
+                              batch_size=self.batch_sizes.evaluation)
         self.timer.pop_last()
         entry = {"step": self.step, "accuracy": result.greedy_accuracy,
                  "wall_time": round(time.perf_counter() - start_wall, 3),
