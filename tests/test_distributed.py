@@ -24,7 +24,7 @@ def free_port() -> int:
 def spec(model_dir, output_dir, *, batch: int, scope: str) -> dict:
     config = dict(output_dir=str(output_dir), per_device_train_batch_size=batch, num_generations=4,
                   pruning_rate=0.5, selection_scope=scope, scale_rewards="batch", beta=0.04,
-                  num_iterations=2, max_steps=4, generation_batch_size=8, max_completion_length=5,
+                  num_iterations=2, max_steps=4, generation_chunk_size=8, max_completion_length=5,
                   learning_rate=1e-3, eval_steps=0, save_steps=0, progress_bar=False, seed=3)
     return {"config": config, "rows": ROWS, "model": model_dir}
 

@@ -28,7 +28,10 @@ class EvalConfig:
     k: int = option(16, "k of pass@k (0: greedy only).")
     temperature: float = option(1.0, "Sampling temperature for pass@k.")
     max_completion_length: int | None = option(None, "Max new tokens (None: the task's need, or 256).")
-    batch_size: int = option(4096, "Completions decoded together.")
+    batch_size: int | None = option(None, "Completions decoded together (None: as many as "
+                                    "memory_budget_gib allows).")
+    memory_budget_gib: float | None = option(None, "GiB for KV caches and logits (None: 90% of "
+                                             "the device's memory less the weights).")
     seed: int = option(0, "Sampling seed.")
     output_json: str | None = option(None, "Write the result as JSON here.")
     torch_dtype: str = option("float32", "Model dtype.", ("float32", "bfloat16", "float16", "auto"))
@@ -37,8 +40,11 @@ class EvalConfig:
     def __post_init__(self):
         check_fields(self)
         _check(self.k >= 0, f"'k' is {self.k}; must be >= 0")
-        _check(self.batch_size >= 1, f"'batch_size' is {self.batch_size}; must be >= 1")
+        _check(self.batch_size is None or self.batch_size >= 1,
+               f"'batch_size' is {self.batch_size}; must be >= 1")
         _check(self.temperature > 0, f"'temperature' is {self.temperature}; must be > 0")
+        _check(self.memory_budget_gib is None or self.memory_budget_gib > 0,
+               f"'memory_budget_gib' is {self.memory_budget_gib}; must be > 0")
 
 
 @dataclass
@@ -114,6 +120,7 @@ def cmd_eval(args) -> int:
                           command="eval")
     from cppo.data.sources import load_task
     from cppo.evaluate import evaluate
+    from cppo.memory import eval_batch_size
     from cppo.models import load_model, load_tokenizer
     from cppo.rewards import get_reward_function
 
@@ -128,9 +135,12 @@ def cmd_eval(args) -> int:
     model = load_model(cfg.model, torch_dtype=cfg.torch_dtype,
                        attn_implementation=cfg.attn_implementation)
     max_new = cfg.max_completion_length or task.max_answer_tokens or 256
+    batch_size = cfg.batch_size or eval_batch_size(model, tokenizer, task.eval_rows,
+                                                   max_new_tokens=max_new, k=cfg.k,
+                                                   memory_budget_gib=cfg.memory_budget_gib)
     result = evaluate(model, tokenizer, task.eval_rows, get_reward_function(task.accuracy_reward),
                       k=cfg.k, temperature=cfg.temperature, max_new_tokens=max_new,
-                      batch_size=cfg.batch_size, seed=cfg.seed)
+                      batch_size=batch_size, seed=cfg.seed)
     print(f"{cfg.model} on {task.description} ({cfg.eval_dataset_split}): {result.summary()}")
     if cfg.output_json:
         Path(cfg.output_json).parent.mkdir(parents=True, exist_ok=True)

@@ -93,8 +93,18 @@ class CPPOConfig:
     temperature: float = option(1.0, "Sampling temperature.")
     top_p: float = option(1.0, "Nucleus sampling threshold (1.0: off).")
     top_k: int = option(0, "Top-k sampling (0: off).")
-    generation_batch_size: Optional[int] = option(None, "Completions generated per forward batch "
-                                              "(None: all of a step at once).")
+    generation_batch_size: Optional[int] = option(
+        None, "Completions generated per generation round over all processes (TRL's meaning: "
+        "per_device_train_batch_size x processes x gradient_accumulation_steps without pruning; "
+        "with pruning and allocation, questions per step x num_generations x processes). None: "
+        "derived; a value that differs is an error naming the one that fits.")
+    generation_chunk_size: Optional[int] = option(
+        None, "Completions decoded together on each process (rounded down to whole questions). "
+        "None: as many as memory_budget_gib allows.")
+    memory_budget_gib: Optional[float] = option(
+        None, "GiB per device for KV caches, activations and logits (after weights, gradients, "
+        "optimizer state and reference). Sets the generation, evaluation and scoring batch "
+        "sizes. None: 90% of the device's memory less the model states.")
     generation_dtype: Optional[str] = option(
         None, "Sample from a copy of the policy's weights in this dtype (None: the policy's own). "
         "bfloat16 samples ~1.5x faster on CPUs with AVX512-BF16/AMX and on GPUs; the tokens then "
@@ -388,6 +398,14 @@ def validate(cfg: CPPOConfig) -> None:
     _check(cfg.lora_r >= 1, f"'lora_r' is {cfg.lora_r}; must be >= 1")
     _check(cfg.generation_batch_size is None or cfg.generation_batch_size >= 1,
            f"'generation_batch_size' is {cfg.generation_batch_size}; must be >= 1 or None")
+    _check(cfg.generation_batch_size is None
+           or cfg.generation_batch_size % cfg.num_generations == 0,
+           f"'generation_batch_size' is {cfg.generation_batch_size}, not a multiple of "
+           f"num_generations = {cfg.num_generations} (it counts completions of whole questions)")
+    _check(cfg.generation_chunk_size is None or cfg.generation_chunk_size >= 1,
+           f"'generation_chunk_size' is {cfg.generation_chunk_size}; must be >= 1 or None")
+    _check(cfg.memory_budget_gib is None or cfg.memory_budget_gib > 0,
+           f"'memory_budget_gib' is {cfg.memory_budget_gib}; must be > 0 or None")
     _check(0 <= cfg.seed < 2**32, f"'seed' is {cfg.seed}; allowed: 0 <= seed < 2**32")
     _check(not Path(cfg.output_dir).expanduser().is_file(),
            f"'output_dir' is {cfg.output_dir!r}, which is a file; give a directory (it is created "

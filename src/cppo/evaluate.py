@@ -30,27 +30,32 @@ class EvalResult:
         return text + f" ({self.seconds:.1f} s)"
 
 
-def _correct(reward_fn, rows, texts, num_generations: int) -> torch.Tensor:
-    """(Q, num_generations) bool: reward >= 1 means correct."""
-    columns = {key: [r[key] for r in rows for _ in range(num_generations)]
-               for key in rows[0] if key != "prompt"}
-    prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
-    rewards = reward_fn(prompts=prompts, completions=texts, **columns)
-    scores = torch.tensor([float("nan") if v is None else v for v in rewards])
-    return (scores >= 1.0).view(len(rows), num_generations)
+def _correct(reward_fn, rows, completions, tokenizer, num_generations: int) -> torch.Tensor:
+    """(Q, num_generations) bool: reward >= 1 means correct. The reward is called as in training (TRL's
+    signature): chat-message completions for chat prompts, unpadded completion_ids."""
+    from cppo.rewards_runner import RewardRunner, unpadded_ids
+    texts = tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
+    scores = RewardRunner([reward_fn])(rows, texts, unpadded_ids(completions.ids, completions.mask),
+                                       num_generations, conversational=not isinstance(rows[0]["prompt"], str))
+    return (scores[:, 0] >= 1.0).view(len(rows), num_generations)   # NaN (None: does not apply) is wrong
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16, temperature: float = 1.0,
-             max_new_tokens: int = 8, batch_size: int = 4096, seed: int = 0,
+             max_new_tokens: int = 8, batch_size: int | None = None, seed: int = 0,
              max_prompt_length: int | None = None, progress: bool = True) -> EvalResult:
-    """Greedy accuracy and (k > 0) pass@k over rows with a 'prompt' column, in batches."""
+    """Greedy accuracy and (k > 0) pass@k over rows with a 'prompt' column, in batches of
+    batch_size completions (None: as many as fit in memory, cppo.memory.eval_batch_size)."""
     import time
     start = time.perf_counter()
     was_training = model.training
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     greedy_hits, pass_hits, sample_hits = 0, 0, 0.0
+    if batch_size is None:
+        from cppo.memory import eval_batch_size
+        batch_size = eval_batch_size(model, tokenizer, rows, max_new_tokens=max_new_tokens, k=k,
+                                     memory_budget_gib=None, max_prompt_length=max_prompt_length)
     per_batch = max(1, batch_size // max(k, 1))
     bar = tqdm(total=len(rows), desc="eval", unit="q", disable=not progress, leave=False)
     for s in range(0, len(rows), per_batch):
@@ -59,13 +64,11 @@ def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16, temp
         common = dict(max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                       pad_token_id=tokenizer.pad_token_id)
         greedy = sample_completions(model, prompts, num_generations=1, greedy=True, **common)
-        texts = tokenizer.batch_decode(greedy.ids, skip_special_tokens=True)
-        greedy_hits += int(_correct(reward_fn, chunk, texts, 1).sum())
+        greedy_hits += int(_correct(reward_fn, chunk, greedy, tokenizer, 1).sum())
         if k > 0:
             sampled = sample_completions(model, prompts, num_generations=k, temperature=temperature,
                                          generator=generator, **common)
-            texts = tokenizer.batch_decode(sampled.ids, skip_special_tokens=True)
-            hits = _correct(reward_fn, chunk, texts, k)
+            hits = _correct(reward_fn, chunk, sampled, tokenizer, k)
             pass_hits += int(hits.any(1).sum())
             sample_hits += float(hits.float().mean(1).sum())
         bar.update(len(chunk))

@@ -8,11 +8,12 @@ One small interface, `backend.generate(prompts, round_index, question_offset) ->
   repository's CI (no vLLM, no GPU there); kept small so that it is easy to check by reading.
 
 Reproducibility across process counts: the questions of a step are cut into generation chunks of
-`generation_batch_size // G` questions, and each chunk samples with its own generator seeded from
+`generation_chunk_size // G` questions (cppo.memory derives the chunk size from the memory budget
+unless it is set), and each chunk samples with its own generator seeded from
 (seed, round, index of the chunk's first question in the *global* step batch). A question's
 completions therefore depend on the seed, the round, its place in the global batch and the chunk
 size only, not on how many processes share the step: 2 processes x Q/2 questions sample exactly
-what 1 process x Q questions samples, given the same generation_batch_size (and a multiple of it
+what 1 process x Q questions samples, given the same generation_chunk_size (and a multiple of it
 per process).
 """
 
@@ -43,11 +44,12 @@ def chunk_seed(seed: int, round_index: int, question_offset: int) -> int:
 class TransformersBackend:
     """Sample with the policy (any transformers causal LM) through cppo.rollout's sampler."""
 
-    def __init__(self, model, tokenizer, args) -> None:
+    def __init__(self, model, tokenizer, args, chunk_size: int | None = None) -> None:
         self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.chunk_size = chunk_size   # completions decoded together (None: all at once)
 
     def questions_per_chunk(self, num_questions: int) -> int:
-        size = self.args.generation_batch_size
+        size = self.chunk_size
         return num_questions if size is None else max(1, size // self.args.num_generations)
 
     def generate(self, prompts: PromptBatch, *, round_index: int, question_offset: int = 0) -> Completions:
@@ -179,5 +181,9 @@ class VLLMBackend:
                                             args.max_completion_length, device=prompts.ids.device)
 
 
-def make_backend(model, tokenizer, args) -> GenerationBackend:
-    return VLLMBackend(model, tokenizer, args) if args.use_vllm else TransformersBackend(model, tokenizer, args)
+def make_backend(model, tokenizer, args, chunk_size: int | None = None) -> GenerationBackend:
+    """chunk_size: completions the built-in sampler decodes together (the trainer derives it
+    from the memory budget); vLLM schedules its own batches."""
+    if args.use_vllm:
+        return VLLMBackend(model, tokenizer, args)
+    return TransformersBackend(model, tokenizer, args, chunk_size)

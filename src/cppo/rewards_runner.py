@@ -31,6 +31,12 @@ class RewardPreflightError(RewardError, ConfigError):
     """A reward function failed on the data before training started (`cppo train` exits 2)."""
 
 
+def unpadded_ids(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Padded completion ids (N, T) and their mask (N, T) -> N lists of the real tokens (up to and
+    including EOS), what TRL hands reward functions as `completion_ids`."""
+    return [row[keep].tolist() for row, keep in zip(ids.cpu(), mask.cpu().bool())]
+
+
 class RewardRunner:
     def __init__(self, funcs: Sequence[str | Callable], weights: Sequence[float] | None = None):
         from cppo.rewards import get_reward_function
@@ -49,9 +55,12 @@ class RewardRunner:
             raise ValueError(f"{len(weights)} reward_weights for {len(self.funcs)} reward functions")
         self.weights = torch.tensor(weights if weights is not None else [1.0] * len(self.funcs))
 
-    def __call__(self, rows: list[dict], texts: list[str], completion_ids: torch.Tensor | None,
+    def __call__(self, rows: list[dict], texts: list[str], completion_ids: list[list[int]] | None,
                  group_size: int, conversational: bool = False) -> torch.Tensor:
-        """Rewards (N, F), N = len(rows) * group_size, NaN where a function returned None."""
+        """Rewards (N, F), N = len(rows) * group_size, NaN where a function returned None.
+
+        completion_ids: one unpadded token-id list per completion (TRL's convention; see
+        `unpadded_ids`), or None (empty lists are passed)."""
         n = len(rows) * group_size
         if len(texts) != n:
             raise ValueError(f"{len(texts)} completions for {len(rows)} questions x {group_size}")
@@ -60,7 +69,12 @@ class RewardRunner:
                    for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         completions = ([[{"role": "assistant", "content": t}] for t in texts]
                        if conversational else list(texts))
-        ids = completion_ids.tolist() if completion_ids is not None else [[] for _ in texts]
+        if torch.is_tensor(completion_ids):
+            raise TypeError("completion_ids must be unpadded lists of token ids (TRL); turn a "
+                            "padded (N, T) tensor into them with unpadded_ids(ids, mask)")
+        ids = [list(c) for c in completion_ids] if completion_ids is not None else [[] for _ in texts]
+        if len(ids) != n:
+            raise ValueError(f"{len(ids)} completion_ids lists for {n} completions")
         out = torch.empty(n, len(self.funcs))
         for j, (name, fn) in enumerate(zip(self.names, self.funcs)):
             try:

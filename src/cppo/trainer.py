@@ -32,7 +32,8 @@ from cppo.data.sources import TaskData, check_rows, load_task
 from cppo.distributed import Distributed
 from cppo.evaluate import evaluate
 from cppo.generation import chunk_seed, make_backend
-from cppo.rewards_runner import RewardRunner
+from cppo.memory import check_batch_settings, plan_for_run
+from cppo.rewards_runner import RewardRunner, unpadded_ids
 from cppo.rollout import Completions, PromptBatch, completion_logprobs, encode_prompts
 from cppo.tracking import MetricsLog, PhaseTimer, write_plots
 
@@ -111,13 +112,18 @@ class CPPOTrainer:
         torch.manual_seed(args.seed + self.dist.rank)  # dropout differs per process
         self.reference = self._load_reference(model)
         self._check_generation_dtype()
-        self.backend = make_backend(self.policy, self.tokenizer, args)
         self.task = self._load_data(train_dataset, eval_dataset)
+        self.batch_sizes = plan_for_run(args, self.policy, self.reference, self.device,  # memory
+                                        tokenizer=self.tokenizer, rows=self.task.train_rows)
+        self.backend = make_backend(self.policy, self.tokenizer, args,
+                                    chunk_size=args.generation_chunk_size or self.batch_sizes.generation)
         funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
         self.rewards = RewardRunner(funcs if isinstance(funcs, (list, tuple)) else [funcs],
                                     args.reward_weights)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
         self.plan = args.step_plan()
+        check_batch_settings(args, self.batch_sizes, completions_per_round=(
+            self.plan.questions_per_step * args.num_generations * self.dist.world_size))
         self.total_steps = self._total_steps()
         self.optimizer = make_adamw([p for p in self.policy.parameters() if p.requires_grad], args)
         from transformers import get_scheduler
@@ -180,6 +186,7 @@ class CPPOTrainer:
         rows = [dict(r) for r in train_dataset]
         check_rows(rows, name="train_dataset")
         evals = [dict(r) for r in eval_dataset] if eval_dataset is not None else []
+        evals = evals[:self.args.eval_num_questions]   # None: all
         if self.args.num_train_questions is not None:
             rows = rows[:self.args.num_train_questions]
         return TaskData(train_rows=rows, eval_rows=evals, accuracy_reward="", description="user data")
@@ -216,7 +223,8 @@ class CPPOTrainer:
     def score(self, rows: list[dict], completions: Completions) -> tuple[torch.Tensor, dict]:
         """Rewards (Q, G) of the weighted reward functions, plus per-function means."""
         texts = self.tokenizer.batch_decode(completions.ids.cpu(), skip_special_tokens=True)
-        per_function = self.rewards(rows, texts, completions.ids, self.args.num_generations,
+        per_function = self.rewards(rows, texts, unpadded_ids(completions.ids, completions.mask),
+                                    self.args.num_generations,
                                     conversational=not isinstance(rows[0]["prompt"], str))
         rewards = combine_rewards(per_function, self.rewards.weights)
         return rewards.view(len(rows), self.args.num_generations), self.rewards.means(per_function)
@@ -262,9 +270,18 @@ class CPPOTrainer:
                                    batch_size=self.args.per_device_train_batch_size,
                                    lean=self.args.lean_forward)
 
+    def autocast(self):
+        """The one precision of every pass of a step (old policy, reference, policy): bf16
+        autocast when `bf16` is on, so the first iteration's ratio is exactly 1."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16)
+
     @torch.no_grad()
     def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
         """Old-policy log-probs (once per generation batch, when mu > 1) and reference ones."""
+        with self.autocast():
+            self._fill_old_and_ref_logprobs(batch)
+
+    def _fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
         if self.args.num_iterations > 1:
             self.policy.eval()
             batch.old_logps = self.logprobs(self.policy, batch)
@@ -284,23 +301,25 @@ class CPPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0,
                 "is_ratio": 0.0, "logp_diff": 0.0}
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+        num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
         for micro in batch.micro_batches(args.per_device_train_batch_size):
-            with autocast:
+            with self.autocast():
                 logps = self.logprobs(self.policy, micro)
-            per_token, stats = per_token_policy_loss(
-                logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
-                epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps)
             m = micro.completion_mask.bool()
+            weights = None
             if micro.sampler_logps is not None:   # the sampler was a cast copy: truncated IS
                 old = logps.detach().float() if micro.old_logps is None else micro.old_logps
                 weights = importance_weights(old, micro.sampler_logps, args.importance_sampling_clip_max)
-                per_token = per_token * weights
                 sums["is_ratio"] += float(weights[m].sum())
                 sums["logp_diff"] += float((old - micro.sampler_logps).abs()[m].sum())
+            per_token, stats = per_token_policy_loss(   # IS weights on the policy term only (TRL)
+                logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
+                epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps,
+                sampling_weights=weights)
             loss = reduce_loss(per_token, micro.completion_mask, args.loss_type,
                                max_completion_length=args.max_completion_length,
-                               total_sequences=total_sequences, total_tokens=total_tokens)
+                               total_sequences=total_sequences, total_tokens=total_tokens,
+                               accumulation_steps=num_micro)
             loss = loss * self.dist.world_size   # DDP averages gradients over processes
             loss.backward()
             sums["loss"] += loss.item() / self.dist.world_size
@@ -358,15 +377,16 @@ class CPPOTrainer:
                                     completions)
         # every process must take part in the collectives, even one that kept nothing
         nothing_to_learn = self.dist.all_zero(batch.advantages)
+        iterations = min(args.num_iterations, self.total_steps - self.step)  # never past max_steps
         if nothing_to_learn:  # every kept advantage is 0: the policy gradient is 0; skip
-            self.counters["skipped_steps"] += args.num_iterations
-            self.step += args.num_iterations
-            self.advance_schedule(args.num_iterations)
+            self.counters["skipped_steps"] += iterations
+            self.step += iterations
+            self.advance_schedule(iterations)
             metrics["cppo/skipped"] = 1
             return metrics
         with timer("logprobs"):
             self.fill_old_and_ref_logprobs(batch)
-        for _ in range(args.num_iterations):
+        for _ in range(iterations):
             with timer("update"):
                 update = self.update(batch)
             self.step += 1
@@ -377,7 +397,7 @@ class CPPOTrainer:
             else:
                 self.consecutive_nonfinite = 0
             metrics.update(update)
-        self.counters["completions_trained"] += len(batch) * args.num_iterations
+        self.counters["completions_trained"] += len(batch) * iterations
         return metrics
 
     def step_metrics(self, rows, rewards, per_function_means, advantages, keep_mask,
@@ -464,7 +484,7 @@ class CPPOTrainer:
 
     def _crossed(self, every: int) -> bool:
         """True when the last round crossed a multiple of `every` optimizer steps."""
-        before = self.step - self.args.num_iterations
+        before = (self.step - 1) // self.args.num_iterations * self.args.num_iterations  # round start
         return self.step // every > before // every
 
     def _request_stop(self, signum, frame) -> None:
@@ -497,12 +517,14 @@ class CPPOTrainer:
         rows = self.task.eval_rows
         if not rows or not self.dist.is_main:
             return
-        from cppo.rewards import get_reward_function
-        reward = get_reward_function(self.task.accuracy_reward or self.args.reward_funcs[0])
+        from cppo.rewards import get_reward_function   # the task's accuracy reward, else the
+        reward = (get_reward_function(self.task.accuracy_reward) if self.task.accuracy_reward
+                  else self.rewards.funcs[0])               # first reward function passed in
         with self.timer("eval"):
             result = evaluate(self.policy, self.tokenizer, rows, reward, k=0,
                               max_new_tokens=self.args.max_completion_length,
-                              max_prompt_length=self.args.max_prompt_length, progress=False)
+                              max_prompt_length=self.args.max_prompt_length, progress=False,
+                              batch_size=self.batch_sizes.evaluation)
         self.timer.pop_last()
         entry = {"step": self.step, "accuracy": result.greedy_accuracy,
                  "wall_time": round(time.perf_counter() - start_wall, 3),

@@ -71,14 +71,18 @@ def group_advantages(rewards: Tensor, scale_rewards: str = "group", eps: float =
 
     rewards: (Q, G) -> (Q, G). scale_rewards 'group': unbiased std of each group; 'batch':
     unbiased std of all Q * G rewards (mean stays per group, as TRL); 'none': no division.
-    A group of size 1 has A = 0 (std undefined, and r - mean = 0).
+    A group of size 1 has A = 0 (std undefined, and r - mean = 0). A group whose rewards are all
+    equal gets A = 0 exactly, whatever the value (0.3 x G would otherwise leave a rounding residue
+    of r - mean that the division by std + eps blows up to ~1e-4), so the zero-variance skip
+    sees it.
     """
     _check_rewards(rewards)
     check_scale_rewards(scale_rewards)
     group_size = rewards.shape[1]
     if group_size < 2:
         return torch.zeros_like(rewards)
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    all_equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    centered = (rewards - rewards.mean(dim=1, keepdim=True)).masked_fill(all_equal, 0.0)
     if scale_rewards == "none":
         return centered
     if scale_rewards == "group":

@@ -33,13 +33,16 @@ def per_token_policy_loss(
     epsilon_high: float,
     beta: float = 0.0,
     ref_logps: Tensor | None = None,
+    sampling_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token loss (N, T) = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) + beta * KL_k3.
+    """Per-token loss (N, T) = -w min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) + beta * KL_k3.
 
     logps: (N, T) log-probs of the sampled tokens under the policy (carries the gradient);
     old_logps: (N, T) under the policy that sampled them (None = logps.detach(), i.e. rho = 1,
     for num_iterations = 1); ref_logps: (N, T) under the reference model, needed when beta > 0;
     advantages: (N,). rho = exp(logps - old_logps); KL_k3 = exp(ref - logp) - (ref - logp) - 1.
+    sampling_weights: (N, T) importance weights of a sampler that is not the policy
+    (`importance_weights`); they multiply the policy term only, never the KL term (as TRL).
     Stats (N, T), detached: kl (zeros without ref_logps), is_low_clipped (rho < 1 - eps_low and
     A < 0), is_high_clipped (rho > 1 + eps_high and A > 0), is_region_clipped (either) -- TRL's
     clip_ratio/low_mean, high_mean, region_mean once masked-averaged.
@@ -67,6 +70,11 @@ def per_token_policy_loss(
     ratio = torch.exp(logps - old_logps.detach())
     clipped_ratio = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    if sampling_weights is not None:
+        if sampling_weights.shape != logps.shape:
+            raise ValueError(f"sampling_weights shape {tuple(sampling_weights.shape)} must equal "
+                             f"logps shape {tuple(logps.shape)}")
+        per_token_loss = per_token_loss * sampling_weights.detach()
 
     if ref_logps is not None:
         ref_minus_logp = ref_logps.detach() - logps
@@ -106,16 +114,20 @@ def reduce_loss(
     max_completion_length: int,
     total_sequences: int | None = None,
     total_tokens: int | float | Tensor | None = None,
+    accumulation_steps: int = 1,
 ) -> Tensor:
     """Scalar loss of one micro-batch from the per-token loss (N, T) and completion_mask (N, T).
 
     grpo:    sum over sequences of (masked token mean) / total_sequences
-    bnpo:    sum(l * m) / total_tokens                     (default: this micro-batch's tokens)
+    bnpo:    sum(l * m) / (this micro-batch's tokens) / accumulation_steps   (TRL: the local
+             micro-batch's active tokens, averaged over the accumulation steps)
     dr_grpo: sum(l * m) / (total_sequences * max_completion_length)
     dapo:    sum(l * m) / total_tokens                     (the whole update's tokens, TRL)
     total_sequences / total_tokens default to this micro-batch's counts; pass those of the whole
     update (all accumulation steps and processes) so the micro-batch losses SUM to the full-batch
-    loss. A sequence with no mask tokens contributes 0 (it still counts as a sequence).
+    loss. bnpo never uses total_tokens: each micro-batch is normalised by its own tokens, so bnpo
+    differs from dapo whenever micro-batches hold different numbers of tokens. A sequence with no
+    mask tokens contributes 0 (it still counts as a sequence).
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -130,6 +142,8 @@ def reduce_loss(
         raise ValueError(f"total_sequences must be >= 1, got {total_sequences}")
     if total_tokens is not None and total_tokens < 0:
         raise ValueError(f"total_tokens must be >= 0, got {total_tokens}")
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
 
     num_sequences = max(total_sequences if total_sequences is not None else per_token.shape[0], 1)
     mask = completion_mask.to(per_token.dtype)
@@ -138,6 +152,8 @@ def reduce_loss(
         return masked_mean(per_token, mask, dim=1).sum() / num_sequences
     if loss_type == "dr_grpo":
         return masked_sum / (num_sequences * max_completion_length)
+    if loss_type == "bnpo":
+        return masked_sum / mask.sum().clamp(min=1.0) / accumulation_steps
     if total_tokens is None:
         tokens = mask.sum()
     else:
