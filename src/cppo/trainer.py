@@ -55,13 +55,30 @@ class StepBatch:
         return self.completion_ids.shape[0]
 
     def micro_batches(self, size: int):
+        """Consecutive slices of `size` rows, each trimmed to its own longest completion."""
         def part(t, sl):
             return None if t is None else t[sl]
         for s in range(0, len(self), size):
             sl = slice(s, s + size)
             yield StepBatch(self.prompt_ids[sl], self.prompt_mask[sl], self.completion_ids[sl],
                             self.completion_mask[sl], self.advantages[sl], part(self.old_logps, sl),
-                            part(self.ref_logps, sl), part(self.sampler_logps, sl))
+                            part(self.ref_logps, sl), part(self.sampler_logps, sl)).trimmed()
+
+    def trimmed(self) -> "StepBatch":
+        """The same rows without the columns no row uses: prompt columns left of the longest
+        prompt, completion columns right of the longest completion (by completion_mask). Padding
+        is masked out of attention and loss, so every pass gives the same values on fewer tokens."""
+        if len(self) == 0:
+            return self
+        used = self.prompt_mask.any(0).nonzero()
+        start = int(used[0]) if len(used) else self.prompt_ids.shape[1] - 1
+        width = max(1, int(self.completion_mask.sum(1).max()))
+
+        def cut(t):
+            return None if t is None else t[:, :width]
+        return StepBatch(self.prompt_ids[:, start:], self.prompt_mask[:, start:],
+                         cut(self.completion_ids), cut(self.completion_mask), self.advantages,
+                         cut(self.old_logps), cut(self.ref_logps), cut(self.sampler_logps))
 
 
 class QuestionStream:
@@ -260,7 +277,7 @@ class CPPOTrainer:
             sampler_logps = completions.logprobs[kept].float()
         return StepBatch(prompts.ids[question], prompts.mask[question], completions.ids[kept],
                          mask, advantages.flatten().to(kept.device)[kept].float(),
-                         sampler_logps=sampler_logps)
+                         sampler_logps=sampler_logps).trimmed()  # no pass runs on pruned widths
 
     def logprobs(self, model, batch: StepBatch) -> torch.Tensor:
         if len(batch) == 0:  # global selection can leave a process nothing to train on
