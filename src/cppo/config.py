@@ -150,8 +150,16 @@ class CPPOConfig:
     logging_steps: int = option(1, "Write metrics every N steps.")
     save_steps: int = option(100, "Checkpoint every N steps (and always at the end).")
     save_total_limit: int = option(2, "Keep this many most recent checkpoints.")
-    report_to: list[str] = option(["jsonl"], "Metric sinks: jsonl, tensorboard.")
-    log_completions: bool = option(True, "Log sample completions every logging step.")
+    report_to: list[str] = option(["jsonl"], "Trackers (as in transformers): tensorboard, wandb "
+                              "(offline unless WANDB_MODE says otherwise), trackio (local store), "
+                              "jsonl, all (every installed tracker), none. metrics.jsonl is always "
+                              "written.")
+    run_name: Optional[str] = option(None, "Run name shown by wandb/trackio (None: theirs).")
+    log_completions: bool = option(False, "Every logging step: a table of sample completions (prompt, "
+                                   "completion, each reward, advantage, kept/pruned) in the "
+                                   "terminal, in <output_dir>/completions.jsonl and in the trackers.")
+    num_completions_to_print: Optional[int] = option(None, "Completions in that table (whole "
+                                                     "questions first; None: all of the step).")
     resume: bool = option(False, "Continue from the latest checkpoint in output_dir.")
     max_consecutive_nonfinite: int = option(5, "Stop (with a checkpoint) after this many steps in a "
                                         "row with NaN/inf loss or gradients.")
@@ -360,9 +368,10 @@ def validate(cfg: CPPOConfig) -> None:
     _check(cfg.max_grad_norm >= 0, f"'max_grad_norm' is {cfg.max_grad_norm}; must be >= 0")
     _check(cfg.max_consecutive_nonfinite >= 1,
            f"'max_consecutive_nonfinite' is {cfg.max_consecutive_nonfinite}; must be >= 1")
-    for sink in cfg.report_to:
-        _check(sink in ("jsonl", "tensorboard", "none"),
-               f"'report_to' has {sink!r}; allowed: jsonl, tensorboard, none")
+    from cppo.tracking import resolve_report_to
+    resolve_report_to(cfg.report_to)   # names only; a missing library is reported by the trainer
+    _check(cfg.num_completions_to_print is None or cfg.num_completions_to_print >= 1,
+           f"'num_completions_to_print' is {cfg.num_completions_to_print}; must be >= 1 or None")
     if cfg.selection_rule == "max_variance":
         _check(cfg.selection_scope == "question",
                "'selection_rule' max_variance (PODS) ranks within a question; set "
