@@ -195,7 +195,18 @@ class CPPOConfig:
         if path is not None:
             values.update(read_yaml(path))
         values.update(overrides or {})
+        values = from_trl_names(values, source=str(path) if path else "config")
         return cls.from_dict(values, source=str(path) if path else "config")
+
+
+def from_trl_names(values: dict[str, Any], source: str, announce=print) -> dict[str, Any]:
+    """Values written with TRL's GRPOConfig names -> CPPOConfig's (cppo.trl_fields); the TRL
+    fields cppo ignores are named, with the reason, in one message."""
+    from cppo.trl_fields import ignored_message, translate
+    values, dropped = translate(values, {f.name for f in dataclasses.fields(CPPOConfig)})
+    if dropped and announce is not None:
+        announce(ignored_message(dropped, source))
+    return values
 
 
 def build_dataclass(cls, values: dict[str, Any], *, source: str = "config", command: str = "train"):
@@ -279,15 +290,21 @@ def _scalar(base, raw, key: str, source: str):
 def coerce(fld: dataclasses.Field, raw: Any, *, source: str = "config", cls=None) -> Any:
     """Parse a YAML or command-line value into the field's type, or raise ConfigError."""
     tp, optional = _unwrap_optional(field_types(cls or CPPOConfig)[fld.name])
+    if optional and isinstance(raw, (list, tuple)) and len(raw) == 1 and isinstance(raw[0], str) \
+            and raw[0].strip().lower() in ("none", "null"):   # `--reward_weights none`
+        raw = None
     if raw is None or (optional and isinstance(raw, str) and raw.strip().lower() in ("none", "null")):
         if optional:
             return None
         raise ConfigError(f"{source}: '{fld.name}' may not be None")
     if typing.get_origin(tp) is list:
         (item,) = typing.get_args(tp)
-        items = raw
+        items = raw   # a list, or "a,b", or (command line) ["a", "b"] / ["a,b"]
         if isinstance(raw, str):
-            items = [s for s in (p.strip() for p in raw.split(",")) if s]
+            items = [raw]
+        if isinstance(items, (list, tuple)):
+            items = [s for v in items for s in ((p.strip() for p in v.split(","))
+                                                if isinstance(v, str) else [v]) if s != ""]
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{source}: '{fld.name}' expects a list of {item.__name__}, got {raw!r}")
         return [_scalar(item, v, fld.name, source) for v in items]
