@@ -555,7 +555,8 @@ class CPPOTrainer:
         if not rows or not self.dist.is_main:
             return
         from cppo.rewards import get_reward_function
-        reward = get_reward_function(self.task.accuracy_reward or self.args.reward_funcs[0])
+        reward = get_reward_function(self.task.accuracy_reward) if self.task.accuracy_reward \
+            else self.rewards.funcs[0]   # the first reward function, as built (names, models)
         with self.timer("eval"):
             result = evaluate(self.policy, self.tokenizer, rows, reward, k=0,
                               max_new_tokens=self.args.max_completion_length,
