@@ -203,12 +203,28 @@ def test_trl_metric_keys_are_logged(tiny_model_dir, tmp_path):
                 "completions/mean_length", "completions/min_length", "completions/max_length",
                 "completions/clipped_ratio", "completions/mean_terminated_length",
                 "completions/min_terminated_length", "completions/max_terminated_length",
-                "loss", "grad_norm", "learning_rate"):
+                "loss", "grad_norm", "learning_rate", "entropy"):
         assert key in record, key
     assert record["completions/min_length"] <= record["completions/mean_length"] \
         <= record["completions/max_length"]
     first = [r for r in read_metrics(tmp_path / "run") if "reward" in r][0]
     assert 0 < first["num_tokens"] < record["num_tokens"]   # cumulative, as TRL's
+
+
+def test_entropy_is_the_policy_entropy_over_completion_tokens(tiny_model_dir, tmp_path):
+    from cppo.rollout import completion_logprobs, token_entropy
+    logits = torch.randn(2, 3, 11)
+    expected = torch.distributions.Categorical(logits=logits).entropy()
+    assert torch.allclose(token_entropy(logits), expected, atol=1e-5)
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1)
+    ids = torch.tensor([[5, 6, 7]])
+    entropies = []
+    completion_logprobs(trainer.policy, torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.long),
+                        ids, torch.ones(1, 3, dtype=torch.long), entropies=entropies)
+    with torch.no_grad():
+        full = trainer.policy(torch.tensor([[3, 4, 5, 6, 7]])).logits[:, 1:4]
+    assert torch.allclose(entropies[0], torch.distributions.Categorical(logits=full).entropy(),
+                          atol=1e-4)
 
 
 def test_length_metrics_match_trl_definitions():

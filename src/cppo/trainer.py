@@ -277,13 +277,13 @@ class CPPOTrainer:
                          mask, advantages.flatten().to(kept.device)[kept].float(),
                          sampler_logps=sampler_logps)
 
-    def logprobs(self, model, batch: StepBatch) -> torch.Tensor:
+    def logprobs(self, model, batch: StepBatch, entropies: list | None = None) -> torch.Tensor:
         if len(batch) == 0:  # global selection can leave a process nothing to train on
             return batch.completion_ids.new_zeros(batch.completion_ids.shape, dtype=torch.float32)
         return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                    batch.completion_mask, temperature=self.args.temperature,
                                    batch_size=self.args.per_device_train_batch_size,
-                                   lean=self.args.lean_forward)
+                                   lean=self.args.lean_forward, entropies=entropies)
 
     @torch.no_grad()
     def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
@@ -306,11 +306,12 @@ class CPPOTrainer:
         total_tokens = self.dist.sum(int(batch.completion_mask.sum()))
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0,
-                "is_ratio": 0.0, "logp_diff": 0.0}
+                "is_ratio": 0.0, "logp_diff": 0.0, "entropy": 0.0}
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=args.bf16)
         for micro in batch.micro_batches(args.per_device_train_batch_size):
+            entropies = []
             with autocast:
-                logps = self.logprobs(self.policy, micro)
+                logps = self.logprobs(self.policy, micro, entropies)
             per_token, stats = per_token_policy_loss(
                 logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
                 epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps)
@@ -332,6 +333,8 @@ class CPPOTrainer:
             sums["high"] += float(stats["is_high_clipped"][m].sum())
             sums["region"] += float(stats["is_region_clipped"][m].sum())
             sums["tokens"] += int(m.sum())
+            if entropies:
+                sums["entropy"] += float(torch.cat(entropies)[m].sum())
         self.dist.average_gradients(self.policy)
         with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
                      if p.grad is not None]
@@ -342,6 +345,7 @@ class CPPOTrainer:
                    "clip_ratio/low_mean": sums["low"] / tokens,
                    "clip_ratio/high_mean": sums["high"] / tokens,
                    "clip_ratio/region_mean": sums["region"] / tokens,
+                   "entropy": sums["entropy"] / tokens,
                    "learning_rate": self.scheduler.get_last_lr()[0]}
         if args.beta > 0:
             metrics["kl"] = sums["kl"] / tokens
