@@ -187,3 +187,16 @@ def test_an_explicit_cppo_name_wins_over_a_mapped_trl_one():
 def test_a_typo_is_still_an_error():
     with pytest.raises(ConfigError, match="unknown key 'learning_rat'; did you mean 'learning_rate'"):
         CPPOConfig.load(overrides={"learning_rat": 0.1})
+
+
+def test_the_migration_guide_maps_every_trl_field():
+    from pathlib import Path
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "migrating-from-trl.md").read_text()
+    missing = [n for n in TRL_1_16_FIELDS if f"| `{n}` |" not in guide]
+    assert missing == []
+
+
+def test_report_to_takes_a_string_as_trl_does():
+    assert CPPOConfig(report_to="none").report_to == "none"
+    with pytest.raises(ConfigError, match="'report_to' has 'comet'"):
+        CPPOConfig(report_to="comet")

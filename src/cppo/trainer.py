@@ -416,6 +416,7 @@ class CPPOTrainer:
         pruned = ~keep_mask
         metrics = {**reward_stats(self.dist.gather(rewards), self.args.scale_rewards),
                    **per_function_means, **length_metrics(lengths, completions.truncated),
+                   "cppo/skipped": 0, "cppo/nonfinite": 0,   # 1 when so (a window: the fraction)
                    "cppo/questions_per_step": len(rows),
                    "cppo/completions_scored": rewards.numel(),
                    "cppo/completions_kept": int(keep_mask.sum()),
