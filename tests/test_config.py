@@ -56,7 +56,7 @@ def test_command_line_lists_parse():
     ({"reward_weights": [1.0, 2.0]}, "'reward_weights' has 2 values but 'reward_funcs' has 1"),
     ({"max_steps": 0}, "'max_steps' is 0"),
     ({"model": None}, "'model' may not be None"),
-    ({"report_to": ["wandb"]}, "'report_to' has 'wandb'"),
+    ({"report_to": ["mlflow"]}, "'report_to' has 'mlflow'"),
     ({"task_level": 7}, "'task_level' is 7"),
     ({"selection_scope": "question", "num_generations": 16, "pruning_rate": 0.6,
       "per_device_train_batch_size": 10}, "must be divisible by keep_per_question=6"),

@@ -69,10 +69,22 @@ def _add_fields(parser: argparse.ArgumentParser, cls) -> None:
             text += f" Choices: {', '.join(map(str, choices))}."
         text += f" (default: {default})"
         is_bool = str(fld.type).startswith("bool")
+        is_list = "list[" in str(fld.type)   # TRL's habit: --reward_funcs gsm8k format
         group.add_argument(f"--{fld.name}", dest=fld.name, default=argparse.SUPPRESS,
                            metavar="BOOL" if is_bool else "VALUE",
-                           nargs="?" if is_bool else None, const="true" if is_bool else None,
+                           nargs="?" if is_bool else ("+" if is_list else None),
+                           const="true" if is_bool else None,
                            help=text.replace("%", "%%"))
+
+
+def _add_trl_fields(parser: argparse.ArgumentParser, cls) -> None:
+    """TRL's field names that cppo maps or ignores (cppo.trl_fields), accepted but not listed."""
+    from cppo.trl_fields import TRL_FIELDS
+    own = {f.name for f in dataclasses.fields(cls)}
+    for name in TRL_FIELDS:
+        if name not in own:
+            parser.add_argument(f"--{name}", dest=name, default=argparse.SUPPRESS, nargs="*",
+                                help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=None, help="YAML file of field: value (overridden by "
                        "command-line options).")
     _add_fields(train, CPPOConfig)
+    _add_trl_fields(train, CPPOConfig)
     ev = sub.add_parser("eval", allow_abbrev=False, help="held-out greedy accuracy and pass@k of a model")
     _add_fields(ev, EvalConfig)
     from cppo.pretrain import PretrainConfig
@@ -105,14 +118,35 @@ def _overrides(args: argparse.Namespace, cls) -> dict:
     return {k: v for k, v in vars(args).items() if k in names}
 
 
-def cmd_train(args) -> int:
+def _trl_overrides(args: argparse.Namespace) -> dict:
+    """TRL-named options given on the command line: one value as a string, several as a list,
+    a bare flag as "true"."""
+    from cppo.trl_fields import TRL_FIELDS
+    names = set(TRL_FIELDS) - {f.name for f in dataclasses.fields(CPPOConfig)}
+    out = {}
+    for key, value in vars(args).items():
+        if key in names:
+            out[key] = "true" if value == [] else value[0] if len(value) == 1 else value
+    return out
+
+
+def train_config(args) -> CPPOConfig:
+    """`cppo train`'s config: defaults, then the YAML file, then the options; TRL names mapped."""
+    from cppo.config import from_trl_names
     values = read_yaml(args.config) if args.config else {}
     source = args.config or "command line"
     values.update(_overrides(args, CPPOConfig))
-    cfg = build_dataclass(CPPOConfig, values, source=source)
+    values.update(_trl_overrides(args))
+    values = from_trl_names(values, source=source,
+                            announce=lambda message: print(message, file=sys.stderr))
+    return build_dataclass(CPPOConfig, values, source=source)
+
+
+def cmd_train(args) -> int:
+    cfg = train_config(args)
     from cppo.trainer import train
     summary = train(cfg)
-    return 0 if summary.get("status") in ("completed", "interrupted") else 1
+    return 0 if summary.get("status") in ("completed", "interrupted", "stopped_by_callback") else 1
 
 
 def cmd_eval(args) -> int:

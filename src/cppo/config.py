@@ -160,8 +160,16 @@ class CPPOConfig:
     logging_steps: int = option(1, "Write metrics every N steps.")
     save_steps: int = option(100, "Checkpoint every N steps (and always at the end).")
     save_total_limit: int = option(2, "Keep this many most recent checkpoints.")
-    report_to: list[str] = option(["jsonl"], "Metric sinks: jsonl, tensorboard.")
-    log_completions: bool = option(True, "Log sample completions every logging step.")
+    report_to: list[str] = option(["jsonl"], "Trackers (as in transformers): tensorboard, wandb "
+                              "(offline unless WANDB_MODE says otherwise), trackio (local store), "
+                              "jsonl, all (every installed tracker), none. metrics.jsonl is always "
+                              "written.")
+    run_name: Optional[str] = option(None, "Run name shown by wandb/trackio (None: theirs).")
+    log_completions: bool = option(False, "Every logging step: a table of sample completions (prompt, "
+                                   "completion, each reward, advantage, kept/pruned) in the "
+                                   "terminal, in <output_dir>/completions.jsonl and in the trackers.")
+    num_completions_to_print: Optional[int] = option(None, "Completions in that table (whole "
+                                                     "questions first; None: all of the step).")
     resume: bool = option(False, "Continue from the latest checkpoint in output_dir.")
     max_consecutive_nonfinite: int = option(5, "Stop (with a checkpoint) after this many steps in a "
                                         "row with NaN/inf loss or gradients.")
@@ -204,7 +212,18 @@ class CPPOConfig:
         if path is not None:
             values.update(read_yaml(path))
         values.update(overrides or {})
+        values = from_trl_names(values, source=str(path) if path else "config")
         return cls.from_dict(values, source=str(path) if path else "config")
+
+
+def from_trl_names(values: dict[str, Any], source: str, announce=print) -> dict[str, Any]:
+    """Values written with TRL's GRPOConfig names -> CPPOConfig's (cppo.trl_fields); the TRL
+    fields cppo ignores are named, with the reason, in one message."""
+    from cppo.trl_fields import ignored_message, translate
+    values, dropped = translate(values, {f.name for f in dataclasses.fields(CPPOConfig)})
+    if dropped and announce is not None:
+        announce(ignored_message(dropped, source))
+    return values
 
 
 def build_dataclass(cls, values: dict[str, Any], *, source: str = "config", command: str = "train"):
@@ -288,15 +307,21 @@ def _scalar(base, raw, key: str, source: str):
 def coerce(fld: dataclasses.Field, raw: Any, *, source: str = "config", cls=None) -> Any:
     """Parse a YAML or command-line value into the field's type, or raise ConfigError."""
     tp, optional = _unwrap_optional(field_types(cls or CPPOConfig)[fld.name])
+    if optional and isinstance(raw, (list, tuple)) and len(raw) == 1 and isinstance(raw[0], str) \
+            and raw[0].strip().lower() in ("none", "null"):   # `--reward_weights none`
+        raw = None
     if raw is None or (optional and isinstance(raw, str) and raw.strip().lower() in ("none", "null")):
         if optional:
             return None
         raise ConfigError(f"{source}: '{fld.name}' may not be None")
     if typing.get_origin(tp) is list:
         (item,) = typing.get_args(tp)
-        items = raw
+        items = raw   # a list, or "a,b", or (command line) ["a", "b"] / ["a,b"]
         if isinstance(raw, str):
-            items = [s for s in (p.strip() for p in raw.split(",")) if s]
+            items = [raw]
+        if isinstance(items, (list, tuple)):
+            items = [s for v in items for s in ((p.strip() for p in v.split(","))
+                                                if isinstance(v, str) else [v]) if s != ""]
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{source}: '{fld.name}' expects a list of {item.__name__}, got {raw!r}")
         return [_scalar(item, v, fld.name, source) for v in items]
@@ -378,9 +403,10 @@ def validate(cfg: CPPOConfig) -> None:
     _check(cfg.max_grad_norm >= 0, f"'max_grad_norm' is {cfg.max_grad_norm}; must be >= 0")
     _check(cfg.max_consecutive_nonfinite >= 1,
            f"'max_consecutive_nonfinite' is {cfg.max_consecutive_nonfinite}; must be >= 1")
-    for sink in cfg.report_to:
-        _check(sink in ("jsonl", "tensorboard", "none"),
-               f"'report_to' has {sink!r}; allowed: jsonl, tensorboard, none")
+    from cppo.tracking import resolve_report_to
+    resolve_report_to(cfg.report_to)   # names only; a missing library is reported by the trainer
+    _check(cfg.num_completions_to_print is None or cfg.num_completions_to_print >= 1,
+           f"'num_completions_to_print' is {cfg.num_completions_to_print}; must be >= 1 or None")
     scopes = rule_traits(cfg.selection_rule).scopes
     _check(cfg.selection_scope in scopes or (cfg.selection_scope == "global" and "step" in scopes),
            f"'selection_rule' {cfg.selection_rule} ranks only with selection_scope in "

@@ -38,15 +38,23 @@ def unpadded_ids(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
 
 
 class RewardRunner:
-    def __init__(self, funcs: Sequence[str | Callable], weights: Sequence[float] | None = None):
-        from cppo.rewards import get_reward_function
+    def __init__(self, funcs: Sequence[str | Callable], weights: Sequence[float] | None = None,
+                 processing_classes=None, device=None):
+        from cppo.rewards import resolve_reward
+        from cppo.rewards.reward_model import RewardModel
         if not funcs:
             raise ValueError("reward_funcs is empty; give at least one reward function")
+        classes = list(processing_classes) if isinstance(processing_classes, (list, tuple)) \
+            else [processing_classes] * len(funcs)   # TRL: one, or one per reward function
+        if len(classes) != len(funcs):
+            raise ConfigError(f"{len(classes)} reward_processing_classes for {len(funcs)} "
+                              f"reward functions; give one per function (None for functions)")
         try:
-            self.funcs = [get_reward_function(f) if isinstance(f, str) else f for f in funcs]
+            self.funcs = [resolve_reward(f, pc, device) for f, pc in zip(funcs, classes)]
         except (ValueError, TypeError) as err:   # unknown name, module not importable, ...
             raise ConfigError(f"reward_funcs: {err}") from err
-        self.names = [f if isinstance(f, str) and ":" not in f else getattr(fn, "__name__", str(fn))
+        self.names = [getattr(fn, "__name__", str(fn)) if isinstance(fn, RewardModel)
+                      or not (isinstance(f, str) and ":" not in f) else f
                       for f, fn in zip(funcs, self.funcs)]
         for name, fn in zip(self.names, self.funcs):
             if not callable(fn):
@@ -108,12 +116,13 @@ class RewardRunner:
         return torch.tensor(clean)
 
     def means(self, per_function: torch.Tensor) -> dict[str, float]:
-        """TRL's rewards/<name>/mean (NaN-aware) for each function."""
+        """TRL's rewards/<name>/mean and /std (unbiased; NaN-aware) for each function."""
         out = {}
         for j, name in enumerate(self.names):
             col = per_function[:, j]
             col = col[~torch.isnan(col)]
             out[f"rewards/{name}/mean"] = float(col.mean()) if col.numel() else math.nan
+            out[f"rewards/{name}/std"] = float(col.std()) if col.numel() > 1 else math.nan
         return out
 
     def preflight(self, rows: list[dict], tokenizer=None) -> None:

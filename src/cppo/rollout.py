@@ -261,7 +261,8 @@ def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, *, temperature: float = 1.0,
-                        batch_size: int | None = None, lean: bool = True) -> Tensor:
+                        batch_size: int | None = None, lean: bool = True,
+                        entropies: list | None = None) -> Tensor:
     """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp).
 
     Logits are divided by the sampling temperature, as TRL does. Runs with grad if enabled.
@@ -297,4 +298,16 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         if temperature != 1.0:
             logits = logits / temperature
         out.append(selective_log_softmax(logits, completion_ids[rows]))
+        if entropies is not None:   # TRL's entropy metric: (rows, T) of the same logits
+            entropies.append(token_entropy(logits.detach()))
     return torch.cat(out)
+
+
+@torch.no_grad()
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy (N, T) of the distributions of logits (N, T, V), one row at a time."""
+    rows = []
+    for lg in logits:
+        lg = lg.float()
+        rows.append(torch.logsumexp(lg, -1) - (lg.softmax(-1) * lg).sum(-1))
+    return torch.stack(rows)

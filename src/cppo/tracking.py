@@ -1,11 +1,71 @@
-"""Where metrics go: metrics.jsonl (always), TensorBoard (when asked for and installed), plots."""
+"""Where metrics go: metrics.jsonl (always), the trackers named in `report_to` through their own
+libraries (TensorBoard, Weights & Biases offline, trackio local), plots; and the logging window
+that averages each metric over the steps between two logging steps, as TRL does.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from cppo.config import ConfigError
+
+# report_to name -> (module that must be importable, pip extra that installs it)
+TRACKERS: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "trackio": ("trackio", "trackio"),
+}
+REPORT_TO_CHOICES = ("jsonl", *TRACKERS, "none", "all")
+
+
+def installed(name: str) -> bool:
+    return importlib.util.find_spec(TRACKERS[name][0]) is not None
+
+
+def resolve_report_to(report_to: list[str] | str) -> list[str]:
+    """The trackers a run reports to, as in transformers: 'none' -> none, 'all' -> every installed
+    tracker; 'jsonl' (metrics.jsonl, always written) is dropped. Unknown names raise ConfigError."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to)
+    for name in names:
+        if name not in REPORT_TO_CHOICES:
+            raise ConfigError(f"'report_to' has {name!r}; allowed: {', '.join(REPORT_TO_CHOICES)}")
+    if "none" in names:
+        if len(names) > 1:
+            raise ConfigError(f"'report_to' is {names}; 'none' cannot be combined with other names")
+        return []
+    if "all" in names:
+        return [name for name in TRACKERS if installed(name)]
+    return [name for name in dict.fromkeys(names) if name != "jsonl"]
+
+
+def check_report_to(report_to: list[str] | str) -> None:
+    """Raise ConfigError, naming the extra to install, for a tracker whose library is missing."""
+    for name in resolve_report_to(report_to):
+        module, extra = TRACKERS[name]
+        if not installed(name):
+            raise ConfigError(f"'report_to' has {name!r} but the {module!r} package is not "
+                              f"installed; install it with `pip install 'cppo[{extra}]'`")
+
+
+def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's completions/* metrics of one step: lengths (N,) in tokens, truncated (N,) bool
+    (no EOS). Terminated lengths are over completions that ended with EOS (0 when none did)."""
+    terminated = lengths[~truncated.to(lengths.device)]
+    if terminated.numel() == 0:
+        terminated = lengths.new_zeros(1)
+    return {"completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(truncated.float().mean()),
+            "completions/mean_terminated_length": float(terminated.mean()),
+            "completions/min_terminated_length": float(terminated.min()),
+            "completions/max_terminated_length": float(terminated.max())}
 
 
 class PhaseTimer:
@@ -30,29 +90,133 @@ class PhaseTimer:
         return last
 
 
-class MetricsLog:
-    """Appends one JSON object per line; mirrors scalars to TensorBoard when enabled."""
+class MetricsWindow:
+    """The values of each metric since the last logging step; `flush` returns their means (NaN
+    values skipped) and starts a new window, as TRL averages its metrics between two logs. Keys in
+    `latest` keep their last value instead (the learning rate at the logging step, as transformers
+    logs it)."""
 
-    def __init__(self, output_dir: str | Path, report_to: list[str]) -> None:
+    latest = ("learning_rate",)
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = {}
+
+    def add(self, metrics: dict) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.values.setdefault(key, []).append(float(value))
+
+    def flush(self) -> dict[str, float]:
+        out = {}
+        for key, values in self.values.items():
+            finite = [v for v in values if not math.isnan(v)]
+            if key in self.latest:
+                out[key] = values[-1]
+            else:
+                out[key] = sum(finite) / len(finite) if finite else math.nan
+        self.values = {}
+        return out
+
+
+class TensorBoardTracker:
+    def __init__(self, output_dir: Path, config: dict | None, run_name: str | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+        if config:
+            self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in config.items()))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+        body = "".join("| " + " | ".join(_cell(v) for v in row) + " |\n" for row in rows)
+        self.writer.add_text(name, header + body, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """Weights & Biases; offline (files under <output_dir>/wandb, `wandb sync` uploads them) unless
+    WANDB_MODE says otherwise. Project from WANDB_PROJECT (default 'cppo')."""
+
+    def __init__(self, output_dir: Path, config: dict | None, run_name: str | None) -> None:
+        os.environ.setdefault("WANDB_MODE", "offline")
+        import wandb
+        self.wandb = wandb
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "cppo"), name=run_name,
+                              dir=str(output_dir), config=config or {})
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        self.run.log({name: self.wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class TrackioTracker:
+    """trackio: a local SQLite store (TRACKIO_DIR, default ~/.cache/huggingface/trackio; `trackio
+    show` opens its dashboard). Project from TRACKIO_PROJECT (default 'cppo'); TRACKIO_SPACE_ID, if
+    set, also syncs to that Hugging Face Space."""
+
+    def __init__(self, output_dir: Path, config: dict | None, run_name: str | None) -> None:
+        import trackio
+        self.trackio = trackio
+        self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "cppo"), name=run_name,
+                                config=config or {}, space_id=os.environ.get("TRACKIO_SPACE_ID"))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.trackio.log(scalars, step=step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        import pandas as pd
+        self.trackio.log({name: self.trackio.Table(dataframe=pd.DataFrame(rows, columns=columns))},
+                         step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+TRACKER_CLASSES = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker,
+                   "trackio": TrackioTracker}
+
+
+def _cell(value) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+class MetricsLog:
+    """Appends one JSON object per line to metrics.jsonl and sends the numbers to the trackers
+    named in report_to (config: the run's settings, shown by the trackers)."""
+
+    def __init__(self, output_dir: str | Path, report_to: list[str], config: dict | None = None,
+                 run_name: str | None = None) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.writer = None
-        if "tensorboard" in report_to:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.writer = SummaryWriter(str(Path(output_dir) / "tensorboard"))
-            except ImportError:
-                print("report_to has 'tensorboard' but tensorboard is not installed "
-                      "(pip install 'cppo[tensorboard]'); logging to metrics.jsonl only")
+        check_report_to(report_to)
+        self.trackers = {}
+        for name in resolve_report_to(report_to):
+            self.trackers[name] = TRACKER_CLASSES[name](Path(output_dir), config, run_name)
 
     def log(self, record: dict) -> None:
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            step = record.get("step", 0)
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.writer.add_scalar(key, value, step)
+        step = int(record.get("step", 0))
+        scalars = {k: v for k, v in record.items() if k != "step" and not isinstance(v, bool)
+                   and isinstance(v, (int, float)) and math.isfinite(v)}
+        for tracker in self.trackers.values():
+            tracker.log(scalars, step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        """A table (e.g. sample completions) to every tracker: a wandb/trackio Table, a
+        TensorBoard text panel."""
+        for tracker in self.trackers.values():
+            tracker.log_table(name, columns, rows, step)
 
     def reset(self) -> None:
         self.path.write_text("")
@@ -68,8 +232,9 @@ class MetricsLog:
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for tracker in self.trackers.values():
+            tracker.close()
+        self.trackers = {}
 
 
 def write_plots(records: list[dict], output_dir: str | Path) -> list[Path]:

@@ -27,6 +27,8 @@ from cppo import checkpoint as ckpt
 from cppo.algorithm import (combine_rewards, importance_weights, per_token_policy_loss,
                             reduce_loss, reward_stats, select_completions)
 from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
+from cppo.callbacks import CallbackError, Callbacks
+from cppo.completions_log import CompletionsLog
 from cppo.config import ConfigError, CPPOConfig
 from cppo.data.sources import TaskData, check_rows, load_task
 from cppo.distributed import Distributed
@@ -35,7 +37,8 @@ from cppo.generation import chunk_seed, make_backend
 from cppo.memory import check_batch_settings, plan_for_run
 from cppo.rewards_runner import RewardRunner, unpadded_ids
 from cppo.rollout import Completions, PromptBatch, completion_logprobs, encode_prompts
-from cppo.tracking import MetricsLog, PhaseTimer, write_plots
+from cppo.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to, length_metrics,
+                           write_plots)
 
 
 @dataclass
@@ -118,8 +121,9 @@ class CPPOTrainer:
 
     def __init__(self, model=None, reward_funcs=None, args: CPPOConfig | None = None,
                  train_dataset=None, eval_dataset=None, processing_class=None,
-                 peft_config=None) -> None:
+                 peft_config=None, callbacks=None, reward_processing_classes=None) -> None:
         self.args = args = args or CPPOConfig()
+        check_report_to(args.report_to)   # a tracker's missing library, before any loading
         self.dist = Distributed.from_environment()
         self.device = self.dist.device
         torch.manual_seed(args.seed)   # same LoRA init everywhere; rank 0's is broadcast anyway
@@ -136,7 +140,8 @@ class CPPOTrainer:
                                     chunk_size=args.generation_chunk_size or self.batch_sizes.generation)
         funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
         self.rewards = RewardRunner(funcs if isinstance(funcs, (list, tuple)) else [funcs],
-                                    args.reward_weights)
+                                    args.reward_weights,
+                                    processing_classes=reward_processing_classes, device=self.device)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
         self.plan = args.step_plan()
         check_batch_settings(args, self.batch_sizes, completions_per_round=(
@@ -152,12 +157,22 @@ class CPPOTrainer:
         self.timer = PhaseTimer()
         self.step = 0                     # optimizer steps done
         self.counters = {"skipped_steps": 0, "nonfinite_steps": 0, "questions_seen": 0,
-                         "completions_scored": 0, "completions_trained": 0, "tokens_generated": 0}
+                         "completions_scored": 0, "completions_trained": 0, "tokens_generated": 0,
+                         "num_tokens": 0}
         self.train_seconds = 0.0          # wall time of training phases (excludes eval, checkpoints)
         self.history: list[dict] = []     # held-out evaluations
         self.consecutive_nonfinite = 0    # NaN/inf steps in a row (stops the run at a limit)
         self.wall_offset = 0.0            # wall time already spent before a resume
         self.stop_requested = False
+        self.window = MetricsWindow()     # each metric's values since the last logging step
+        self.completions_log = CompletionsLog(self.output_dir, self.rewards.names,
+                                              args.num_completions_to_print) \
+            if args.log_completions and self.dist.is_main else None
+        self.callbacks = Callbacks(callbacks, args, max_steps=self.total_steps,
+                                   is_main=self.dist.is_main)
+        self.callbacks.bind(model=self.policy, processing_class=self.tokenizer,
+                            optimizer=self.optimizer, lr_scheduler=self.scheduler)
+        self.callbacks.event("on_init_end")
 
     # ---------------------------------------------------------------- setup -----------------
     def _load_policy(self, model, processing_class, peft_config):
@@ -244,6 +259,8 @@ class CPPOTrainer:
                                     self.args.num_generations,
                                     conversational=not isinstance(rows[0]["prompt"], str))
         rewards = combine_rewards(per_function, self.rewards.weights)
+        if self.completions_log is not None:
+            self.completions_log.capture_scores(rows, texts, per_function)
         return rewards.view(len(rows), self.args.num_generations), self.rewards.means(per_function)
 
     def selection_generator(self) -> torch.Generator:
@@ -279,13 +296,13 @@ class CPPOTrainer:
                          mask, advantages.flatten().to(kept.device)[kept].float(),
                          sampler_logps=sampler_logps).trimmed()  # no pass runs on pruned widths
 
-    def logprobs(self, model, batch: StepBatch) -> torch.Tensor:
+    def logprobs(self, model, batch: StepBatch, entropies: list | None = None) -> torch.Tensor:
         if len(batch) == 0:  # global selection can leave a process nothing to train on
             return batch.completion_ids.new_zeros(batch.completion_ids.shape, dtype=torch.float32)
         return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                    batch.completion_mask, temperature=self.args.temperature,
                                    batch_size=self.args.per_device_train_batch_size,
-                                   lean=self.args.lean_forward)
+                                   lean=self.args.lean_forward, entropies=entropies)
 
     def autocast(self):
         """The one precision of every pass of a step (old policy, reference, policy): bf16
@@ -317,11 +334,12 @@ class CPPOTrainer:
         total_tokens = self.dist.sum(int(batch.completion_mask.sum()))
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0,
-                "is_ratio": 0.0, "logp_diff": 0.0}
+                "is_ratio": 0.0, "logp_diff": 0.0, "entropy": 0.0}
         num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
         for micro in batch.micro_batches(args.per_device_train_batch_size):
+            entropies = []
             with self.autocast():
-                logps = self.logprobs(self.policy, micro)
+                logps = self.logprobs(self.policy, micro, entropies)
             m = micro.completion_mask.bool()
             weights = None
             if micro.sampler_logps is not None:   # the sampler was a cast copy: truncated IS
@@ -345,6 +363,8 @@ class CPPOTrainer:
             sums["high"] += float(stats["is_high_clipped"][m].sum())
             sums["region"] += float(stats["is_region_clipped"][m].sum())
             sums["tokens"] += int(m.sum())
+            if entropies:
+                sums["entropy"] += float(torch.cat(entropies)[m].sum())
         self.dist.average_gradients(self.policy)
         with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
                      if p.grad is not None]
@@ -355,6 +375,7 @@ class CPPOTrainer:
                    "clip_ratio/low_mean": sums["low"] / tokens,
                    "clip_ratio/high_mean": sums["high"] / tokens,
                    "clip_ratio/region_mean": sums["region"] / tokens,
+                   "entropy": sums["entropy"] / tokens,
                    "learning_rate": self.scheduler.get_last_lr()[0]}
         if args.beta > 0:
             metrics["kl"] = sums["kl"] / tokens
@@ -390,8 +411,10 @@ class CPPOTrainer:
             if rule_traits(args.selection_rule).advantages_on_kept:  # question scope: local statistics
                 advantages = recompute_advantages_on_kept(rewards, keep_mask, args.scale_rewards)
             batch = self.build_batch(prompts, completions, advantages, keep_mask)
+        if self.completions_log is not None:
+            self.completions_log.capture_selection(rewards, advantages, keep_mask)
         metrics = self.step_metrics(rows, rewards, per_function_means, advantages, keep_mask,
-                                    completions)
+                                    completions, prompts)
         # every process must take part in the collectives, even one that kept nothing
         nothing_to_learn = self.dist.all_zero(batch.advantages)
         iterations = min(args.num_iterations, self.total_steps - self.step)  # never past max_steps
@@ -418,14 +441,13 @@ class CPPOTrainer:
         return metrics
 
     def step_metrics(self, rows, rewards, per_function_means, advantages, keep_mask,
-                     completions) -> dict:
+                     completions, prompts=None) -> dict:
         lengths = completions.lengths.float()
         abs_adv = advantages.abs()
         pruned = ~keep_mask
-        metrics = {**reward_stats(self.dist.gather(rewards)), **per_function_means,
-                   "completions/mean_length": float(lengths.mean()),
-                   "completions/max_length": float(lengths.max()),
-                   "completions/clipped_ratio": float(completions.truncated.float().mean()),
+        metrics = {**reward_stats(self.dist.gather(rewards), self.args.scale_rewards),
+                   **per_function_means, **length_metrics(lengths, completions.truncated),
+                   "cppo/skipped": 0, "cppo/nonfinite": 0,   # 1 when so (a window: the fraction)
                    "cppo/questions_per_step": len(rows),
                    "cppo/completions_scored": rewards.numel(),
                    "cppo/completions_kept": int(keep_mask.sum()),
@@ -435,18 +457,28 @@ class CPPOTrainer:
         self.counters["questions_seen"] += len(rows)
         self.counters["completions_scored"] += rewards.numel()
         self.counters["tokens_generated"] += int(lengths.sum())
+        if prompts is not None:   # TRL's num_tokens: prompt + completion tokens, all processes
+            self.counters["num_tokens"] += int(self.dist.sum(
+                int(prompts.mask.sum()) * self.args.num_generations + int(lengths.sum())))
         return metrics
 
     # ---------------------------------------------------------------- the loop --------------
     def train(self) -> dict:
         args = self.args
-        log = MetricsLog(self.output_dir, args.report_to) if self.dist.is_main else None
+        log = MetricsLog(self.output_dir, args.report_to, config=args.to_dict(),
+                         run_name=args.run_name) if self.dist.is_main else None
         resumed_from = self._maybe_resume(log)
         if resumed_from is None and log is not None:
             log.reset()  # a fresh run does not append to an earlier run's metrics
         if self.dist.is_main:
             args.to_yaml(self.output_dir / "config.yaml")
         start_wall = time.perf_counter() - self.wall_offset
+        self._sync_callbacks()
+        try:
+            self.callbacks.event("on_train_begin")
+        except CallbackError:
+            self.save(start_wall)
+            raise
         if not self.history:
             self._evaluate(log, start_wall, label="before")
         # Ctrl-C from here to the end only asks to stop: the loop finishes its step, and the
@@ -466,11 +498,14 @@ class CPPOTrainer:
                    disable=not (args.progress_bar and self.dist.is_main), dynamic_ncols=True)
         try:
             while self.step < self.total_steps:
+                self.callbacks.event("on_step_begin")
                 round_start = time.perf_counter()
                 metrics = self.training_round()
                 self.train_seconds += time.perf_counter() - round_start
                 phases = self.timer.pop_last()
+                self._sync_callbacks()
                 self._log_step(log, metrics, phases, start_wall)
+                self.callbacks.event("on_step_end")
                 bar.update(self.step - bar.n)
                 bar.set_postfix(self._postfix(metrics), refresh=False)
                 if self.consecutive_nonfinite >= args.max_consecutive_nonfinite:
@@ -481,19 +516,30 @@ class CPPOTrainer:
                           f"so the checkpoint written now (step {self.step}) holds the last good "
                           f"parameters")
                     break
-                if args.eval_steps and self._crossed(args.eval_steps):
+                if (args.eval_steps and self._crossed(args.eval_steps)) \
+                        or self.callbacks.take("should_evaluate"):
                     self._evaluate(log, start_wall, label=f"step {self.step}")
                 if self.dist.any(self.stop_requested):
                     status = "interrupted"
                     break
-                if args.save_steps and self._crossed(args.save_steps) and self.step < self.total_steps:
+                if self.callbacks.control.should_training_stop:
+                    status = "stopped_by_callback"
+                    break
+                if (args.save_steps and self._crossed(args.save_steps) and self.step < self.total_steps) \
+                        or self.callbacks.take("should_save"):
                     self.save(start_wall)
             self.last_round_step = self.step
+        except CallbackError:   # a callback raised: keep this step's parameters, then report it
+            self.save(start_wall)
+            if log is not None:
+                log.close()
+            raise
         finally:
             bar.close()
         self.save(start_wall)  # parameters are finite here: a NaN/inf update is never applied
         if status == "completed" and (not self.history or self.history[-1]["step"] != self.step):
             self._evaluate(log, start_wall, label="after")
+        self.callbacks.event("on_train_end")
         summary = self._summary(status, start_wall, resumed_from, log)
         if log is not None:
             log.close()
@@ -518,25 +564,35 @@ class CPPOTrainer:
             post["acc"] = f"{100 * self.history[-1]['accuracy']:.1f}%"
         return post
 
+    def _sync_callbacks(self) -> None:
+        epoch = self.questions.epoch + self.questions.position / max(1, self.questions.num_rows)
+        self.callbacks.sync(step=self.step, epoch=epoch, num_tokens=self.counters["num_tokens"])
+
     def _log_step(self, log, metrics: dict, phases: dict, start_wall: float) -> None:
-        if log is None or not self.args.logging_steps or not self._crossed(self.args.logging_steps):
-            return
+        """Add the round's metrics to the window; at a logging step write the window's means."""
         took = sum(phases.values()) or 1e-9
+        self.window.add({**metrics, **{f"timing/{k}": v for k, v in phases.items()},
+                         "throughput/tokens_per_s": metrics["completions/mean_length"]
+                         * metrics["cppo/completions_scored"] / took})
+        if not self.args.logging_steps or not self._crossed(self.args.logging_steps):
+            return
         record = {"step": self.step, "wall_time": round(time.perf_counter() - start_wall, 3),
-                  **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()},
-                  **{f"timing/{k}": round(v, 4) for k, v in phases.items()},
-                  "throughput/tokens_per_s": round(
-                      metrics["completions/mean_length"] * metrics["cppo/completions_scored"] / took, 1),
+                  **{k: round(v, 6) for k, v in self.window.flush().items()},
+                  "num_tokens": self.counters["num_tokens"],
                   "cppo/skipped_steps": self.counters["skipped_steps"]}
-        log.log(record)
+        if log is not None:
+            log.log(record)
+        if self.completions_log is not None:
+            self.completions_log.emit(self.step, log, print_table=True)
+        self.callbacks.log(record)
 
     def _evaluate(self, log, start_wall: float, label: str) -> None:
         rows = self.task.eval_rows
         if not rows or not self.dist.is_main:
             return
-        from cppo.rewards import get_reward_function   # the task's accuracy reward, else the
-        reward = (get_reward_function(self.task.accuracy_reward) if self.task.accuracy_reward
-                  else self.rewards.funcs[0])               # first reward function passed in
+        from cppo.rewards import get_reward_function
+        reward = get_reward_function(self.task.accuracy_reward) if self.task.accuracy_reward \
+            else self.rewards.funcs[0]   # the first reward function, as built (names, models)
         with self.timer("eval"):
             result = evaluate(self.policy, self.tokenizer, rows, reward, k=0,
                               max_new_tokens=self.args.max_completion_length,
@@ -550,6 +606,7 @@ class CPPOTrainer:
         if log is not None:
             log.log({"step": self.step, "wall_time": entry["wall_time"],
                      "train_seconds": entry["train_seconds"], "eval/accuracy": result.greedy_accuracy})
+        self.callbacks.event("on_evaluate", metrics={"eval_accuracy": result.greedy_accuracy})
 
     # ---------------------------------------------------------------- checkpoints -----------
     def _rng_state(self) -> dict:
@@ -563,6 +620,7 @@ class CPPOTrainer:
         per_rank_rng = self.dist.gather_objects(self._rng_state())
         if not self.dist.is_main:
             self.dist.barrier()
+            self.callbacks.event("on_save")
             return None
         with self.timer("checkpoint"):
             state = {"step": self.step, "questions": self.questions.state(),
@@ -578,7 +636,19 @@ class CPPOTrainer:
                                         trainer_state=state, keep=self.args.save_total_limit)
         self.timer.pop_last()
         self.dist.barrier()
+        self.callbacks.event("on_save")
         return path
+
+    def save_model(self, output_dir: str | Path | None = None) -> Path | None:
+        """Write the policy and its tokenizer as a Hugging Face folder (output_dir by default) that
+        `from_pretrained` loads; with LoRA, the adapters in PEFT's format (as TRL saves them)."""
+        target = Path(output_dir or self.output_dir)
+        if self.dist.is_main:
+            target.mkdir(parents=True, exist_ok=True)
+            self.policy.save_pretrained(target, safe_serialization=True)
+            self.tokenizer.save_pretrained(target)
+        self.dist.barrier()
+        return target if self.dist.is_main else None
 
     def _maybe_resume(self, log) -> str | None:
         if not self.args.resume:
@@ -606,6 +676,8 @@ class CPPOTrainer:
         self.wall_offset = state["wall_time"]
         if log is not None:
             log.truncate_after(self.step)
+        if self.completions_log is not None:
+            self.completions_log.truncate_after(self.step)
         print(f"resumed from {latest} at step {self.step}")
         return str(latest)
 

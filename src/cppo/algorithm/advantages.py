@@ -10,6 +10,8 @@ NaN rewards with an error naming the positions, so a missing reward never become
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -92,16 +94,22 @@ def group_advantages(rewards: Tensor, scale_rewards: str = "group", eps: float =
     return centered / (std + eps)
 
 
-def reward_stats(rewards: Tensor) -> dict[str, float]:
+def reward_stats(rewards: Tensor, scale_rewards: str = "group") -> dict[str, float]:
     """TRL's reward metrics for rewards (Q, G).
 
-    reward: mean of all rewards; reward_std: mean over groups of the unbiased group std;
-    frac_reward_zero_std: fraction of groups whose rewards are all equal (these give A = 0).
+    reward: mean of all rewards; reward_std: the std the advantages are scaled by, averaged over
+    completions: with scale_rewards group or none, the mean over groups of the unbiased group std;
+    with batch, the unbiased std of all rewards; frac_reward_zero_std: fraction of groups whose
+    rewards are all equal (these give A = 0), with batch 1 or 0 (is the batch std zero).
     Groups of size 1 count as zero std.
     """
     _check_rewards(rewards)
     if rewards.numel() == 0:
         return {"reward": float("nan"), "reward_std": float("nan"), "frac_reward_zero_std": float("nan")}
+    if scale_rewards == "batch":
+        std = rewards.std().item() if rewards.numel() > 1 else 0.0
+        return {"reward": rewards.mean().item(), "reward_std": std,
+                "frac_reward_zero_std": float(math.isclose(std, 0.0, abs_tol=1e-8))}
     if rewards.shape[1] < 2:
         group_std = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
     else:

@@ -19,6 +19,20 @@ REWARD_FUNCTIONS: dict[str, str] = {
 }
 
 
+def resolve_reward(entry, processing_class=None, device=None):
+    """A reward_funcs entry as a function with TRL's signature: a registry name, a
+    'package.module:function' path, a callable, or (as in TRL) a sequence-classification model:
+    a model object, a local folder or a hub id, scored with `processing_class` (its tokenizer when
+    None)."""
+    from cppo.rewards.reward_model import RewardModel, is_reward_model, looks_like_model
+    if is_reward_model(entry):
+        return RewardModel(entry, processing_class, device)
+    if isinstance(entry, str) and entry not in REWARD_FUNCTIONS and ":" not in entry \
+            and looks_like_model(entry):
+        return RewardModel(entry, processing_class, device)
+    return get_reward_function(entry)
+
+
 def get_reward_function(name_or_path):
     """The reward function for a registry name or a ``"package.module:function"`` path.
 

@@ -1,0 +1,371 @@
+"""TRL's configuration fields in cppo: one table, one rule.
+
+A YAML file (or a set of --name value options) written for TRL's `GRPOConfig` (with the
+transformers `TrainingArguments` it extends) and for `trl grpo`'s model and script arguments runs
+in `cppo train`:
+
+- a field that `CPPOConfig` has is honoured under its own name;
+- a field in `TRL_FIELDS` marked MAPPED is renamed or converted (e.g. model_name_or_path -> model,
+  save_strategy: "no" -> save_steps: 0);
+- a field marked IGNORED is dropped, and every dropped field is named, with the reason, in one
+  message before the run starts (`translate` returns it; `cppo train` prints it). A field whose
+  value is TRL's default changes nothing and is dropped silently;
+- any other name is still an error (a typo must not pass unnoticed).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+_MISSING = object()
+
+# reasons shared by many fields
+TRAINER = "transformers Trainer machinery; cppo runs its own loop"
+HUB = "cppo does not push to the Hugging Face Hub; upload the saved folder yourself"
+DATA = "cppo feeds the questions itself, in a seeded order (no DataLoader)"
+DIST = "process setup comes from the launcher (torchrun / accelerate launch)"
+EVAL = "cppo's held-out evaluation is greedy accuracy on eval_dataset_split every eval_steps"
+ALGO = "a GRPO variant cppo does not implement; the run uses the clipped GRPO loss of loss_type"
+VLLM = "vLLM engine settings: cppo's vLLM backend uses vLLM's defaults"
+SAMPLER = "cppo's sampler takes temperature, top_p and top_k only"
+PRECISION = "not supported; use bf16 (autocast) or torch_dtype"
+LOAD = "cppo loads models with torch_dtype and attn_implementation only"
+LORA = "cppo's LoRA takes lora_r, lora_alpha, lora_dropout and lora_target_modules"
+
+
+def ignored(reason: str, default: Any = _MISSING) -> tuple:
+    """Dropped with `reason`; silently when the value equals TRL's `default`."""
+    return ("ignored", reason, default)
+
+
+def mapped(convert: Callable[[Any, dict], dict], note: str) -> tuple:
+    """`convert(value, all_values)` returns the cppo fields to set ({} when nothing to set); it may
+    return {"__ignored__": reason} to drop the value with a reason."""
+    return ("mapped", convert, note)
+
+
+def rename(target: str) -> tuple:
+    return mapped(lambda v, _: {} if v is None else {target: v}, f"-> {target}")
+
+
+def _strategy(steps_field: str) -> Callable:
+    def convert(value, _):
+        value = str(value).lower()
+        if value == "no":
+            return {steps_field: 0}
+        if value == "steps":
+            return {}
+        return {"__ignored__": f"{value!r}: cppo counts in steps ({steps_field})"}
+    return convert
+
+
+def _warmup_steps(value, values):
+    if not value:
+        return {}
+    if 0 < float(value) < 1:   # transformers >= 5: a float below 1 is a ratio
+        return {"warmup_ratio": float(value)}
+    try:
+        max_steps = float(values.get("max_steps", -1))
+    except (TypeError, ValueError):
+        max_steps = -1
+    if max_steps > 0:
+        return {"warmup_ratio": float(value) / max_steps}
+    return {"__ignored__": "a step count needs max_steps to become cppo's warmup_ratio; "
+                           "set warmup_ratio"}
+
+
+def _optim(value, _):
+    if str(value).startswith("adamw"):
+        return {}
+    return {"__ignored__": f"{value!r}: cppo always uses AdamW (torch, fused where possible)"}
+
+
+def _model_init_kwargs(value, _):
+    if not value:
+        return {}
+    if isinstance(value, str):   # TRL's command line takes it as JSON
+        import json
+        value = json.loads(value)
+    value = dict(value)
+    out = {}
+    dtype = value.pop("torch_dtype", None) or value.pop("dtype", None)
+    value.pop("dtype", None)
+    if dtype is not None:
+        out["torch_dtype"] = str(dtype).replace("torch.", "")
+    if "attn_implementation" in value:
+        out["attn_implementation"] = value.pop("attn_implementation")
+    if value:
+        out["__ignored__"] = f"keys {sorted(value)}: {LOAD}"
+    return out
+
+
+def _importance_sampling_mode(value, _):
+    if value in ("token_truncate", "token"):
+        return {}
+    return {"__ignored__": f"{value!r}: cppo corrects per token, truncated "
+                           f"(TRL's token_truncate)"}
+
+
+def _not_none(target: str, transform=lambda v: v) -> Callable:
+    return lambda v, _: {} if v is None else {target: transform(v)}
+
+
+def _reward_model(value, values):
+    if not value:
+        return {}
+    funcs = values.get("reward_funcs") or []
+    funcs = [funcs] if isinstance(funcs, str) else list(funcs)
+    return {"reward_funcs": funcs + [value]}
+
+
+def _resume(value, _):
+    return {"resume": True} if value not in (None, False, "", "false", "False") else {}
+
+
+# TRL field -> handling, for every field of trl.GRPOConfig 1.x (TrainingArguments included),
+# trl's ModelConfig and the `trl grpo` script arguments that CPPOConfig does not have by name.
+TRL_FIELDS: dict[str, tuple] = {
+    # --- TrainingArguments: optimisation -----------------------------------------------------
+    "lr_scheduler_kwargs": ignored("cppo's schedules take no extra arguments", None),
+    "warmup_steps": mapped(_warmup_steps, "-> warmup_ratio (steps / max_steps)"),
+    "optim": mapped(_optim, "adamw_* -> AdamW"),
+    "optim_args": ignored("cppo's AdamW takes learning_rate, adam_beta1/2 and weight_decay", None),
+    "optim_target_modules": ignored("cppo's AdamW trains every trainable parameter", None),
+    "adam_epsilon": ignored("cppo's AdamW uses torch's eps (1e-8, TRL's default too)", 1e-8),
+    "average_tokens_across_devices": ignored("cppo normalises the loss over all processes' "
+                                             "tokens as loss_type says", True),
+    "label_smoothing_factor": ignored("no labels in RL", 0.0),
+    "auto_find_batch_size": ignored(TRAINER, False),
+    # --- precision and memory ------------------------------------------------------------------
+    "bf16": mapped(_not_none("bf16"), "-> bf16 (None: false)"),
+    "fp16": ignored("fp16 mixed precision is " + PRECISION, False),
+    "bf16_full_eval": ignored(PRECISION, False),
+    "fp16_full_eval": ignored(PRECISION, False),
+    "tf32": ignored("set torch.backends.cuda.matmul.allow_tf32 yourself", None),
+    "activation_checkpointing": ignored("use gradient_checkpointing", None),
+    "activation_checkpointing_kwargs": ignored("use gradient_checkpointing", None),
+    "gradient_checkpointing_kwargs": ignored("cppo checkpoints with use_reentrant=False", None),
+    "torch_compile": ignored(TRAINER, False),
+    "torch_compile_backend": ignored(TRAINER, None),
+    "torch_compile_mode": ignored(TRAINER, None),
+    "use_liger_kernel": ignored("cppo's lean forward plays that part", False),
+    "liger_kernel_config": ignored("cppo's lean forward plays that part", None),
+    "use_cache": ignored("the sampler always uses a KV cache; scoring never does", False),
+    "neftune_noise_alpha": ignored("an SFT technique", None),
+    "torch_empty_cache_steps": ignored(TRAINER, None),
+    # --- logging -------------------------------------------------------------------------------
+    "logging_strategy": mapped(_strategy("logging_steps"), "'no' -> logging_steps: 0"),
+    "logging_first_step": ignored("with logging_steps: 1 every step is logged", False),
+    "log_on_each_node": ignored("the main process logs", True),
+    "logging_nan_inf_filter": ignored("cppo never applies a NaN/inf update and counts them "
+                                      "(cppo/nonfinite)", True),
+    "include_num_input_tokens_seen": ignored("num_tokens is always logged", "no"),
+    "log_level": ignored(TRAINER, "passive"),
+    "log_level_replica": ignored(TRAINER, "warning"),
+    "disable_tqdm": mapped(_not_none("progress_bar", lambda v: not _truthy(v)),
+                           "-> progress_bar: not disable_tqdm"),
+    "project": ignored("set WANDB_PROJECT / TRACKIO_PROJECT (cppo's default project: cppo)",
+                       "huggingface"),
+    "trackio_space_id": ignored("set TRACKIO_SPACE_ID", None),
+    "trackio_bucket_id": ignored("trackio buckets are not used; the store is local", None),
+    "trackio_static_space_id": ignored("trackio static Spaces are not used", None),
+    "log_multimodal": ignored("text models only", True),
+    "log_unique_prompts": ignored("cppo's completions table shows whole questions first", False),
+    "log_completions_hub_repo": ignored(HUB, None),
+    # --- evaluation ----------------------------------------------------------------------------
+    "eval_strategy": mapped(_strategy("eval_steps"), "'no' -> eval_steps: 0"),
+    "eval_delay": ignored(EVAL, 0),
+    "per_device_eval_batch_size": ignored(EVAL, 8),
+    "prediction_loss_only": ignored(EVAL, False),
+    "eval_on_start": ignored("cppo always evaluates before the first step", False),
+    "eval_do_concat_batches": ignored(EVAL, True),
+    "eval_use_gather_object": ignored(EVAL, False),
+    "eval_accumulation_steps": ignored(EVAL, None),
+    "include_for_metrics": ignored(EVAL, []),
+    "batch_eval_metrics": ignored(EVAL, False),
+    "num_generations_eval": ignored(EVAL, None),
+    "load_best_model_at_end": ignored("cppo keeps the last checkpoints; each evaluation's "
+                                      "accuracy is in metrics.jsonl", False),
+    "metric_for_best_model": ignored("no best-model selection", None),
+    "greater_is_better": ignored("no best-model selection", None),
+    # --- checkpoints ---------------------------------------------------------------------------
+    "save_strategy": mapped(_strategy("save_steps"), "'no' -> save_steps: 0 (the final "
+                            "checkpoint is still written)"),
+    "save_total_limit": mapped(_not_none("save_total_limit"), "-> save_total_limit (None: 2)"),
+    "save_only_model": ignored("checkpoints hold the optimizer so that a run resumes", False),
+    "save_on_each_node": ignored("the main process writes checkpoints", False),
+    "enable_jit_checkpoint": ignored(TRAINER, False),
+    "resume_from_checkpoint": mapped(_resume, "-> resume: true (the latest checkpoint in "
+                                     "output_dir)"),
+    "restore_callback_states_from_checkpoint": ignored(TRAINER, False),
+    "ignore_data_skip": ignored("a resumed run continues the question order exactly", False),
+    "push_to_hub": ignored(HUB, False),
+    "hub_token": ignored(HUB, None),
+    "hub_private_repo": ignored(HUB, None),
+    "hub_model_id": ignored(HUB, None),
+    "hub_strategy": ignored(HUB, "every_save"),
+    "hub_always_push": ignored(HUB, False),
+    "hub_revision": ignored(HUB, None),
+    # --- data ----------------------------------------------------------------------------------
+    "full_determinism": ignored("sampling and selection are seeded by seed", False),
+    "data_seed": ignored("the question order is seeded by seed", None),
+    "shuffle_dataset": ignored("questions always come in a seeded random order", True),
+    "remove_unused_columns": ignored("every dataset column reaches the reward functions", False),
+    "label_names": ignored(DATA, None),
+    "train_sampling_strategy": ignored(DATA, "random"),
+    "length_column_name": ignored(DATA, "length"),
+    "dataloader_drop_last": ignored(DATA, False),
+    "dataloader_num_workers": ignored(DATA, 0),
+    "dataloader_pin_memory": ignored(DATA, True),
+    "dataloader_persistent_workers": ignored(DATA, False),
+    "dataloader_prefetch_factor": ignored(DATA, None),
+    "dataloader_multiprocessing_context": ignored(DATA, None),
+    "dataloader_in_order": ignored(DATA, True),
+    "pad_to_multiple_of": ignored("cppo pads to the longest row", "auto"),
+    # --- processes and devices -----------------------------------------------------------------
+    "use_cpu": ignored("the device follows the launcher and CUDA availability", False),
+    "accelerator_config": ignored(DIST, None),
+    "parallelism_config": ignored(DIST, None),
+    "ddp_find_unused_parameters": ignored(DIST, None),
+    "ddp_bucket_cap_mb": ignored(DIST, None),
+    "ddp_broadcast_buffers": ignored(DIST, None),
+    "ddp_static_graph": ignored(DIST, None),
+    "ddp_backend": ignored(DIST, None),
+    "ddp_timeout": ignored(DIST, 1800),
+    "fsdp": ignored("see docs/distributed.md for cppo's sharding", None),
+    "fsdp_config": ignored("see docs/distributed.md for cppo's sharding", None),
+    "deepspeed": ignored("DeepSpeed is not supported; see docs/distributed.md", None),
+    "ds3_gather_for_generation": ignored("DeepSpeed is not supported", True),
+    "local_rank": ignored(DIST, -1),
+    "debug": ignored(TRAINER, ""),
+    "skip_memory_metrics": ignored(TRAINER, True),
+    "do_train": ignored(TRAINER, False),
+    "do_eval": ignored(TRAINER, False),
+    "do_predict": ignored(TRAINER, False),
+    # --- model loading (GRPOConfig and trl's ModelConfig) --------------------------------------
+    "model_name_or_path": rename("model"),
+    "model_init_kwargs": mapped(_model_init_kwargs, "torch_dtype/dtype -> torch_dtype, "
+                                "attn_implementation -> attn_implementation"),
+    "dtype": mapped(_not_none("torch_dtype", lambda v: str(v).replace("torch.", "")),
+                    "-> torch_dtype"),
+    "model_revision": ignored(LOAD, "main"),
+    "trust_remote_code": ignored(LOAD + " (no remote code)", False),
+    "router_aux_loss_coef": ignored("mixture-of-experts auxiliary loss is not added", None),
+    "disable_dropout": ignored("cppo keeps the model's dropout settings", False),
+    "cast_lm_head_to_fp32": ignored(LOAD, False),
+    "lora_target_parameters": ignored(LORA, None),
+    "lora_modules_to_save": ignored(LORA, None),
+    "lora_task_type": ignored(LORA + " (causal LM)", "CAUSAL_LM"),
+    "use_rslora": ignored(LORA, False),
+    "use_dora": ignored(LORA, False),
+    "load_in_8bit": ignored("quantised loading is not supported", False),
+    "load_in_4bit": ignored("quantised loading is not supported", False),
+    "bnb_4bit_quant_type": ignored("quantised loading is not supported", "nf4"),
+    "use_bnb_nested_quant": ignored("quantised loading is not supported", False),
+    "bnb_4bit_quant_storage": ignored("quantised loading is not supported", None),
+    # --- data (trl's ScriptArguments) ----------------------------------------------------------
+    "dataset_config": ignored("cppo's gsm8k/math loaders pick the subset; other datasets load "
+                              "their default", None),
+    "dataset_train_split": rename("dataset_split"),
+    "dataset_test_split": rename("eval_dataset_split"),
+    "dataset_streaming": ignored(DATA, False),
+    "ignore_bias_buffers": ignored(TRAINER, False),
+    "reward_model_name_or_path": mapped(_reward_model, "appended to reward_funcs (scored as a "
+                                        "reward model)"),
+    # --- generation ----------------------------------------------------------------------------
+    "steps_per_generation": ignored("cppo generates once per num_iterations optimizer steps; "
+                                    "allocation sizes the batch", None),
+    "top_k": mapped(_not_none("top_k"), "-> top_k (None: 0, off)"),
+    "min_p": ignored(SAMPLER, None),
+    "generation_kwargs": ignored(SAMPLER, None),
+    "chat_template_kwargs": ignored("the tokenizer's chat template is applied as is", None),
+    "repetition_penalty": ignored(SAMPLER, 1.0),
+    "cache_implementation": ignored("cppo's sampler keeps its own KV cache", None),
+    "use_transformers_continuous_batching": ignored("cppo's own sampler", False),
+    "transformers_continuous_batching_config": ignored("cppo's own sampler", None),
+    "use_transformers_paged": ignored("cppo's own sampler", False),
+    "max_tool_calling_iterations": ignored("tool calling is not supported", None),
+    "vllm_model_impl": ignored(VLLM, "vllm"),
+    "vllm_enable_sleep_mode": ignored(VLLM, False),
+    "vllm_structured_outputs_regex": ignored(VLLM, None),
+    "vllm_server_base_url": ignored(VLLM, None),
+    "vllm_server_host": ignored(VLLM, "0.0.0.0"),
+    "vllm_server_port": ignored(VLLM, 8000),
+    "vllm_server_timeout": ignored(VLLM, 240.0),
+    "vllm_group_port": ignored(VLLM, 51216),
+    "vllm_gpu_memory_utilization": ignored(VLLM, 0.3),
+    "vllm_max_model_length": ignored(VLLM, None),
+    "vllm_tensor_parallel_size": ignored(VLLM, 1),
+    "vllm_importance_sampling_correction": rename("importance_sampling_correction"),
+    "vllm_importance_sampling_mode": mapped(_importance_sampling_mode, "token_truncate only"),
+    "vllm_importance_sampling_clip_max": rename("importance_sampling_clip_max"),
+    "vllm_importance_sampling_cap": rename("importance_sampling_clip_max"),
+    "vllm_importance_sampling_clip_min": ignored("cppo's importance weights are only capped above",
+                                                 None),
+    # --- loss variants -------------------------------------------------------------------------
+    "delta": ignored(ALGO, None),
+    "sapo_temperature_neg": ignored(ALGO, 1.05),
+    "sapo_temperature_pos": ignored(ALGO, 1.0),
+    "vespo_k_pos": ignored(ALGO, 2.0),
+    "vespo_lambda_pos": ignored(ALGO, 3.0),
+    "vespo_k_neg": ignored(ALGO, 3.0),
+    "vespo_lambda_neg": ignored(ALGO, 2.0),
+    "importance_sampling_level": ignored(ALGO + " (token-level ratios)", "token"),
+    "multi_objective_aggregation": ignored("rewards are summed with reward_weights, then "
+                                           "normalised (TRL's default)", "sum_then_normalize"),
+    "sync_ref_model": ignored("the reference model stays the initial policy", False),
+    "ref_model_mixup_alpha": ignored("the reference model stays the initial policy", 0.6),
+    "ref_model_sync_steps": ignored("the reference model stays the initial policy", 512),
+    "top_entropy_quantile": ignored(ALGO, 1.0),
+    "entropy_coef": ignored("no entropy bonus", 0.0),
+    "use_adaptive_entropy": ignored("no entropy bonus", False),
+    "entropy_coef_min": ignored("no entropy bonus", 0.0),
+    "entropy_coef_max": ignored("no entropy bonus", 1.0),
+    "entropy_coef_delta": ignored("no entropy bonus", 0.005),
+    "entropy_target": ignored("no entropy bonus", 0.2),
+    "off_policy_mask_threshold": ignored(ALGO, None),
+    "use_bias_correction_kl": ignored("the k3 KL is not importance-weighted", True),
+}
+
+
+MERGED = {"reward_model_name_or_path"}   # mapped onto a field it extends, not replaces
+
+
+def _truthy(value) -> bool:
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("true", "1", "yes")
+
+
+def translate(values: dict[str, Any], known: set[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """TRL-named values -> (cppo values, {ignored field: reason}). `known` are CPPOConfig's
+    fields: they pass through (a TRL conversion still applies to TRL-only values such as None);
+    names in neither table pass through too, for build_dataclass to name as unknown."""
+    def passes(key):
+        entry = TRL_FIELDS.get(key)
+        return entry is None or (key in known and entry[0] == "ignored")
+    out = {key: value for key, value in values.items() if passes(key)}
+    dropped: dict[str, str] = {}
+    for key, value in values.items():
+        if passes(key):
+            continue
+        kind, detail, default = TRL_FIELDS[key]
+        if kind == "ignored":
+            if default is _MISSING or value != default:
+                dropped[key] = detail
+            continue
+        converted = dict(detail(value, values))
+        reason = converted.pop("__ignored__", None)
+        if reason:
+            dropped[key] = reason
+        for target, v in converted.items():
+            # a cppo name given explicitly wins (a reward model joins the given reward_funcs)
+            if target == key or target not in values or key in MERGED:
+                out[target] = v
+    return out, dropped
+
+
+def ignored_message(dropped: dict[str, str], source: str) -> str:
+    """One message naming every ignored TRL field and why."""
+    width = max(map(len, dropped))
+    lines = [f"{source}: {len(dropped)} TRL field(s) ignored (the run goes on without them):"]
+    lines += [f"  {key:<{width}}  {reason}" for key, reason in sorted(dropped.items())]
+    return "\n".join(lines)
