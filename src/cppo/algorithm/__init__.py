@@ -17,6 +17,7 @@ from cppo.algorithm.selection import (
     recompute_advantages_on_kept,
     register_rule,
     select_completions,
+    select_global,
 )
 
 __all__ = [
@@ -38,4 +39,5 @@ __all__ = [
     "register_rule",
     "reward_stats",
     "select_completions",
+    "select_global",
 ]
