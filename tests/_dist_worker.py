@@ -5,8 +5,9 @@
 spec.json: {"config": {...CPPOConfig fields...}, "rows": [...], "model": dir}. Each process writes
 to <output_dir>: questions-rank<r>.json (the questions it drew), summary-rank<r>.json (train()'s
 summary), bytes-rank<r>.json (the parameter, gradient and optimizer bytes it holds at the end)
-and pid-rank<r> (its process id, written before training); rank 0 also writes logits.pt, the
-trained model's logits on a fixed input (through the sharded model under fsdp).
+pid-rank<r> (its process id, written before training) and reductions-rank<r>.json (how many
+gradient reductions the engine ran, and how many optimizer steps); rank 0 also writes
+logits.pt, the trained model's logits on a fixed input (through the sharded model under fsdp).
 """
 
 import json
@@ -20,6 +21,28 @@ def length_reward(prompts, completions, completion_ids=None, **kw):
     return [float(len(c) % 2) + 0.1 * (len(c) % 3) for c in completions]
 
 
+def count_reductions(trainer) -> dict:
+    """Count the engine's gradient collectives: DDP's bucket all-reduces (a comm hook that
+    counts, then all-reduces as DDP's default does) or FSDP2's reduce-scatters."""
+    import torch.distributed as dist
+    counts = {"reductions": 0}
+    if trainer.engine.ddp is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def hook(state, bucket):
+            counts["reductions"] += 1
+            return default_hooks.allreduce_hook(None, bucket)
+        trainer.engine.ddp.register_comm_hook(None, hook)
+    elif trainer.engine.sharded:
+        original = dist.reduce_scatter_single
+
+        def counted(*args, **kwargs):
+            counts["reductions"] += 1
+            return original(*args, **kwargs)
+        dist.reduce_scatter_single = counted
+    return counts
+
+
 def run(spec: dict) -> dict:
     from cppo.config import CPPOConfig
     from cppo.parallel import local_bytes
@@ -31,6 +54,7 @@ def run(spec: dict) -> dict:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"pid-rank{rank}"), "w") as fh:
         fh.write(str(os.getpid()))
+    reductions = count_reductions(trainer)
     drawn = []
     take = trainer.take_questions
 
@@ -40,7 +64,8 @@ def run(spec: dict) -> dict:
         return rows
     trainer.take_questions = record
     summary = trainer.train()
-    for name, value in (("questions", drawn), ("summary", summary),
+    reductions["optimizer_steps"] = summary["steps"] - summary["skipped_steps"]
+    for name, value in (("questions", drawn), ("summary", summary), ("reductions", reductions),
                         ("bytes", local_bytes(trainer.policy, trainer.optimizer))):
         with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
             json.dump(value, fh)

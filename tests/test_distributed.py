@@ -116,6 +116,17 @@ def test_two_processes_make_the_same_steps_as_one(runs, strategy, tiny_model_dir
         torch.testing.assert_close(multi[name], value, rtol=1e-4, atol=2e-6, msg=name)
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_gradients_are_reduced_once_per_optimizer_step(runs, strategy):
+    # gradient accumulation 2: at least 2 micro-batches per step, but one reduction per step
+    # (fsdp: one reduce-scatter per shard group: 2 decoder blocks + the root; ddp: one bucket)
+    groups = {"fsdp": 3, "ddp": 1}[strategy]
+    for rank in (0, 1):
+        counted = json.loads((runs[strategy] / f"reductions-rank{rank}.json").read_text())
+        assert counted["optimizer_steps"] == STEPS
+        assert counted["reductions"] == groups * STEPS, counted
+
+
 def test_fsdp_processes_each_hold_half_of_the_state(runs):
     whole = json.loads((runs["one"] / "bytes-rank0.json").read_text())
     shards = [json.loads((runs["fsdp"] / f"bytes-rank{r}.json").read_text()) for r in (0, 1)]
