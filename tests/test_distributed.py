@@ -1,19 +1,37 @@
-"""Data parallelism: 2 processes (torchrun, gloo on CPU) x B/2 questions make the same update as
-1 process x B, and launch modes the trainer cannot run are refused clearly."""
+"""Scale-out through torch's engines (2 gloo processes under torchrun on CPU).
+
+`distributed: fsdp` (FSDP2, sharded) and `distributed: ddp` (DistributedDataParallel), each with
+2 processes x B/2 questions, end with the same parameters, logged loss and grad_norm as 1
+process x B (beta > 0, mu = 2, global selection, batch-scaled rewards, gradient accumulation 2);
+under fsdp each process holds half the bytes; a SIGKILL mid-run then --resume ends identical; a
+Ctrl-C on one process stops both with a checkpoint; the consolidated export loads with
+from_pretrained and gives the trained model's logits. Launches the trainer cannot run fail
+clearly before training.
+"""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROWS, dist_worker
-from cppo.distributed import Distributed, UnsupportedLauncherError, check_launcher
+from helpers import dist_worker as _dist_worker
+from cppo import checkpoint as ckpt
+from cppo.algorithm import group_advantages, plan_step
+from cppo.config import ConfigError, CPPOConfig
+from cppo.distributed import Distributed, check_launcher
+from cppo.parallel import ShardingError, block_classes, check_layout, launcher_strategy
+
+ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
+STEPS = 4   # 2 generation rounds x mu = 2 optimizer steps
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,12 +39,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spec(model_dir, output_dir, *, batch: int, scope: str) -> dict:
-    config = dict(output_dir=str(output_dir), per_device_train_batch_size=batch, num_generations=4,
-                  pruning_rate=0.5, selection_scope=scope, scale_rewards="batch", beta=0.04,
-                  num_iterations=2, max_steps=4, generation_chunk_size=8, max_completion_length=5,
-                  learning_rate=1e-3, eval_steps=0, save_steps=0, progress_bar=False, seed=3)
+def spec(model_dir, output_dir, *, batch: int, scope: str, strategy: str = "ddp", **extra) -> dict:
+    config = dict(output_dir=str(output_dir), per_device_train_batch_size=batch,
+                  gradient_accumulation_steps=2, num_generations=4, pruning_rate=0.5,
+                  selection_scope=scope, scale_rewards="batch", beta=0.04, num_iterations=2,
+                  max_steps=STEPS, generation_chunk_size=8, max_completion_length=5,
+                  learning_rate=1e-3, eval_steps=0, save_steps=2, progress_bar=False, seed=3,
+                  distributed=strategy)
+    config.update(extra)
     return {"config": config, "rows": ROWS, "model": model_dir}
+
+
+def torchrun(spec_dict: dict, spec_file: Path, *, env: dict | None = None, wait: bool = True):
+    spec_file.write_text(json.dumps(spec_dict))
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    environ.pop("WORLD_SIZE", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+               str(Path(_dist_worker.__file__)), str(spec_file)]
+    log = spec_file.with_suffix(".log")
+    proc = subprocess.Popen(command, env=environ, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)   # its own process group: killed as a whole
+    if not wait:
+        return proc, log
+    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    return proc, log
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -34,57 +71,175 @@ def records(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if "reward" in r]
 
 
-def test_two_processes_make_the_same_step_as_one(tiny_model_dir, tmp_path):
-    # 1 process x 4 questions (8 kept of 16, pruned over the step)
-    one = tmp_path / "one"
+def final_weights(run_dir: Path) -> dict:
+    return load_file(run_dir / f"checkpoint-{STEPS}" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """{name: run dir} for 1 process x 4 questions and 2 processes x 2 (fsdp, ddp)."""
+    root = tmp_path_factory.mktemp("dist")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        dist_worker.run(spec(tiny_model_dir, one, batch=8, scope="step"))
+    try:   # 8 kept of 16 per step, pruned over the step
+        _dist_worker.run(spec(tiny_model_dir, root / "one", batch=4, scope="step"))
     finally:
         torch.set_num_threads(threads)
-    # 2 processes x 2 questions (8 kept of 16, pruned over both processes: selection_scope=global)
-    two = tmp_path / "two"
-    spec_file = tmp_path / "two.json"
-    spec_file.write_text(json.dumps(spec(tiny_model_dir, two, batch=4, scope="global")))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("WORLD_SIZE", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               str(Path(dist_worker.__file__)), str(spec_file)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = {"one": root / "one"}
+    for strategy in ("fsdp", "ddp"):   # 8 kept of 16, pruned over both processes
+        torchrun(spec(tiny_model_dir, root / strategy, batch=2, scope="global", strategy=strategy),
+                 root / f"{strategy}.json")
+        out[strategy] = root / strategy
+    return out
 
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_processes_make_the_same_steps_as_one(runs, strategy, tiny_model_dir):
+    one, two = runs["one"], runs[strategy]
     # each process drew its own half of the same global question order
     drawn = [json.loads((two / f"questions-rank{r}.json").read_text()) for r in (0, 1)]
     single = json.loads((one / "questions-rank0.json").read_text())
-    assert len(single) == 2 and all(len(q) == 4 for q in single)
     for step, questions in enumerate(single):
         assert drawn[0][step] + drawn[1][step] == questions
-    # global metrics on rank 0 equal the single process's (rewards gathered over processes)
-    for a, b in zip(records(one), records(two)):
-        assert a["reward"] == pytest.approx(b["reward"]) and a["reward_std"] == pytest.approx(b["reward_std"])
-    # rank 0 alone wrote the checkpoint; its parameters equal the 1-process ones
-    single_state = load_file(one / "checkpoint-4" / "model.safetensors")
-    multi_state = load_file(two / "checkpoint-4" / "model.safetensors")
+    # the logged loss, grad_norm (before clipping), kl and rewards are those of the global batch:
+    # a gradient scaled by 2 doubles grad_norm, which clipping would hide in the parameters
+    a, b = records(one), records(two)
+    assert len(a) == len(b) == STEPS // 2
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "kl", "reward", "reward_std", "clip_ratio/region_mean"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (key, x[key], y[key])
+    single, multi = final_weights(one), final_weights(two)
     initial = load_file(Path(tiny_model_dir) / "model.safetensors")
-    moved = max(float((single_state[k] - initial[k]).abs().max()) for k in initial)
-    assert moved > 1e-3                                      # the steps really changed the model
-    for name, value in single_state.items():
-        torch.testing.assert_close(multi_state[name], value, rtol=1e-4, atol=2e-5, msg=name)
-    assert sorted(p.name for p in two.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-4"]
+    assert max(float((single[k] - initial[k]).abs().max()) for k in initial) > 1e-3   # it moved
+    assert sorted(multi) == sorted(single)
+    for name, value in single.items():
+        torch.testing.assert_close(multi[name], value, rtol=1e-4, atol=2e-6, msg=name)
 
 
-@pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
-def test_fsdp_and_deepspeed_launches_are_refused(variable):
-    with pytest.raises(UnsupportedLauncherError, match="examples/accelerate/ddp.yaml"):
-        check_launcher({variable: "true"})
-    check_launcher({variable: "false"})
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_gradients_are_reduced_once_per_optimizer_step(runs, strategy):
+    # gradient accumulation 2: at least 2 micro-batches per step, but one reduction per step
+    # (fsdp: one reduce-scatter per shard group: 2 decoder blocks + the root; ddp: one bucket)
+    groups = {"fsdp": 3, "ddp": 1}[strategy]
+    for rank in (0, 1):
+        counted = json.loads((runs[strategy] / f"reductions-rank{rank}.json").read_text())
+        assert counted["optimizer_steps"] == STEPS
+        assert counted["reductions"] == groups * STEPS, counted
+
+
+def test_fsdp_processes_each_hold_half_of_the_state(runs):
+    whole = json.loads((runs["one"] / "bytes-rank0.json").read_text())
+    shards = [json.loads((runs["fsdp"] / f"bytes-rank{r}.json").read_text()) for r in (0, 1)]
+    replicas = [json.loads((runs["ddp"] / f"bytes-rank{r}.json").read_text()) for r in (0, 1)]
+    for kind in ("parameters", "gradients", "optimizer"):
+        assert whole[kind] > 0
+        assert sum(s[kind] for s in shards) == whole[kind]            # nothing held twice
+        for s in shards:
+            assert 0.4 * whole[kind] <= s[kind] <= 0.6 * whole[kind], (kind, s, whole)
+        assert all(r[kind] == whole[kind] for r in replicas)          # ddp: whole copies
+
+
+def test_fsdp_checkpoints_are_sharded_and_the_export_loads(runs):
+    from transformers import AutoModelForCausalLM
+    run = runs["fsdp"]
+    final = run / f"checkpoint-{STEPS}"
+    assert sorted(p.name for p in (final / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (final / "optimizer.pt").exists()          # the optimizer state is in the shards
+    assert not (run / "checkpoint-2" / "model.safetensors").exists()   # consolidated: final only
+    saved = torch.load(run / "logits.pt")
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert model.config.architectures == ["LlamaForCausalLM"]
+    with torch.no_grad():
+        logits = model(input_ids=saved["input_ids"]).logits
+    torch.testing.assert_close(logits, saved["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_sigkill_mid_run_then_resume_ends_identical(runs, tiny_model_dir, tmp_path):
+    # killed while writing the final checkpoint (shards and export written, not yet renamed)
+    run = tmp_path / "killed"
+    config = spec(tiny_model_dir, run, batch=2, scope="global", strategy="fsdp")
+    proc, log = torchrun(config, tmp_path / "killed.json", wait=False,
+                         env={ckpt.PAUSE_ENV: f"weights:{STEPS}"})
+    deadline = time.time() + 240
+    while f"{ckpt.PAUSE_ENV} weights {STEPS}" not in log.read_text():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ckpt.latest_checkpoint(run) == run / "checkpoint-2"   # the previous one, loadable
+    config["config"]["resume"] = True
+    _, log = torchrun(config, tmp_path / "resume.json")
+    assert "resumed from" in log.read_text()
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in records(run)] == \
+        [(r["step"], r["loss"], r["grad_norm"]) for r in records(runs["fsdp"])]
+    reference, resumed = final_weights(runs["fsdp"]), final_weights(run)
+    for name, value in reference.items():
+        assert torch.equal(resumed[name], value), name
+
+
+def test_ctrl_c_on_one_process_stops_both_with_a_checkpoint(tiny_model_dir, tmp_path):
+    run = tmp_path / "interrupted"
+    config = spec(tiny_model_dir, run, batch=2, scope="global", strategy="fsdp", max_steps=400,
+                  save_steps=0)
+    proc, log = torchrun(config, tmp_path / "ctrl_c.json", wait=False)
+    deadline = time.time() + 240
+    while not ((run / "metrics.jsonl").is_file() and records(run)):
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    os.kill(int((run / "pid-rank1").read_text()), signal.SIGINT)   # rank 1 only
+    assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    summaries = [json.loads((run / f"summary-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [s["status"] for s in summaries] == ["interrupted", "interrupted"]
+    steps = summaries[0]["steps"]
+    assert summaries[1]["steps"] == steps and 0 < steps < 400
+    assert ckpt.latest_checkpoint(run) == run / f"checkpoint-{steps}"
+    assert (run / f"checkpoint-{steps}" / "sharded").is_dir()
+
+
+# --- bad input: clear errors before training ----------------------------------------------------
+def test_deepspeed_and_fsdp_v1_launches_are_refused_and_fsdp_v2_selects_fsdp():
+    with pytest.raises(ShardingError, match="examples/accelerate/fsdp.yaml"):
+        check_launcher({"ACCELERATE_USE_DEEPSPEED": "true"})
+    with pytest.raises(ShardingError, match="fsdp_version: 2"):
+        launcher_strategy({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"})
+    assert launcher_strategy({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}) == "fsdp"
+    assert launcher_strategy({"ACCELERATE_USE_DEEPSPEED": "false"}) is None
+
+
+def test_fsdp_names_the_field_when_no_block_class_is_found(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from cppo.trainer import CPPOTrainer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert [c.__name__ for c in block_classes(model)] == ["LlamaDecoderLayer"]
+    with pytest.raises(ShardingError, match="fsdp_transformer_layer_cls_to_wrap"):
+        block_classes(model, ["NoSuchBlock"])
+    # before training: an earlier run's files in the run directory are left as they were
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("earlier\n")
+    args = CPPOConfig(output_dir=str(run), distributed="fsdp", max_steps=1, num_generations=4,
+                      per_device_train_batch_size=8, pruning_rate=0.5,
+                      fsdp_transformer_layer_cls_to_wrap=["NoSuchBlock"], progress_bar=False)
+    with pytest.raises(ShardingError, match="distributed: ddp"):
+        CPPOTrainer(model=tiny_model_dir, reward_funcs=[_dist_worker.length_reward], args=args,
+                    train_dataset=ROWS)
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    assert (run / "metrics.jsonl").read_text() == "earlier\n"
+
+
+def test_a_step_the_processes_cannot_share_evenly_is_refused():
+    args = CPPOConfig(num_generations=4, per_device_train_batch_size=4, pruning_rate=0.5,
+                      generation_chunk_size=12)
+    plan = plan_step(completions_per_update=4, group_size=4, pruning_rate=0.5, allocation=True,
+                     scope="step")
+    check_layout(args, plan, 1)
+    with pytest.raises(ConfigError, match="generation_chunk_size"):
+        check_layout(args, plan, 2)
 
 
 def test_one_process_is_a_no_op():
     d = Distributed()
     t = torch.arange(6.0).view(3, 2)
     assert d.sum(3) == 3 and d.gather(t) is t and not d.any(False) and d.any(True)
-    assert torch.equal(d.group_advantages(t, "batch"),
-                       __import__("cppo.algorithm", fromlist=["x"]).group_advantages(t, "batch"))
+    assert d.sum_values({"a": 1, "b": 2.5}) == {"a": 1, "b": 2.5}
+    assert torch.equal(group_advantages(t, "batch", batch_rewards=d.gather(t)), group_advantages(t, "batch"))

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from cppo.config import CPPOConfig
-from cppo.distributed import UnsupportedLauncherError, check_launcher
+from cppo.parallel import ShardingError, launcher_strategy
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RECIPES = sorted(EXAMPLES.glob("*.yaml"))
@@ -32,9 +32,12 @@ def test_accelerate_configs(path):
     config = yaml.safe_load(path.read_text())
     mode = config["distributed_type"]
     assert mode == {"ddp.yaml": "MULTI_GPU", "fsdp.yaml": "FSDP", "deepspeed_zero3.yaml": "DEEPSPEED"}[path.name]
-    env = {"FSDP": {"ACCELERATE_USE_FSDP": "true"}, "DEEPSPEED": {"ACCELERATE_USE_DEEPSPEED": "true"}}
     if mode == "MULTI_GPU":
-        check_launcher({})
+        assert launcher_strategy({}) is None                        # distributed: ddp (default)
+    elif mode == "FSDP":   # what accelerate launch exports for this config
+        env = {"ACCELERATE_USE_FSDP": "true",
+               "FSDP_VERSION": str(config["fsdp_config"]["fsdp_version"])}
+        assert launcher_strategy(env) == "fsdp"
     else:
-        with pytest.raises(UnsupportedLauncherError):
-            check_launcher(env[mode])
+        with pytest.raises(ShardingError, match="fsdp.yaml"):
+            launcher_strategy({"ACCELERATE_USE_DEEPSPEED": "true"})

@@ -28,6 +28,7 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,47 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 _LEFTOVER = re.compile(r"^\.checkpoint-(\d+)\.(tmp|old|del)-(\d+)$")
 COMPLETE_MARKER = "COMPLETE"
 PAUSE_ENV = "CPPO_TEST_CHECKPOINT_PAUSE"
+SHARDED_DIR = "sharded"
+
+
+@dataclass
+class RunState:
+    """The trainer's run state that a checkpoint carries (besides model, optimizer, schedule,
+    RNG and the question stream). The trainer holds these as attributes of the same names:
+    `RunState.of(trainer)` reads them (save), `apply(trainer)` sets them (start and resume)."""
+
+    step: int = 0                       # optimizer steps done
+    counters: dict = field(default_factory=lambda: {
+        "skipped_steps": 0, "nonfinite_steps": 0, "questions_seen": 0, "completions_scored": 0,
+        "completions_trained": 0, "tokens_generated": 0, "num_tokens": 0})
+    train_seconds: float = 0.0          # wall time of training phases (excludes eval, checkpoints)
+    consecutive_nonfinite: int = 0      # NaN/inf steps in a row (stops the run at a limit)
+    history: list = field(default_factory=list)   # held-out evaluations
+    wall_offset: float = 0.0            # wall time spent so far (before a resume: earlier sessions)
+
+    @classmethod
+    def of(cls, owner) -> "RunState":
+        return cls(**{f.name: getattr(owner, f.name) for f in fields(cls)})
+
+    def apply(self, owner) -> None:
+        for f in fields(self):
+            setattr(owner, f.name, getattr(self, f.name))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "RunState":
+        """From a trainer_state.json (unknown keys ignored, missing ones default; counters merged
+        into the defaults)."""
+        state = cls()
+        for f in fields(cls):
+            if f.name in values:
+                setattr(state, f.name, values[f.name])
+        if "wall_offset" not in values and "wall_time" in values:   # earlier checkpoints
+            state.wall_offset = values["wall_time"]
+        state.counters = {**cls().counters, **state.counters}
+        return state
 
 
 def _test_pause(stage: str, step: int) -> None:
@@ -109,23 +151,44 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
-def save_checkpoint(output_dir: str | Path, step: int, *, model, tokenizer=None, optimizer=None,
-                    scheduler=None, rng_states: dict[str, torch.Tensor] | None = None,
-                    trainer_state: dict[str, Any] | None = None, keep: int | None = None) -> Path:
-    """Write checkpoint-<step> atomically; keep only the newest `keep` checkpoints."""
+def save_checkpoint(output_dir: str | Path, step: int, *, model=None, tokenizer=None,
+                    optimizer=None, scheduler=None, rng_states: dict[str, torch.Tensor] | None = None,
+                    trainer_state: dict[str, Any] | None = None, keep: int | None = None,
+                    dist=None, sharded_state: dict | None = None,
+                    consolidated: dict | None = None) -> Path | None:
+    """Write checkpoint-<step> atomically; keep only the newest `keep` checkpoints.
+
+    One process (dist None): everything is written by this process. Several (dist given): every
+    process calls this; rank 0 makes the temporary directory and writes all the files, except
+    `sharded_state` (a torch.distributed.checkpoint state dict: every process's shards of the
+    model and optimizer), which all processes write together into `sharded/`. `consolidated`
+    (the full model state dict, on rank 0) is then written as a Hugging Face model folder
+    (`model.save_pretrained(..., state_dict=consolidated)`). Returns the path on rank 0."""
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    clean_stale(output_dir)
-    final = output_dir / f"checkpoint-{step}"
-    tmp = output_dir / f".checkpoint-{step}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
+    main = dist is None or dist.is_main
+    tmp = None
+    if main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        clean_stale(output_dir)
+        tmp = output_dir / f".checkpoint-{step}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    if sharded_state is not None:
+        import torch.distributed.checkpoint as dcp
+        tmp = output_dir / dist.broadcast_object(tmp.name if main else None)
+        dcp.save(sharded_state, checkpoint_id=str(tmp / SHARDED_DIR))
+    if not main:
+        dist.barrier()   # rank 0 has renamed it into place
+        return None
+    if consolidated is not None:
+        save_pretrained_state(model, consolidated, tmp)
+    elif sharded_state is None:
+        model.save_pretrained(tmp, safe_serialization=True)
     _test_pause("weights", step)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    if optimizer is not None:
+    if optimizer is not None and sharded_state is None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if scheduler is not None:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -134,6 +197,7 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model, tokenizer=None,
     (tmp / COMPLETE_MARKER).write_text(str(step))
     _fsync_tree(tmp)
     _test_pause("written", step)
+    final = output_dir / f"checkpoint-{step}"
     if final.exists():  # same step saved twice (e.g. --resume of a finished run)
         old = output_dir / f".checkpoint-{step}.old-{os.getpid()}"
         final.rename(old)   # a kill between the two renames: clean_stale puts `old` back
@@ -150,7 +214,41 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model, tokenizer=None,
             hidden = output_dir / f".{stale.name}.del-{os.getpid()}"
             stale.rename(hidden)
             shutil.rmtree(hidden, ignore_errors=True)
+    if dist is not None:
+        dist.barrier()
     return final
+
+
+def save_pretrained_state(model, state_dict: dict, directory: Path) -> None:
+    """A Hugging Face model folder (config + safetensors; adapters only for a LoRA model) from a
+    full state dict, for a model whose own parameters are sharded (FSDP renames its class)."""
+    if getattr(model.config, "tie_word_embeddings", False):   # one tensor on disk, as unsharded
+        embed = [k for k in state_dict if k.endswith("embed_tokens.weight")]
+        state_dict = {k: v for k, v in state_dict.items()
+                      if not (k.endswith("lm_head.weight") and embed)}
+    model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+    config = directory / "config.json"
+    if config.is_file():   # fully_shard made the class FSDP<Name>: record the model's own name
+        values = json.loads(config.read_text())
+        values["architectures"] = [a[4:] if a.startswith("FSDP") else a
+                                   for a in values.get("architectures") or []]
+        config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+
+def load_sharded(checkpoint: Path, state: dict) -> None:
+    """Fill `state` (a torch.distributed.checkpoint state dict of this process's shards) in place
+    from a checkpoint's `sharded/` (every process calls this)."""
+    import torch.distributed.checkpoint as dcp
+    path = Path(checkpoint) / SHARDED_DIR
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {checkpoint} has no {SHARDED_DIR}/ (it was written "
+                              f"without distributed: fsdp); resume it with the strategy and "
+                              f"number of processes that wrote it")
+    dcp.load(state, checkpoint_id=str(path))
+
+
+def is_sharded_checkpoint(checkpoint: Path) -> bool:
+    return (Path(checkpoint) / SHARDED_DIR).is_dir()
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:

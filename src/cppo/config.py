@@ -153,6 +153,16 @@ class CPPOConfig:
     max_steps: int = option(450, "Optimizer steps (-1: derived from num_train_epochs).")
     seed: int = option(42, "Random seed (data order, sampling, selection).")
 
+    # --- several processes (torchrun / accelerate launch) -----------------------------------
+    distributed: str = option("ddp", "How several processes share the model: ddp (torch's "
+                              "DistributedDataParallel: each holds the whole model) or fsdp "
+                              "(FSDP2: parameters, gradients and optimizer state sharded per "
+                              "transformer block). An accelerate FSDP config selects fsdp.",
+                              ("ddp", "fsdp"))
+    fsdp_transformer_layer_cls_to_wrap: Optional[list[str]] = option(
+        None, "Block classes that fsdp shards one by one (None: the model's _no_split_modules, "
+        "e.g. Qwen2DecoderLayer).")
+
     # --- evaluation, logging, checkpoints --------------------------------------------------
     output_dir: str = option("runs/cppo", "Run directory: metrics, plots, checkpoints, summary.")
     eval_steps: int = option(75, "Held-out evaluation every N steps (0: only before and after).")

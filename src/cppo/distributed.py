@@ -1,17 +1,13 @@
-"""Data parallelism over torch.distributed (gloo on CPU, nccl on GPU), started by torchrun or
-`accelerate launch` (both set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR). One process: every
-call is a no-op.
+"""Processes and collectives over torch.distributed (gloo on CPU, nccl on GPU), started by torchrun
+or `accelerate launch` (both set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR). One process:
+every call is a no-op.
 
 The step is cut along questions: all processes walk the same seeded question order and each takes
 its own contiguous slice of the global step batch, so N processes x Q/N questions see the same
-questions as 1 process x Q. Each process generates and scores its own questions (whole groups, so
-per-question statistics are local); `scale_rewards=batch` uses the std over all processes; counts
-for the loss normaliser are summed over processes, gradients are averaged, and
-`selection_scope=global` ranks the completions of all processes together.
-
-Only plain data parallelism (each process holds the whole model: DDP-style). FSDP and DeepSpeed
-shard parameters, which the manual gradient all-reduce here cannot handle; `check_launcher`
-refuses them with an explanation (docs/distributed.md).
+questions as 1 process x Q. The collectives here are CPPO's own: rewards gathered for
+`scale_rewards=batch` and for `selection_scope=global` (the math lives in cppo.algorithm),
+sequence and token counts summed for the loss normalisers, metrics, the stop flag. Gradients are
+reduced by torch's engines (cppo.parallel: DDP or FSDP2), not here.
 """
 
 from __future__ import annotations
@@ -23,20 +19,11 @@ import torch
 import torch.distributed as dist
 
 
-class UnsupportedLauncherError(RuntimeError):
-    """An accelerate launch mode (FSDP, DeepSpeed) that this trainer does not support."""
-
-
 def check_launcher(environ=os.environ) -> None:
-    """Raise UnsupportedLauncherError under `accelerate launch` with FSDP or DeepSpeed."""
-    for variable, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
-        if environ.get(variable, "").lower() in ("1", "true", "yes"):
-            raise UnsupportedLauncherError(
-                f"accelerate launch with {name} ({variable}=true) is not supported: cppo's trainer "
-                f"does plain data parallelism (every process holds the whole model, gradients are "
-                f"all-reduced by hand), which cannot work on sharded parameters. Use "
-                f"examples/accelerate/ddp.yaml (or torchrun); for models that do not fit one GPU, "
-                f"use LoRA (use_peft: true) with gradient_checkpointing. See docs/distributed.md.")
+    """Refuse, before any process group starts, an accelerate launch this trainer cannot run
+    (DeepSpeed, FSDP version 1), naming the config to use instead (cppo.parallel)."""
+    from cppo.parallel import launcher_strategy
+    launcher_strategy(environ)
 
 
 @dataclass
@@ -81,6 +68,15 @@ class Distributed:
         dist.all_reduce(t)
         return type(value)(t.item())
 
+    def sum_values(self, values: dict) -> dict:
+        """Each number of the dict summed over processes (one collective)."""
+        if not self.active:
+            return dict(values)
+        t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64,
+                         device=self.comm_device)
+        dist.all_reduce(t)
+        return {k: type(v)(x) for (k, v), x in zip(values.items(), t.tolist())}
+
     def any(self, flag: bool) -> bool:
         """True on every process when the flag is true on at least one."""
         return bool(self.sum(int(bool(flag))) > 0)
@@ -100,31 +96,6 @@ class Distributed:
             if t is not p.data:
                 p.data.copy_(t)
 
-    def average_gradients(self, model, bucket_elements: int = 2**25) -> None:
-        """All-reduce the mean gradient, in flat buckets (one collective per ~32M values)."""
-        if not self.active:
-            return
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bucket, size = [], 0
-        for p in params + [None]:
-            if p is not None and (not bucket or (p.grad.dtype == bucket[0].grad.dtype
-                                                 and size + p.numel() <= bucket_elements)):
-                bucket.append(p)
-                size += p.numel()
-                continue
-            if bucket:
-                flat = torch.cat([q.grad.reshape(-1) for q in bucket]).to(self.comm_device)
-                dist.all_reduce(flat)
-                flat /= self.world_size
-                offset = 0
-                for q in bucket:
-                    q.grad.copy_(flat[offset:offset + q.numel()].view_as(q.grad))
-                    offset += q.numel()
-            bucket, size = ([p], p.numel()) if p is not None else ([], 0)
-
     def barrier(self) -> None:
         if self.active:
             dist.barrier()
@@ -138,29 +109,17 @@ class Distributed:
         dist.all_gather(parts, local)
         return torch.cat(parts).to(tensor.device)
 
+    def broadcast_object(self, obj):
+        """Rank 0's value of a picklable object, on every process."""
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def gather_objects(self, obj) -> list:
         if not self.active:
             return [obj]
         out = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
-
-    def group_advantages(self, rewards: torch.Tensor, scale_rewards: str) -> torch.Tensor:
-        """GRPO advantages (Q, G); with scale_rewards=batch the std is over every process's rewards."""
-        from cppo.algorithm import group_advantages
-        if scale_rewards != "batch" or not self.active:
-            return group_advantages(rewards, scale_rewards)
-        centered = group_advantages(rewards, "none")
-        everything = self.gather(rewards)
-        if everything.shape[1] < 2:
-            return torch.zeros_like(rewards)
-        return centered / (everything.std() + 1e-4)
-
-    def select_global(self, advantages, rewards, num_keep_per_process: int, rule: str, generator):
-        """keep_mask (Q, G) of this process from a selection over all processes' completions."""
-        from cppo.algorithm import select_completions
-        all_adv, all_rew = self.gather(advantages), self.gather(rewards)
-        keep = select_completions(all_adv, all_rew, num_keep=num_keep_per_process * self.world_size,
-                                  scope="step", rule=rule, generator=generator)
-        q = advantages.shape[0]
-        return keep[self.rank * q:(self.rank + 1) * q]

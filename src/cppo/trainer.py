@@ -24,8 +24,9 @@ import torch
 from tqdm.auto import tqdm
 
 from cppo import checkpoint as ckpt
-from cppo.algorithm import (combine_rewards, importance_weights, per_token_policy_loss,
-                            reduce_loss, reward_stats, select_completions)
+from cppo.algorithm import (combine_rewards, group_advantages, importance_weights,
+                            per_token_policy_loss, reduce_loss, reward_stats,
+                            select_completions, select_global)
 from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
 from cppo.callbacks import CallbackError, Callbacks
 from cppo.completions_log import CompletionsLog
@@ -35,6 +36,7 @@ from cppo.distributed import Distributed
 from cppo.evaluate import evaluate
 from cppo.generation import chunk_seed, make_backend
 from cppo.memory import check_batch_settings, plan_for_run
+from cppo.parallel import Engine, check_layout, pad_rows, resolve_strategy
 from cppo.rewards_runner import RewardRunner, unpadded_ids
 from cppo.rollout import Completions, PromptBatch, completion_logprobs, encode_prompts
 from cppo.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to, length_metrics,
@@ -53,6 +55,7 @@ class StepBatch:
     old_logps: torch.Tensor | None = None  # (K, T), only when num_iterations > 1
     ref_logps: torch.Tensor | None = None  # (K, T), only when beta > 0
     sampler_logps: torch.Tensor | None = None  # (K, T), when the sampler is not the policy
+    filler_rows: int = 0   # trailing rows that only align collectives across processes (no loss)
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -130,8 +133,11 @@ class CPPOTrainer:
         self.use_lora = args.use_peft or peft_config is not None
         self.policy, self.tokenizer = self._load_policy(model, processing_class, peft_config)
         self.dist.broadcast_parameters(self.policy)
+        self.reference = self._load_reference(model)   # a copy of the policy, before sharding
+        self.engine = Engine(resolve_strategy(args.distributed), self.dist, self.policy,
+                             bf16=args.bf16, block_names=args.fsdp_transformer_layer_cls_to_wrap)
+        self.reference = self.engine.shard_reference(self.reference)
         torch.manual_seed(args.seed + self.dist.rank)  # dropout differs per process
-        self.reference = self._load_reference(model)
         self._check_generation_dtype()
         self.task = self._load_data(train_dataset, eval_dataset)
         self.batch_sizes = plan_for_run(args, self.policy, self.reference, self.device,  # memory
@@ -146,6 +152,7 @@ class CPPOTrainer:
         self.plan = args.step_plan()
         check_batch_settings(args, self.batch_sizes, completions_per_round=(
             self.plan.questions_per_step * args.num_generations * self.dist.world_size))
+        check_layout(args, self.plan, self.dist.world_size)
         self.total_steps = self._total_steps()
         self.optimizer = make_adamw([p for p in self.policy.parameters() if p.requires_grad], args)
         from transformers import get_scheduler
@@ -155,14 +162,7 @@ class CPPOTrainer:
         self.questions = QuestionStream(len(self.task.train_rows), args.seed)
         self.output_dir = Path(args.output_dir)
         self.timer = PhaseTimer()
-        self.step = 0                     # optimizer steps done
-        self.counters = {"skipped_steps": 0, "nonfinite_steps": 0, "questions_seen": 0,
-                         "completions_scored": 0, "completions_trained": 0, "tokens_generated": 0,
-                         "num_tokens": 0}
-        self.train_seconds = 0.0          # wall time of training phases (excludes eval, checkpoints)
-        self.history: list[dict] = []     # held-out evaluations
-        self.consecutive_nonfinite = 0    # NaN/inf steps in a row (stops the run at a limit)
-        self.wall_offset = 0.0            # wall time already spent before a resume
+        ckpt.RunState().apply(self)       # step, counters, history, ...: see ckpt.RunState
         self.stop_requested = False
         self.window = MetricsWindow()     # each metric's values since the last logging step
         self.completions_log = CompletionsLog(self.output_dir, self.rewards.names,
@@ -248,8 +248,9 @@ class CPPOTrainer:
         (seed, round, the rows' place in the global step batch)."""
         prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
                                  self.args.max_prompt_length).to(self.device)
-        completions = self.backend.generate(prompts, round_index=self.round_index,
-                                            question_offset=self.dist.rank * len(rows))
+        with self.engine.gathered():      # fsdp: full weights once per round, not per token
+            completions = self.backend.generate(prompts, round_index=self.round_index,
+                                                question_offset=self.dist.rank * len(rows))
         return prompts, completions
 
     def score(self, rows: list[dict], completions: Completions) -> tuple[torch.Tensor, dict]:
@@ -275,8 +276,11 @@ class CPPOTrainer:
         if args.pruning_rate == 0:
             return torch.ones_like(advantages, dtype=torch.bool)
         if args.selection_scope == "global" and self.dist.world_size > 1:
-            return self.dist.select_global(advantages, rewards, self.plan.completions_kept,
-                                           args.selection_rule, self.selection_generator())
+            q, rank = advantages.shape[0], self.dist.rank
+            return select_global(self.dist.gather(advantages), self.dist.gather(rewards),
+                                 num_keep=self.plan.completions_kept * self.dist.world_size,
+                                 rows=slice(rank * q, (rank + 1) * q), rule=args.selection_rule,
+                                 generator=self.selection_generator())
         scope = "step" if args.selection_scope == "global" else args.selection_scope
         return select_completions(advantages, rewards, num_keep=self.plan.completions_kept,
                                   scope=scope, rule=args.selection_rule,
@@ -330,16 +334,17 @@ class CPPOTrainer:
     def update(self, batch: StepBatch) -> dict:
         """One optimizer step over the kept batch, in micro-batches (gradient accumulation)."""
         args = self.args
-        total_sequences = self.dist.sum(len(batch))
+        total_sequences = self.dist.sum(len(batch) - batch.filler_rows)
         total_tokens = self.dist.sum(int(batch.completion_mask.sum()))
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0,
                 "is_ratio": 0.0, "logp_diff": 0.0, "entropy": 0.0}
         num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
-        for micro in batch.micro_batches(args.per_device_train_batch_size):
+        # gradients are reduced by the engine once per step, in the last micro-batch's backward
+        for micro in self.engine.accumulate(batch.micro_batches(args.per_device_train_batch_size)):
             entropies = []
             with self.autocast():
-                logps = self.logprobs(self.policy, micro, entropies)
+                logps = self.engine.forward(self.logprobs, micro, entropies)
             m = micro.completion_mask.bool()
             weights = None
             if micro.sampler_logps is not None:   # the sampler was a cast copy: truncated IS
@@ -355,7 +360,7 @@ class CPPOTrainer:
                                max_completion_length=args.max_completion_length,
                                total_sequences=total_sequences, total_tokens=total_tokens,
                                accumulation_steps=num_micro)
-            loss = loss * self.dist.world_size   # DDP averages gradients over processes
+            loss = loss * self.dist.world_size   # the engines average gradients over processes
             loss.backward()
             sums["loss"] += loss.item() / self.dist.world_size
             sums["kl"] += float(stats["kl"][m].sum())
@@ -365,11 +370,11 @@ class CPPOTrainer:
             sums["tokens"] += int(m.sum())
             if entropies:
                 sums["entropy"] += float(torch.cat(entropies)[m].sum())
-        self.dist.average_gradients(self.policy)
         with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
                      if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(  # max_norm inf: measure, don't clip
-            with_grad, args.max_grad_norm if args.max_grad_norm > 0 else math.inf)) if with_grad else 0.0
+        grad_norm = self.engine.clip_grad_norm(  # max_norm inf: measure, don't clip
+            with_grad, args.max_grad_norm if args.max_grad_norm > 0 else math.inf) if with_grad else 0.0
+        sums = self.dist.sum_values(sums)   # the metrics are of the global batch
         tokens = max(sums["tokens"], 1)
         metrics = {"loss": sums["loss"], "grad_norm": grad_norm,
                    "clip_ratio/low_mean": sums["low"] / tokens,
@@ -406,7 +411,8 @@ class CPPOTrainer:
             prompts, completions = self.generate(rows)
         with timer("score"):
             rewards, per_function_means = self.score(rows, completions)
-            advantages = self.dist.group_advantages(rewards, args.scale_rewards)
+            advantages = group_advantages(rewards, args.scale_rewards,
+                                          batch_rewards=self.dist.gather(rewards))
             keep_mask = self.select(advantages, rewards)
             if rule_traits(args.selection_rule).advantages_on_kept:  # question scope: local statistics
                 advantages = recompute_advantages_on_kept(rewards, keep_mask, args.scale_rewards)
@@ -424,6 +430,7 @@ class CPPOTrainer:
             self.advance_schedule(iterations)
             metrics["cppo/skipped"] = 1
             return metrics
+        batch = pad_rows(batch, self.dist)  # as many forward passes on every process
         with timer("logprobs"):
             self.fill_old_and_ref_logprobs(batch)
         for _ in range(iterations):
@@ -437,7 +444,7 @@ class CPPOTrainer:
             else:
                 self.consecutive_nonfinite = 0
             metrics.update(update)
-        self.counters["completions_trained"] += len(batch) * iterations
+        self.counters["completions_trained"] += (len(batch) - batch.filler_rows) * iterations
         return metrics
 
     def step_metrics(self, rows, rewards, per_function_means, advantages, keep_mask,
@@ -480,7 +487,8 @@ class CPPOTrainer:
             self.save(start_wall)
             raise
         if not self.history:
-            self._evaluate(log, start_wall, label="before")
+            with self.engine.gathered():   # fsdp: every process gathers, rank 0 evaluates
+                self._evaluate(log, start_wall, label="before")
         # Ctrl-C from here to the end only asks to stop: the loop finishes its step, and the
         # final checkpoint, evaluation and summary always complete (a second Ctrl-C aborts)
         previous_handler = signal.signal(signal.SIGINT, self._request_stop) \
@@ -518,7 +526,8 @@ class CPPOTrainer:
                     break
                 if (args.eval_steps and self._crossed(args.eval_steps)) \
                         or self.callbacks.take("should_evaluate"):
-                    self._evaluate(log, start_wall, label=f"step {self.step}")
+                    with self.engine.gathered():
+                        self._evaluate(log, start_wall, label=f"step {self.step}")
                 if self.dist.any(self.stop_requested):
                     status = "interrupted"
                     break
@@ -528,7 +537,6 @@ class CPPOTrainer:
                 if (args.save_steps and self._crossed(args.save_steps) and self.step < self.total_steps) \
                         or self.callbacks.take("should_save"):
                     self.save(start_wall)
-            self.last_round_step = self.step
         except CallbackError:   # a callback raised: keep this step's parameters, then report it
             self.save(start_wall)
             if log is not None:
@@ -536,9 +544,10 @@ class CPPOTrainer:
             raise
         finally:
             bar.close()
-        self.save(start_wall)  # parameters are finite here: a NaN/inf update is never applied
+        self.save(start_wall, final=True)  # finite parameters: a NaN/inf update is never applied
         if status == "completed" and (not self.history or self.history[-1]["step"] != self.step):
-            self._evaluate(log, start_wall, label="after")
+            with self.engine.gathered():
+                self._evaluate(log, start_wall, label="after")
         self.callbacks.event("on_train_end")
         summary = self._summary(status, start_wall, resumed_from, log)
         if log is not None:
@@ -615,27 +624,26 @@ class CPPOTrainer:
             state["cuda"] = torch.cuda.get_rng_state(self.device)
         return state
 
-    def save(self, start_wall: float) -> Path | None:
-        """Rank 0 writes the checkpoint (model or LoRA adapters, optimizer, every rank's RNG)."""
+    def save(self, start_wall: float, final: bool = False) -> Path | None:
+        """Every process takes part. Rank 0 writes the checkpoint (model or LoRA adapters,
+        optimizer, every rank's RNG, the run state); under fsdp all processes write their
+        shards, and the final one also holds the consolidated model (a Hugging Face folder)."""
         per_rank_rng = self.dist.gather_objects(self._rng_state())
-        if not self.dist.is_main:
-            self.dist.barrier()
-            self.callbacks.event("on_save")
-            return None
+        self.wall_offset = time.perf_counter() - start_wall
+        state = {**ckpt.RunState.of(self).to_dict(), "questions": self.questions.state(),
+                 "config": self.args.to_dict(), "world_size": self.dist.world_size,
+                 "distributed": self.engine.strategy}
+        rng = {**per_rank_rng[0], **{f"rank{r}/{k}": v for r, states in enumerate(per_rank_rng)
+                                     for k, v in states.items()}}
         with self.timer("checkpoint"):
-            state = {"step": self.step, "questions": self.questions.state(),
-                     "counters": self.counters, "train_seconds": self.train_seconds,
-                     "consecutive_nonfinite": self.consecutive_nonfinite,
-                     "wall_time": time.perf_counter() - start_wall, "history": self.history,
-                     "config": self.args.to_dict(), "world_size": self.dist.world_size}
-            rng = {**per_rank_rng[0], **{f"rank{r}/{k}": v for r, states in enumerate(per_rank_rng)
-                                         for k, v in states.items()}}
-            path = ckpt.save_checkpoint(self.output_dir, self.step, model=self.policy,
-                                        tokenizer=self.tokenizer, optimizer=self.optimizer,
-                                        scheduler=self.scheduler, rng_states=rng,
-                                        trainer_state=state, keep=self.args.save_total_limit)
+            sharded = self.engine.sharded
+            path = ckpt.save_checkpoint(
+                self.output_dir, self.step, model=self.policy, tokenizer=self.tokenizer,
+                optimizer=self.optimizer, scheduler=self.scheduler, rng_states=rng,
+                trainer_state=state, keep=self.args.save_total_limit, dist=self.dist,
+                sharded_state=self.engine.sharded_state(self.optimizer) if sharded else None,
+                consolidated=self.engine.full_model_state() if sharded and final else None)
         self.timer.pop_last()
-        self.dist.barrier()
         self.callbacks.event("on_save")
         return path
 
@@ -653,12 +661,19 @@ class CPPOTrainer:
     def _maybe_resume(self, log) -> str | None:
         if not self.args.resume:
             return None
-        latest = ckpt.latest_checkpoint(self.output_dir)
+        # rank 0 looks (and clears leftovers of killed writes); every process loads the same one
+        latest = self.dist.broadcast_object(
+            ckpt.latest_checkpoint(self.output_dir) if self.dist.is_main else None)
         if latest is None:
             print(f"--resume: no checkpoint in {self.output_dir}; starting from scratch")
             return None
-        ckpt.load_model_weights(self.policy, latest)
-        self.optimizer.load_state_dict(ckpt.load_tensors(latest / "optimizer.pt"))
+        state = ckpt.load_trainer_state(latest)
+        self.engine.check_resume(state, latest)
+        if self.engine.sharded:
+            self.engine.load_sharded_state(latest, self.optimizer)
+        else:
+            ckpt.load_model_weights(self.policy, latest)
+            self.optimizer.load_state_dict(ckpt.load_tensors(latest / "optimizer.pt"))
         self.scheduler.load_state_dict(ckpt.load_tensors(latest / "scheduler.pt"))
         rng = ckpt.load_tensors(latest / "rng_state.pt")
         mine = f"rank{self.dist.rank}/"    # this rank's states if it was saved with as many ranks
@@ -666,14 +681,8 @@ class CPPOTrainer:
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)
-        state = ckpt.load_trainer_state(latest)
-        self.step = state["step"]
+        ckpt.RunState.from_dict(state).apply(self)
         self.questions.load_state(state["questions"])
-        self.counters.update(state["counters"])
-        self.consecutive_nonfinite = state.get("consecutive_nonfinite", 0)
-        self.train_seconds = state["train_seconds"]
-        self.history = state["history"]
-        self.wall_offset = state["wall_time"]
         if log is not None:
             log.truncate_after(self.step)
         if self.completions_log is not None:

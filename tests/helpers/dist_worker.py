@@ -3,7 +3,11 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/helpers/dist_worker.py spec.json
 
 spec.json: {"config": {...CPPOConfig fields...}, "rows": [...], "model": dir}. Each process writes
-the questions it drew to <output_dir>/questions-rank<r>.json; rank 0 writes the checkpoint.
+to <output_dir>: questions-rank<r>.json (the questions it drew), summary-rank<r>.json (train()'s
+summary), bytes-rank<r>.json (the parameter, gradient and optimizer bytes it holds at the end)
+pid-rank<r> (its process id, written before training) and reductions-rank<r>.json (how many
+gradient reductions the engine ran, and how many optimizer steps); rank 0 also writes
+logits.pt, the trained model's logits on a fixed input (through the sharded model under fsdp).
 """
 
 import json
@@ -13,17 +17,44 @@ import sys
 import torch
 
 
-def mixed_length_reward(prompts, completions, completion_ids=None, **kw):
-    """Rewards with more than two values (unlike helpers.odd_length_reward), so that batch-std
-    scaling differs from group scaling."""
+def length_reward(prompts, completions, completion_ids=None, **kw):
     return [float(len(c) % 2) + 0.1 * (len(c) % 3) for c in completions]
+
+
+def count_reductions(trainer) -> dict:
+    """Count the engine's gradient collectives: DDP's bucket all-reduces (a comm hook that
+    counts, then all-reduces as DDP's default does) or FSDP2's reduce-scatters."""
+    import torch.distributed as dist
+    counts = {"reductions": 0}
+    if trainer.engine.ddp is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def hook(state, bucket):
+            counts["reductions"] += 1
+            return default_hooks.allreduce_hook(None, bucket)
+        trainer.engine.ddp.register_comm_hook(None, hook)
+    elif trainer.engine.sharded:
+        original = dist.reduce_scatter_single
+
+        def counted(*args, **kwargs):
+            counts["reductions"] += 1
+            return original(*args, **kwargs)
+        dist.reduce_scatter_single = counted
+    return counts
 
 
 def run(spec: dict) -> dict:
     from cppo.config import CPPOConfig
+    from cppo.parallel import local_bytes
     from cppo.trainer import CPPOTrainer
-    trainer = CPPOTrainer(model=spec["model"], reward_funcs=[mixed_length_reward],
+    out = spec["config"]["output_dir"]
+    trainer = CPPOTrainer(model=spec["model"], reward_funcs=[length_reward],
                           args=CPPOConfig(**spec["config"]), train_dataset=spec["rows"])
+    rank = trainer.dist.rank
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"pid-rank{rank}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    reductions = count_reductions(trainer)
     drawn = []
     take = trainer.take_questions
 
@@ -33,9 +64,16 @@ def run(spec: dict) -> dict:
         return rows
     trainer.take_questions = record
     summary = trainer.train()
-    out = os.path.join(spec["config"]["output_dir"], f"questions-rank{trainer.dist.rank}.json")
-    with open(out, "w") as fh:
-        json.dump(drawn, fh)
+    reductions["optimizer_steps"] = summary["steps"] - summary["skipped_steps"]
+    for name, value in (("questions", drawn), ("summary", summary), ("reductions", reductions),
+                        ("bytes", local_bytes(trainer.policy, trainer.optimizer))):
+        with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
+            json.dump(value, fh)
+    with torch.no_grad():   # every process joins (the sharded forward gathers each block)
+        ids = torch.arange(3, 15).view(2, 6) % trainer.policy.config.vocab_size
+        logits = trainer.policy(input_ids=ids).logits.float()
+    if rank == 0:
+        torch.save({"input_ids": ids, "logits": logits}, os.path.join(out, "logits.pt"))
     return summary
 
 

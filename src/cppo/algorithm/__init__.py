@@ -20,6 +20,7 @@ from cppo.algorithm.selection import (
     register_rule,
     rule_traits,
     select_completions,
+    select_global,
 )
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "reward_stats",
     "rule_traits",
     "select_completions",
+    "select_global",
 ]

@@ -68,11 +68,14 @@ def check_scale_rewards(scale_rewards: str) -> None:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
 
 
-def group_advantages(rewards: Tensor, scale_rewards: str = "group", eps: float = 1e-4) -> Tensor:
+def group_advantages(rewards: Tensor, scale_rewards: str = "group", eps: float = 1e-4,
+                     batch_rewards: Tensor | None = None) -> Tensor:
     """GRPO advantages: A = r - mean(group), optionally divided by a std + eps.
 
     rewards: (Q, G) -> (Q, G). scale_rewards 'group': unbiased std of each group; 'batch':
-    unbiased std of all Q * G rewards (mean stays per group, as TRL); 'none': no division.
+    unbiased std of all rewards of the batch (mean stays per group, as TRL): `batch_rewards`
+    (Q_all, G) when the batch is wider than `rewards` (e.g. every process's groups), else the
+    Q * G rewards themselves; 'none': no division.
     A group of size 1 has A = 0 (std undefined, and r - mean = 0). A group whose rewards are all
     equal gets A = 0 exactly, whatever the value (0.3 x G would otherwise leave a rounding residue
     of r - mean that the division by std + eps blows up to ~1e-4), so the zero-variance skip
@@ -90,7 +93,7 @@ def group_advantages(rewards: Tensor, scale_rewards: str = "group", eps: float =
     if scale_rewards == "group":
         std = rewards.std(dim=1, keepdim=True)
     else:
-        std = rewards.std()
+        std = (rewards if batch_rewards is None else batch_rewards).std()
     return centered / (std + eps)
 
 

@@ -219,6 +219,23 @@ def select_completions(
     return keep_mask
 
 
+def select_global(
+    all_advantages: Tensor,
+    all_rewards: Tensor,
+    *,
+    num_keep: int,
+    rows: slice,
+    rule: str = "largest_abs",
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """keep_mask of `rows` from one step-scope selection over the stacked completions of every
+    process (all_advantages, all_rewards: (Q_all, G), process r's questions at rows r*Q..(r+1)*Q);
+    num_keep counts over all processes. Every process computes the same mask and takes its rows."""
+    keep = select_completions(all_advantages, all_rewards, num_keep=num_keep, scope="step",
+                              rule=rule, generator=generator)
+    return keep[rows]
+
+
 def recompute_advantages_on_kept(
     rewards: Tensor, keep_mask: Tensor, scale_rewards: str = "group", eps: float = 1e-4
 ) -> Tensor:

@@ -88,7 +88,10 @@ def _architecture_reason(model) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-    if type(model).__name__ not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
+    name = type(model).__name__
+    if _fsdp(model):   # fully_shard renamed the class FSDP<Name>; its parameters are checked per call
+        name = name.removeprefix("FSDP")
+    if name not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
         return f"wrapped or subclassed model ({type(model).__name__})"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r}"
@@ -112,7 +115,13 @@ def _switch_reason(model, modules: list) -> str | None:
     `modules` is the model's named_modules() list."""
     if any(getattr(module, "gradient_checkpointing", False) for _, module in modules):
         return "gradient checkpointing is on"          # (it registers hooks of its own)
+    sharded = _fsdp(model)
+    if sharded and any(hasattr(w, "to_local") for w in (
+            model.model.embed_tokens.weight, *(l.self_attn.q_proj.weight for l in model.model.layers))):
+        return "parameters are sharded (FSDP); they are gathered for generation only"
     for name, module in modules:
+        if sharded and _fsdp(module):   # FSDP's hooks: no-ops while the weights are gathered
+            continue
         if module._forward_hooks or module._forward_pre_hooks:
             return f"module {name or '<model>'!r} has forward hooks (the lean forward would skip them)"
     config = model.config
@@ -121,6 +130,11 @@ def _switch_reason(model, modules: list) -> str | None:
     if model.training and getattr(config, "attention_dropout", 0.0):
         return "attention dropout in training mode (the lean forward has no dropout)"
     return None
+
+
+def _fsdp(module) -> bool:
+    """True for a module that torch's fully_shard (FSDP2) manages."""
+    return any(c.__name__ == "FSDPModule" for c in type(module).__mro__)
 
 
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
