@@ -1,30 +1,31 @@
-"""Exact operation counts: analytic (a recursion over the scheme) and measured (an instrumented run).
+"""Exact operation counts: measured (every torch op a block of code runs) and analytic (a recursion
+over the same plans, without tensors).
 
 Conventions, the same on both sides:
-- A dense product (a x b) @ (b x c) costs a*b*c multiplications and a*(b-1)*c additions.
-- The base case is the ideal triangular product: tril(A B^T) with A, B (n x m) costs m*n(n+1)/2
-  multiplications and (m-1)*n(n+1)/2 additions; tril(L) X with X (n x d) costs d*n(n+1)/2 and
-  d*n(n-1)/2. "Naive masked" is the masked base case at full size.
-- A linear combination of t blocks costs t-1 additions per element, plus one per element for each
-  coefficient other than +-1 (2x = x + x). Where a block is structurally triangular (a diagonal
-  block of a triangular operand, or a diagonal output block of the masked product), only its
-  triangle counts: n(n+1)/2 elements instead of n^2.
-- Zero padding (sizes not divisible by 4) is counted as executed.
-- With common-subexpression elimination (cse=True), every coefficient matrix is first rewritten by
-  a greedy pair-sharing pass (Paar's algorithm) and additions are counted after sharing.
+- A product (a x b) @ (b x c) costs a*b*c multiplications and a*(b-1)*c additions, plus a*c
+  additions when it accumulates into its output (beta = 1) and a*c more when it is scaled by a
+  coefficient other than +-1 (2x = x + x).
+- An element-wise add costs one addition per element (two when scaled by alpha not +-1); a scaling
+  by +-1 is free; copies, zeroing, views, padding and tril/triu are free.
+- Zero padding (sizes not divisible by 4^levels) is counted as executed.
+- "Naive masked" is the ideal triangular product: tril(A B^T) with A, B (n x m) costs m*n(n+1)/2
+  multiplications and (m-1)*n(n+1)/2 additions.
+
+record_ops() counts by watching the torch operators themselves (a TorchDispatchMode), so it measures
+what the executor really runs; an operator it does not know raises instead of being skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import threading
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-_local = threading.local()
+from .plan import DEFAULT_BASE_BLOCK, Options, Plan, Program, fused_products, make_plan, padded_sizes, recurses
+from .scheme import load_scheme
 
 
 @dataclass
@@ -48,220 +49,180 @@ class OpCount:
 
 
 # ----------------------------------------------------------------------------------------------
-# Measured: the executor calls these hooks; they do nothing unless a count is being recorded
+# Measured: a dispatch mode that sees every aten operator
+
+
+_FREE = {
+    "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
+    "zero_", "fill_", "copy_", "_to_copy", "clone", "contiguous", "detach", "alias", "lift_fresh",
+    "view", "_unsafe_view", "reshape", "slice", "select", "as_strided", "t", "transpose", "permute", "expand",
+    "unsqueeze", "squeeze", "split", "split_with_sizes", "unbind", "cat", "stack", "constant_pad_nd", "pad",
+    "tril", "tril_", "triu", "triu_", "set_", "resize_", "_reshape_alias", "promote_types", "result_type",
+    "broadcast_tensors", "sym_size", "sym_stride", "sym_numel", "dim", "is_same_size",
+}
+_PRODUCTS = {"bmm", "mm", "baddbmm", "baddbmm_", "addmm", "addmm_"}
+_ADDS = {"add", "add_", "sub", "sub_"}
+_MULS = {"mul", "mul_"}
+
+
+def _product(args, kwargs, accumulate: bool) -> OpCount:
+    x, y = (args[1], args[2]) if accumulate else (args[0], args[1])
+    a, b, c = x.shape[-2], x.shape[-1], y.shape[-1]
+    batch = math.prod(x.shape[:-2])
+    count = OpCount(batch * a * b * c, batch * a * (b - 1) * c)
+    if accumulate:
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        extra = (beta != 0) + (beta not in (0, 1)) + (abs(alpha) != 1)
+        count.additions += extra * batch * a * c
+    return count
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, count: OpCount):
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        result = func(*args, **kwargs)
+        if name in _PRODUCTS:
+            self.count += _product(args, kwargs, accumulate=name.startswith(("baddbmm", "addmm")))
+        elif name in _ADDS:
+            alpha = kwargs.get("alpha", 1)
+            self.count.additions += result.numel() * (1 + (abs(alpha) != 1))
+        elif name in _MULS:
+            if isinstance(args[1], torch.Tensor) and args[1].dim() > 0:
+                self.count.multiplications += result.numel()
+            elif abs(float(args[1])) != 1:
+                self.count.additions += result.numel()  # a scaling by an integer: counted as adds
+        elif name not in _FREE:
+            raise RuntimeError(f"record_ops cannot count the operator {func} (not in its tables)")
+        return result
 
 
 @contextlib.contextmanager
 def record_ops():
-    """Count the operations of every executor call inside the block (tip: run on device='meta').
+    """Count the multiplications and additions of every torch operator run inside the block.
 
-    >>> with record_ops() as ops: masked_matmul(a, b)
+    >>> with record_ops() as ops: masked_matmul(a, b)     # tip: meta tensors count any size for free
     >>> ops.multiplications, ops.additions
     """
-    previous = getattr(_local, "counter", None)
-    _local.counter = OpCount()
-    try:
-        yield _local.counter
-    finally:
-        _local.counter = previous
+    count = OpCount()
+    mode = _Counter(count)
+    with mode:
+        yield count
+    count.multiplications, count.additions = mode.count.multiplications, mode.count.additions
 
 
-def _active() -> OpCount | None:
-    return getattr(_local, "counter", None)
+# ----------------------------------------------------------------------------------------------
+# Analytic: the executor's recursion written down without tensors
 
 
 def _triangle(n: int) -> int:
     return n * (n + 1) // 2
 
 
-def _block_elements(shape, triangular: bool) -> int:
-    *batch, rows, cols = shape
-    per_block = _triangle(rows) if triangular else rows * cols
-    return math.prod(batch) * per_block
-
-
-def _combination_additions(row: list[int], triangular: tuple[bool, ...], shape) -> int:
-    """Additions to form one linear combination (nonzero coefficients `row`) of blocks of `shape`."""
-    terms = [k for k, c in enumerate(row) if c != 0]
-    if not terms:
-        return 0
-    tri = [bool(triangular) and triangular[k] for k in terms]
-    full, triangles = tri.count(False), tri.count(True)
-    scalings = sum(_block_elements(shape, tri[t]) for t, k in enumerate(terms) if abs(row[k]) != 1)
-    if full:  # a full block plus triangles: each triangle adds only its nonzero half
-        return (full - 1) * _block_elements(shape, False) + triangles * _block_elements(shape, True) + scalings
-    return (triangles - 1) * _block_elements(shape, True) + scalings
-
-
-def record_combination(coefficients: torch.Tensor, block_shape, triangular: tuple[bool, ...] = ()) -> None:
-    """Operand pre-additions: rows of `coefficients` (P, K) combine K blocks of `block_shape`."""
-    counter = _active()
-    if counter is not None:
-        for row in coefficients.tolist():
-            counter.additions += _combination_additions(row, triangular, block_shape)
-
-
-def record_output_additions(coefficients: torch.Tensor, block_shape, triangular_outputs: tuple[bool, ...]) -> None:
-    """Output additions: output block k = sum_p coefficients[k, p] * product p (triangle only if flagged)."""
-    counter = _active()
-    if counter is not None:
-        for row, tri in zip(coefficients.tolist(), triangular_outputs):
-            counter.additions += _combination_additions(row, (tri,) * len(row), block_shape)
-
-
-def record_gemm(x_shape, y_shape) -> None:
-    counter = _active()
-    if counter is not None:
-        *batch, a, b = x_shape
-        c = y_shape[-1]
-        counter.multiplications += math.prod(batch) * a * b * c
-        counter.additions += math.prod(batch) * a * (b - 1) * c
-
-
-def record_additions(additions: int) -> None:
-    counter = _active()
-    if counter is not None:
-        counter.additions += additions
-
-
-def record_masked_base(batch: int, n: int, m: int) -> None:
-    counter = _active()
-    if counter is not None:
-        counter.multiplications += batch * m * _triangle(n)
-        counter.additions += batch * (m - 1) * _triangle(n)
-
-
-def record_triangular_base(batch: int, n: int, d: int) -> None:
-    counter = _active()
-    if counter is not None:
-        counter.multiplications += batch * d * _triangle(n)
-        counter.additions += batch * d * (n * (n - 1) // 2)
-
-
-# ----------------------------------------------------------------------------------------------
-# Analytic: the same recursion written down without tensors
-
-
 def naive_masked(n: int, m: int) -> OpCount:
-    """The naive masked product tril(A B^T), A, B (n x m): only the lower triangle, dot by dot."""
+    """The ideal masked product tril(A B^T), A, B (n x m): only the lower triangle, dot by dot."""
     return OpCount(m * _triangle(n), (m - 1) * _triangle(n))
 
 
 def naive_triangular(n: int, d: int) -> OpCount:
-    """The naive tril(L) X, X (n x d)."""
+    """The ideal tril(L) X, X (n x d)."""
     return OpCount(d * _triangle(n), d * (n * (n - 1) // 2))
+
+
+def gemm_count(a: int, b: int, c: int, beta: int = 0, alpha: int = 1) -> OpCount:
+    """out = beta * out + alpha * (a x b) @ (b x c), as record_ops counts a baddbmm."""
+    extra = (beta != 0) + (beta not in (0, 1)) + (abs(alpha) != 1)
+    return OpCount(a * b * c, a * (b - 1) * c + extra * a * c)
 
 
 def general_count(a: int, b: int, c: int, general: str = "gemm", general_cutoff: int = 256) -> OpCount:
     """(a x b) @ (b x c) by GEMM, or Strassen / Winograd levels while dims are even and > cutoff."""
     if general == "gemm" or min(a, b, c) <= general_cutoff or a % 2 or b % 2 or c % 2:
-        return OpCount(a * b * c, a * (b - 1) * c)
+        return gemm_count(a, b, c)
     h = (a // 2) * (b // 2), (b // 2) * (c // 2), (a // 2) * (c // 2)
     adds = (5 * h[0] + 5 * h[1] + 8 * h[2]) if general == "strassen" else (4 * h[0] + 4 * h[1] + 7 * h[2])
     return 7 * general_count(a // 2, b // 2, c // 2, general, general_cutoff) + OpCount(0, adds)
 
 
-def _recurses(n: int, inner: int, cutoff: int) -> bool:
-    return min(n, inner) > cutoff and min(n, inner) >= 4
-
-
 def analytic_count(scheme, form: str, n: int, inner: int, cutoff: int = 1, general: str = "gemm",
-                   general_cutoff: int = 256, cse: bool = False) -> OpCount:
-    """Exact operations of one masked (n x inner operands) or lower/upper (n x n by n x inner) product."""
-    from .executor import make_plan
-    from .scheme import load_scheme
+                   general_cutoff: int = 256, base_block: int | None = None, cse: bool = True) -> OpCount:
+    """Exact operations of one masked (n x inner operands) or lower/upper (n x n by n x inner)
+    product as the executor runs it (cse=True); cse=False: the same without shared additions."""
+    options = Options(cutoff=cutoff, general=general, general_cutoff=general_cutoff,
+                      base_block=DEFAULT_BASE_BLOCK if base_block is None else base_block)
+    plan = make_plan(load_scheme(scheme), form, share=cse)
+    rows, cols = padded_sizes(n, inner, cutoff)
+    return _level(plan, rows, cols, 0, options)
 
-    plan = make_plan(load_scheme(scheme), form)
-    return _analytic(plan, n, inner, cutoff, general, general_cutoff, cse)
+
+def _masked_base(n: int, m: int, beta: int, block: int) -> OpCount:
+    if n <= block:
+        return gemm_count(n, m, n, beta)
+    h = n // 2
+    return gemm_count(n - h, m, h, beta) + _masked_base(h, m, beta, block) + _masked_base(n - h, m, beta, block)
 
 
-def _analytic(plan, n, inner, cutoff, general, general_cutoff, cse) -> OpCount:
-    if not _recurses(n, inner, cutoff):
-        return naive_masked(n, inner) if plan.form == "masked" else naive_triangular(n, inner)
-    n4, m4 = -(-n // 4), -(-inner // 4)
-    g, r = plan.num_general, plan.num_products - plan.num_general
+def _triangular_base(n: int, d: int, beta: int, block: int) -> OpCount:
+    if n <= block:
+        return gemm_count(n, n, d, beta)
+    h = n // 2
+    return _triangular_base(h, d, beta, block) + _triangular_base(n - h, d, beta, block) + gemm_count(n - h, h, d, 1)
+
+
+def _sum_cost(terms, beta: int, elements: int) -> int:
+    """Additions of dest = beta * dest + sum c x over `terms` (executor._sum_into)."""
+    if not terms:
+        return 0
+    return (len(terms) - 1 + beta + sum(abs(c) != 1 for _, c in terms)) * elements
+
+
+def _operand_cost(program: Program, elements: int) -> int:
+    cost = sum(_sum_cost(terms, 0, elements) for terms in program.intermediates)
+    for terms in program.rows:
+        if not (len(terms) == 1 and abs(terms[0][1]) == 1):  # one block: a view, free
+            cost += _sum_cost(terms, 0, elements)
+    return cost
+
+
+def _level(plan: Plan, n: int, m: int, beta: int, options) -> OpCount:
     masked = plan.form == "masked"
-    total = OpCount()
-    if masked:
-        total += g * general_count(n4, m4, n4, general, general_cutoff)
-        left_shape = right_shape = (n4, m4)
-        left_tri: tuple[bool, ...] = ()
-        out_shape, out_tri = (n4, n4), tuple(i == j for i, j in plan.out_blocks)
-    else:
-        total += g * general_count(n4, n4, m4, general, general_cutoff)
-        left_shape, right_shape = (n4, n4), (n4, m4)
-        left_tri = tuple(i == j for i, j in plan.left_blocks)
-        out_shape, out_tri = (n4, m4), (False,) * len(plan.out_blocks)
-    total += r * _analytic(plan, n4, m4, cutoff, general, general_cutoff, cse)
-    total.additions += _matrix_additions(plan.left, left_tri, left_shape, cse)
-    total.additions += _matrix_additions(plan.right, (), right_shape, cse)
-    total.additions += _matrix_additions(plan.out, out_tri, out_shape, cse, per_row_tri=True)
+    if not recurses(n, m, options.cutoff):
+        block = options.base_block
+        return _masked_base(n, m, beta, block) if masked else _triangular_base(n, m, beta, block)
+    n4, m4 = n // 4, m // 4
+    g = plan.num_general
+    left_elements, right_elements = (n4 * m4, n4 * m4) if masked else (n4 * n4, n4 * m4)
+    out_elements = n4 * n4 if masked else n4 * m4
+    total = OpCount(0, _operand_cost(plan.left, left_elements) + _operand_cost(plan.right, right_elements))
+
+    def product(k: int, beta: int, coefficient: int) -> OpCount:
+        if k >= g:
+            return _level(plan, n4, m4, beta, options)
+        a, b, c = (n4, m4, n4) if masked else (n4, n4, m4)
+        if options.general == "gemm":
+            return gemm_count(a, b, c, beta, coefficient)
+        return general_count(a, b, c, options.general, options.general_cutoff) + OpCount(
+            0, _sum_cost([(0, coefficient)], beta, a * c))
+
+    out, num_products = plan.out, plan.num_products
+    direct = fused_products(out, g)
+    total += sum((product(k, 0, 1) for k in range(num_products) if not direct[k]), OpCount())
+
+    def node(terms, beta: int) -> OpCount:
+        cost, b = OpCount(), beta
+        for k, c in terms:
+            if k < num_products and direct[k]:
+                cost += product(k, b, c)
+                b = 1
+        rest = [(k, c) for k, c in terms if not (k < num_products and direct[k])]
+        return cost + OpCount(0, _sum_cost(rest, b, out_elements))
+
+    for terms in out.intermediates:
+        total += node(terms, 0)
+    for terms in out.rows:
+        total += node(terms, beta)
     return total
-
-
-def _matrix_additions(coefficients, triangular, shape, cse, per_row_tri=False) -> int:
-    """Additions for all rows of a coefficient matrix (rows = results), without or with sharing."""
-    rows = [tuple(r) for r in coefficients.tolist()]
-    if per_row_tri:  # output side: the triangle flag belongs to the result row
-        if cse:
-            return shared_additions(rows, shape, row_triangular=triangular)
-        return sum(_combination_additions(list(r), (t,) * len(r), shape) for r, t in zip(rows, triangular))
-    if cse:
-        return shared_additions(rows, shape, column_triangular=triangular)
-    return sum(_combination_additions(list(r), triangular, shape) for r in rows)
-
-
-# ----------------------------------------------------------------------------------------------
-# Common-subexpression elimination of additions (greedy, Paar 1997)
-
-
-@functools.lru_cache(maxsize=None)
-def cse_terms(rows: tuple[tuple[int, ...], ...]) -> tuple[int, int, int]:
-    """Greedy sharing of signed pairs across rows of a coefficient matrix.
-
-    Returns (additions after sharing, additions without, shared intermediates). A pair
-    (u, v) with ratio c_v / c_u = s that occurs in several rows is formed once as w = x_u + s x_v
-    and replaces the pair in each of those rows.
-    """
-    work = [{k: c for k, c in enumerate(row) if c != 0} for row in rows]
-    plain = sum(max(len(r) - 1, 0) for r in work)
-    next_column, shared = len(rows[0]) if rows else 0, 0
-    while True:
-        counts: dict[tuple[int, int, float], list[int]] = {}
-        for index, row in enumerate(work):
-            keys = sorted(row)
-            for a in range(len(keys)):
-                for b in range(a + 1, len(keys)):
-                    u, v = keys[a], keys[b]
-                    if abs(row[v]) != abs(row[u]):
-                        continue  # share only x_u +- x_v: no hidden scalings
-                    counts.setdefault((u, v, row[v] / row[u]), []).append(index)
-        best = max(counts.items(), key=lambda kv: (len(kv[1]), -kv[0][0], -kv[0][1]), default=None)
-        if best is None or len(best[1]) < 2:
-            break
-        (u, v, ratio), where = best
-        for index in where:
-            row = work[index]
-            if u in row and v in row and row[v] / row[u] == ratio:
-                row[next_column] = row.pop(u)
-                del row[v]
-        next_column += 1
-        shared += 1
-    return shared + sum(max(len(r) - 1, 0) for r in work), plain, shared
-
-
-def shared_additions(rows, shape, row_triangular=(), column_triangular=()) -> int:
-    """Additions after CSE. Triangular structure is kept conservative: a shared intermediate costs
-    a full block unless every row it serves is a triangular result."""
-    if column_triangular and any(column_triangular):
-        # Operand side with triangular blocks (lower/upper forms): sharing changes which sums are
-        # triangular; count without sharing there to stay exact rather than optimistic.
-        return sum(_combination_additions(list(r), column_triangular, shape) for r in rows)
-    scalings = sum(1 for r in rows for c in r if c != 0 and abs(c) != 1)
-    if row_triangular and any(row_triangular):
-        full_rows = tuple(r for r, t in zip(rows, row_triangular) if not t)
-        tri_rows = tuple(r for r, t in zip(rows, row_triangular) if t)
-        adds_full = cse_terms(full_rows)[0] if full_rows else 0
-        adds_tri = cse_terms(tri_rows)[0] if tri_rows else 0
-        return adds_full * _block_elements(shape, False) + adds_tri * _block_elements(shape, True) + scalings * _block_elements(shape, False)
-    return (cse_terms(tuple(rows))[0] + scalings) * _block_elements(shape, False)
