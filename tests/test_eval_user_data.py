@@ -4,7 +4,7 @@ import torch
 
 from cppo.evaluate import evaluate
 from cppo.models import load_model, load_tokenizer
-from tests.test_trainer import ROWS, make_trainer
+from helpers import ROWS, make_trainer
 
 
 def test_trainer_evaluates_with_the_reward_passed_in(tiny_model_dir, tmp_path):
@@ -15,16 +15,16 @@ def test_trainer_evaluates_with_the_reward_passed_in(tiny_model_dir, tmp_path):
     def always_right(prompts, completions, completion_ids, **kw):
         seen.append(len(completions))
         return [1.0] * len(completions)
-    trainer = make_trainer(tiny_model_dir, tmp_path, reward=always_right, eval_num_questions=8)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", reward=always_right, eval_num_questions=3)
     assert trainer.args.reward_funcs == ["arithmetic"]
     seen.clear()
     trainer._evaluate(None, 0.0, label="before")
-    assert seen == [8]
+    assert seen == [3]
     assert trainer.history[-1]["accuracy"] == 1.0
 
 
 def test_eval_num_questions_applies_to_a_user_eval_dataset(tiny_model_dir, tmp_path):
-    trainer = make_trainer(tiny_model_dir, tmp_path, eval_num_questions=3)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", eval_num_questions=3)
     assert len(trainer.task.eval_rows) == 3
     assert trainer.task.eval_rows == [dict(r) for r in ROWS[:3]]
 

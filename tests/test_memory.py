@@ -7,7 +7,7 @@ import torch
 from cppo.config import ConfigError
 from cppo.memory import (GIB, BatchSizes, ModelShape, budget_bytes, decode_bytes,
                          plan_batch_sizes, scoring_bytes, training_bytes)
-from tests.test_trainer import make_trainer
+from helpers import make_trainer
 
 
 def qwen25_15b_config():
@@ -88,7 +88,7 @@ def test_trainer_uses_the_budget_for_generation_and_evaluation(tiny_model_dir, t
     probe = make_trainer(tiny_model_dir, tmp_path / "probe", **settings)
     one = tiny_sizes(probe, 1.0)
     budget = 4.5 / one.training                         # room for 4 training sequences
-    trainer = make_trainer(tiny_model_dir, tmp_path, memory_budget_gib=budget, **settings)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", memory_budget_gib=budget, **settings)
     assert trainer.batch_sizes.training == 4
     assert 8 <= trainer.batch_sizes.generation < 32
     assert trainer.backend.chunk_size == trainer.batch_sizes.generation
@@ -122,26 +122,26 @@ def test_batch_settings_that_contradict_the_budget_fail_before_training(tiny_mod
     budget = 6 * (1.0 * GIB / one.training) / GIB        # ~6 training sequences fit
     with pytest.raises(ConfigError, match=r"'per_device_train_batch_size' is 8, but only [56] "
                        r"sequences.*per_device_train_batch_size <= [56].*gradient_accumulation"):
-        make_trainer(tiny_model_dir, tmp_path, memory_budget_gib=budget)
+        make_trainer(tiny_model_dir, tmp_path / "run", memory_budget_gib=budget)
     tiny = 0.5 * (1.0 * GIB / one.training) / GIB         # not even one
     with pytest.raises(ConfigError, match="too small for one training sequence"):
-        make_trainer(tiny_model_dir, tmp_path, memory_budget_gib=tiny)
+        make_trainer(tiny_model_dir, tmp_path / "run", memory_budget_gib=tiny)
     with pytest.raises(ConfigError, match=r"'generation_chunk_size' is 100000, but only \d+ "
                        r"completions fit"):
-        make_trainer(tiny_model_dir, tmp_path, memory_budget_gib=1.0, generation_chunk_size=100_000)
+        make_trainer(tiny_model_dir, tmp_path / "run", memory_budget_gib=1.0, generation_chunk_size=100_000)
 
 
 def test_generation_batch_size_means_what_trl_means(tiny_model_dir, tmp_path):
     """Without pruning: per_device_train_batch_size x processes x gradient_accumulation_steps."""
-    trainer = make_trainer(tiny_model_dir, tmp_path, pruning_rate=0.0, per_device_train_batch_size=4,
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", pruning_rate=0.0, per_device_train_batch_size=4,
                            gradient_accumulation_steps=2, generation_batch_size=8)
     assert trainer.plan.questions_per_step * 4 == 8
     with pytest.raises(ConfigError, match=r"'generation_batch_size' is 16, but a generation round "
                        r"of this run makes 8 completions.*set it to 8 or None.*generation_chunk_size"):
-        make_trainer(tiny_model_dir, tmp_path, pruning_rate=0.0, per_device_train_batch_size=4,
+        make_trainer(tiny_model_dir, tmp_path / "run", pruning_rate=0.0, per_device_train_batch_size=4,
                      gradient_accumulation_steps=2, generation_batch_size=16)
     with pytest.raises(ConfigError, match="not a multiple of num_generations"):
-        make_trainer(tiny_model_dir, tmp_path, generation_batch_size=6)
+        make_trainer(tiny_model_dir, tmp_path / "run", generation_batch_size=6)
 
 
 def test_cppo_eval_decodes_in_budgeted_batches(tiny_model_dir, monkeypatch):

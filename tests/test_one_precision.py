@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cppo.trainer as trainer_module
-from tests.test_trainer import make_trainer
+from helpers import make_trainer
 
 
 @pytest.mark.parametrize("lean_forward", [True, False])
@@ -19,7 +19,7 @@ def test_bf16_first_iteration_ratio_is_one_and_kl_is_zero(tiny_model_dir, tmp_pa
         calls.append((logps.detach().clone(), old_logps.clone(), kw["ref_logps"].clone()))
         return policy_loss(logps, old_logps, advantages, **kw)
     monkeypatch.setattr(trainer_module, "per_token_policy_loss", spy)
-    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=2, num_iterations=2, beta=0.04,
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, num_iterations=2, beta=0.04,
                            bf16=True, lean_forward=lean_forward, per_device_train_batch_size=4,
                            gradient_accumulation_steps=2, eval_num_questions=1, save_steps=0)
     metrics = trainer.training_round()
@@ -33,7 +33,7 @@ def test_bf16_first_iteration_ratio_is_one_and_kl_is_zero(tiny_model_dir, tmp_pa
 
 def test_bf16_passes_differ_from_fp32_ones(tiny_model_dir, tmp_path):
     """The check above would be empty if bf16 autocast changed nothing on this model."""
-    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1, bf16=True, beta=0.04,
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=1, bf16=True, beta=0.04,
                            eval_num_questions=1, save_steps=0)
     rows = trainer.take_questions()
     prompts, completions = trainer.generate(rows)

@@ -131,14 +131,14 @@ gradient_checkpointing: false
 use_liger_kernel: false
 dataloader_num_workers: 4
 vllm_importance_sampling_correction: false
-reward_funcs: [helpers_reliability:length_reward]
+reward_funcs: [helpers:odd_length_reward]
 disable_tqdm: true
 """
 
 
 def test_a_trl_grpo_yaml_runs_and_names_what_it_ignores(tiny_model_dir, tmp_path, capsys,
                                                         monkeypatch):
-    from helpers_reliability import write_rows
+    from helpers import write_jsonl as write_rows
     data = write_rows(tmp_path / "rows.jsonl")
     path = tmp_path / "grpo.yaml"
     path.write_text(TRL_YAML.format(model=tiny_model_dir, data=data, out=tmp_path / "run"))

@@ -45,7 +45,7 @@ def test_bnpo_divides_by_the_micro_batch_tokens_and_the_accumulation_steps():
 def test_trainer_passes_the_accumulation_steps_to_bnpo(tiny_model_dir, tmp_path, monkeypatch):
     """Two micro-batches per update: each bnpo micro-loss is its own token mean / 2."""
     import cppo.trainer as trainer_module
-    from tests.test_trainer import make_trainer
+    from helpers import make_trainer
     seen = []
     reduce = trainer_module.reduce_loss
 
@@ -54,7 +54,7 @@ def test_trainer_passes_the_accumulation_steps_to_bnpo(tiny_model_dir, tmp_path,
                      reduce(per_token, mask, "bnpo", max_completion_length=5).item()))
         return reduce(per_token, mask, loss_type, **kw)
     monkeypatch.setattr(trainer_module, "reduce_loss", spy)
-    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1, loss_type="bnpo",
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=1, loss_type="bnpo",
                            per_device_train_batch_size=4, gradient_accumulation_steps=2,
                            pruning_rate=0.0, eval_num_questions=1, save_steps=0)
     trainer.train()
@@ -81,7 +81,7 @@ def test_trainer_does_not_weight_the_kl_term(tiny_model_dir, tmp_path, monkeypat
     reduces is exactly the one per_token_policy_loss returned (weights applied inside, on the
     policy term only), not that loss multiplied by the weights afterwards."""
     import cppo.trainer as trainer_module
-    from tests.test_trainer import make_trainer
+    from helpers import make_trainer
     made, reduced = [], []
     policy_loss, reduce = trainer_module.per_token_policy_loss, trainer_module.reduce_loss
 
@@ -95,7 +95,7 @@ def test_trainer_does_not_weight_the_kl_term(tiny_model_dir, tmp_path, monkeypat
         return reduce(per_token, *args, **kw)
     monkeypatch.setattr(trainer_module, "per_token_policy_loss", spy_policy)
     monkeypatch.setattr(trainer_module, "reduce_loss", spy_reduce)
-    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1, beta=0.1,
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=1, beta=0.1,
                            generation_dtype="bfloat16", eval_num_questions=1, save_steps=0)
     trainer.train()
     assert made and len(made) == len(reduced)
@@ -107,13 +107,13 @@ def test_trainer_does_not_weight_the_kl_term(tiny_model_dir, tmp_path, monkeypat
 def test_rewards_receive_unpadded_completion_ids(tiny_model_dir, tmp_path):
     """TRL hands reward functions completion_ids as unpadded lists: len(ids) is the real length
     (up to and including EOS), and it matches the decoded text's tokens."""
-    from tests.test_trainer import make_trainer
+    from helpers import make_trainer
     calls = []
 
     def length_of_ids(prompts, completions, completion_ids, **kw):
         calls.append([list(c) for c in completion_ids])
         return [float(len(c) % 2) for c in completion_ids]
-    trainer = make_trainer(tiny_model_dir, tmp_path, reward=length_of_ids, max_steps=1,
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", reward=length_of_ids, max_steps=1,
                            max_completion_length=6, eval_num_questions=1, save_steps=0)
     rows = trainer.take_questions()
     _, completions = trainer.generate(rows)
@@ -141,8 +141,8 @@ def test_max_steps_not_a_multiple_of_num_iterations(tiny_model_dir, tmp_path, ma
     """mu = 2 and an odd max_steps: the run stops at max_steps exactly and the cosine rate never
     rises again (it would past the schedule's end)."""
     import json
-    from tests.test_trainer import make_trainer
-    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=max_steps, num_iterations=2,
+    from helpers import make_trainer
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=max_steps, num_iterations=2,
                            lr_scheduler_type="cosine", eval_num_questions=1, save_steps=0)
     summary = trainer.train()
     assert summary["steps"] == max_steps == trainer.step
