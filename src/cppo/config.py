@@ -115,7 +115,7 @@ class CPPOConfig:
         "come from a slightly different distribution, corrected by importance sampling (below). "
         "Lean forward only (Llama/Qwen2/Mistral, no LoRA).", ("float32", "bfloat16", "float16"))
     importance_sampling_correction: bool = option(
-        True, "When the sampler is not the policy itself (generation_dtype), weight each token's "
+        True, "When the sampler is not the policy itself (generation_dtype, vLLM), weight each token's "
         "loss by min(pi_policy / pi_sampler, importance_sampling_clip_max) (truncated importance "
         "sampling; TRL: vllm_importance_sampling_correction with mode token_truncate).")
     importance_sampling_clip_max: float = option(3.0, "Upper bound of the importance weights (TRL: "
