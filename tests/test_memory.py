@@ -163,3 +163,18 @@ def test_cppo_eval_decodes_in_budgeted_batches(tiny_model_dir, monkeypatch):
     assert main(["eval", "--model", tiny_model_dir, "--k", "4", "--eval_num_questions", "12",
                  "--max_completion_length", "8", "--memory_budget_gib", str(budget)]) == 0
     assert seen["batch_size"] % 4 == 0 and 4 <= seen["batch_size"] <= 20
+
+
+def test_model_states_count_trainable_parameters_four_times_and_shards_locally():
+    from cppo.memory import model_state_bytes
+    policy = torch.nn.Linear(10, 10, bias=False)           # 100 fp32 trainable: 4 x 400 B
+    reference = torch.nn.Linear(10, 10, bias=False).requires_grad_(False)
+    assert model_state_bytes(policy) == 1600
+    assert model_state_bytes(policy, reference) == 2000
+
+    class Shard(torch.nn.Parameter):                        # what FSDP's DTensor offers
+        def to_local(self):
+            return self.data[:5]
+    sharded = torch.nn.Module()
+    sharded.weight = Shard(torch.zeros(10, 10))
+    assert model_state_bytes(sharded) == 4 * 50 * 4

@@ -27,6 +27,10 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it and what is allowed."""
 
 
+class VLLMUnavailableError(ConfigError, ImportError):
+    """use_vllm is on but vLLM cannot be imported; the message names the extra to install."""
+
+
 def option(default, help: str, choices: typing.Collection | None = None, **kw):
     """A dataclass field carrying its help text (and allowed choices) in metadata; shared by
     every config dataclass of the CLI. `choices` may be a registry (a dict): it is read when a
@@ -111,13 +115,18 @@ class CPPOConfig:
         "come from a slightly different distribution, corrected by importance sampling (below). "
         "Lean forward only (Llama/Qwen2/Mistral, no LoRA).", ("float32", "bfloat16", "float16"))
     importance_sampling_correction: bool = option(
-        True, "When the sampler is not the policy itself (generation_dtype), weight each token's "
+        True, "When the sampler is not the policy itself (generation_dtype, vLLM), weight each token's "
         "loss by min(pi_policy / pi_sampler, importance_sampling_clip_max) (truncated importance "
         "sampling; TRL: vllm_importance_sampling_correction with mode token_truncate).")
     importance_sampling_clip_max: float = option(3.0, "Upper bound of the importance weights (TRL: "
                                                  "vllm_importance_sampling_clip_max).")
     use_vllm: bool = option(False, "Generate with vLLM (needs `pip install cppo[vllm]`).")
     vllm_mode: str = option("colocate", "vLLM mode.", ("colocate", "server"))
+    vllm_gpu_memory_utilization: float = option(0.3, "colocate: fraction of the GPU's memory vLLM "
+                                                "takes for its weights and KV cache (TRL name).")
+    vllm_enable_sleep_mode: bool = option(True, "colocate: vLLM releases its weights and KV cache "
+                                          "between generation rounds (TRL name; TRL's default is "
+                                          "false).")
 
     # --- GRPO loss -------------------------------------------------------------------------
     beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.")
@@ -384,6 +393,13 @@ def validate(cfg: CPPOConfig) -> None:
     _check(cfg.top_k >= 0, f"'top_k' is {cfg.top_k}; must be >= 0 (0: off)")
     _check(cfg.importance_sampling_clip_max >= 1,
            f"'importance_sampling_clip_max' is {cfg.importance_sampling_clip_max}; must be >= 1")
+    _check(0 < cfg.vllm_gpu_memory_utilization <= 1,
+           f"'vllm_gpu_memory_utilization' is {cfg.vllm_gpu_memory_utilization}; allowed: (0, 1]")
+    if cfg.use_vllm:
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            raise VLLMUnavailableError("'use_vllm' is true but vLLM is not installed: "
+                                       "pip install 'cppo[vllm]' (or set use_vllm: false)")
     _check(not (cfg.generation_dtype and cfg.use_vllm),
            "'generation_dtype' applies to the built-in sampler; with use_vllm, vLLM's dtype is set "
            "by torch_dtype")

@@ -157,12 +157,15 @@ def device_memory_bytes(device) -> int:
 
 def model_state_bytes(policy, reference=None) -> int:
     """Weights of the policy (and reference), plus a gradient and two AdamW moments for every
-    trainable parameter (in the parameter's dtype)."""
+    trainable parameter (in the parameter's dtype), on this device: a sharded parameter (a
+    DTensor, under FSDP) counts its local shard only."""
+    def local(p):
+        return p.to_local() if hasattr(p, "to_local") else p
     total = 0
     for p in policy.parameters():
-        total += p.numel() * p.element_size() * (4 if p.requires_grad else 1)
+        total += local(p).numel() * p.element_size() * (4 if p.requires_grad else 1)
     if reference is not None:
-        total += sum(p.numel() * p.element_size() for p in reference.parameters())
+        total += sum(local(p).numel() * p.element_size() for p in reference.parameters())
     return total
 
 
