@@ -133,7 +133,7 @@ def fair_stats(runs: list[dict], pruning_rate: float) -> dict:
 
 def evaluate_targets(stats: dict[str, dict], trl: dict | None, total_seconds: float | None,
                      quick: bool) -> list[dict]:
-    """The issue's targets as (target, measured, met) rows; met is None when not measured."""
+    """The table's targets as (target, measured, met) rows; met is None when not measured."""
     out = []
     grpo = stats.get("grpo", {})
     grpo_acc = grpo.get("accuracy", (None, None))[0]
