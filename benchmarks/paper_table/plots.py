@@ -10,11 +10,24 @@ from .stats import by_seed, fair_stats, mean_std
 
 
 def write_plots(raw: dict, stats: dict, output: Path) -> list[Path]:
+    """Both figures into `output`; returns their paths."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return [_save(plt, plot_accuracy_vs_time(plt, raw, stats), output / "accuracy_vs_time.png"),
+            _save(plt, plot_speedup(plt, raw, stats), output / "speedup.png")]
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_accuracy_vs_time(plt, raw: dict, stats: dict):
+    """Held-out accuracy (mean over seeds) against training and wall seconds, one line per row."""
     runs, rows = raw["runs"], all_rows()
-    written = []
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for name in (n for n in raw["settings"]["rows"] if n != "trl"):
         histories = [s["history"] for s in by_seed(runs, name).values()]
@@ -35,12 +48,12 @@ def write_plots(raw: dict, stats: dict, output: Path) -> list[Path]:
     axes[0].set_ylabel("held-out greedy accuracy % (mean over seeds)")
     axes[1].legend(fontsize=7, loc="lower right")
     fig.suptitle("Held-out accuracy against time, per method (dashed: GRPO's final accuracy)")
-    fig.tight_layout()
-    path = output / "accuracy_vs_time.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    return fig
 
+
+def plot_speedup(plt, raw: dict, stats: dict):
+    """Speed-up against P: measured, ideal, bounds and the paper's numbers."""
+    runs = raw["runs"]
     fig, ax = plt.subplots(figsize=(7, 5))
     grid = [i / 100 for i in range(0, 95)] + [0.9375]
     ax.plot(grid, [1 / (1 - p) for p in grid], "k:", label="ideal 1/(1-P)")
@@ -64,9 +77,4 @@ def write_plots(raw: dict, stats: dict, output: Path) -> list[Path]:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     ax.set_title("CPPO speed-up against P")
-    fig.tight_layout()
-    path = output / "speedup.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
-    return written
+    return fig
