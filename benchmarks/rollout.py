@@ -8,7 +8,8 @@ completions' log-probs (what an update step runs), the model's forward against t
 (each distinct prompt once). Repetitions are interleaved and medians reported, so every variant
 sees the same machine load.
 
-    python benchmarks/rollout.py                 # embedded model, Q in {16, 64, 128}, G = 16
+    python benchmarks/rollout.py                 # embedded model, Q in {16, 64, 128}, G = 16, medians of 5
+    python benchmarks/rollout.py --repeats 7     # as benchmarks/results/rollout/ was made
     python benchmarks/rollout.py --quick
 """
 
@@ -49,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--questions", type=int, nargs="+", default=[1, 16, 64, 128])
-    parser.add_argument("--group", type=int, default=16)
+    parser.add_argument("--num_generations", type=int, default=16, help="G: completions per question")
     parser.add_argument("--max_new_tokens", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", default="benchmarks/results/rollout")
@@ -62,7 +63,7 @@ def main() -> None:
     rows = [p.to_row() for p in arithmetic.generate(3, "train", n=max(args.questions), seed=0)]
     gen = torch.Generator().manual_seed(0)
     lines = [f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads; model {args.model}; G = {args.group}, "
+             f"{torch.get_num_threads()} threads; model {args.model}; G = {args.num_generations}, "
              f"max_new_tokens = {args.max_new_tokens}; median of {args.repeats} interleaved runs.",
              "", "Rollouts (seconds; speed-up = transformers generate / row):", "",
              "| questions | completions | KV-shared, model forward | KV-shared, lean | lean, bf16 weights "
@@ -74,21 +75,21 @@ def main() -> None:
 
         def sampler(lean, dtype=None):
             return lambda: sample_completions(
-                model, prompts, num_generations=args.group, max_new_tokens=args.max_new_tokens,
+                model, prompts, num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=gen,
                 lean=lean, dtype=dtype)
 
         def theirs():
             with torch.no_grad():
                 model.generate(input_ids=prompts.ids, attention_mask=prompts.mask, do_sample=True,
-                               temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=args.group,
+                               temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=args.num_generations,
                                max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id,
                                pad_token_id=tok.pad_token_id)
         variants = [sampler(False), sampler(True), sampler(True, torch.bfloat16), theirs]
         times = interleaved(variants, args.repeats)
         results.append((q, *times))
         plain, lean, lean_bf16, hf = times
-        lines.append(f"| {q} | {q * args.group} | {plain:.3f} | {lean:.3f} | {lean_bf16:.3f} | {hf:.3f} "
+        lines.append(f"| {q} | {q * args.num_generations} | {plain:.3f} | {lean:.3f} | {lean_bf16:.3f} | {hf:.3f} "
                      f"| {hf / lean:.2f}x | {hf / lean_bf16:.2f}x |")
         print(lines[-1], flush=True)
 
@@ -118,7 +119,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [r[0] * args.group for r in results]
+    xs = [r[0] * args.num_generations for r in results]
     for column, label in enumerate(("KV-shared, model forward", "KV-shared, lean forward",
                                     "lean forward, bf16 weights", "transformers generate"), start=1):
         ax.plot(xs, [r[column] for r in results], "o-", label=label)

@@ -1,15 +1,16 @@
-"""The README stays true: config reference in sync, the two commands present, .ci/run matches."""
+"""The docs stay true: config reference in sync, the README's two commands present, .ci/run matches."""
 
 from pathlib import Path
 
-from cppo.docs import readme_block
+from cppo.docs import REFERENCE_PATH, reference_block
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_readme_config_reference_is_in_sync():
-    assert readme_block() in (ROOT / "README.md").read_text(), \
-        "README config reference is stale: run `python -m cppo.docs --write`"
+def test_config_reference_is_in_sync():
+    assert REFERENCE_PATH == ROOT / "docs" / "configuration.md"
+    assert reference_block() in REFERENCE_PATH.read_text(), \
+        "docs/configuration.md is stale: run `python -m cppo.docs --write`"
 
 
 def test_ci_runs_the_readme_commands():

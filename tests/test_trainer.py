@@ -247,3 +247,30 @@ def test_importance_weights_scale_the_loss_and_its_gradient(tiny_model_dir, tmp_
     assert weighted["sampling/importance_sampling_ratio/mean"] == pytest.approx(2.0, rel=1e-5)
     assert weighted["loss"] == pytest.approx(2 * plain["loss"], rel=1e-4)
     assert weighted["grad_norm"] == pytest.approx(2 * plain["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("advantages_on_kept", [True, False])
+def test_a_rules_traits_decide_whether_advantages_are_recomputed(tiny_model_dir, tmp_path,
+                                                                  monkeypatch, advantages_on_kept):
+    """The trainer asks the rule registry, not the rule's name, whether the loss uses advantages
+    recomputed on the kept completions (PODS)."""
+    import cppo.trainer as trainer_module
+    from cppo.algorithm import SELECTION_RULES, register_rule
+    from cppo.algorithm.selection import keep_highest_scores
+
+    @register_rule("first_half_test_only", scopes=("question",), advantages_on_kept=advantages_on_kept)
+    def first_half(advantages, rewards, *, num_keep, scope, generator):
+        order = -torch.arange(advantages.shape[1], dtype=torch.float32).expand_as(advantages)
+        return keep_highest_scores(order, num_keep=num_keep, scope=scope)
+
+    calls = []
+    recompute = trainer_module.recompute_advantages_on_kept
+    monkeypatch.setattr(trainer_module, "recompute_advantages_on_kept",
+                        lambda *a, **k: calls.append(1) or recompute(*a, **k))
+    try:
+        trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=1,
+                               selection_rule="first_half_test_only", selection_scope="question")
+        trainer.training_round()
+    finally:
+        del SELECTION_RULES["first_half_test_only"]
+    assert calls == ([1] if advantages_on_kept else [])

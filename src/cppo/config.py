@@ -111,7 +111,7 @@ class CPPOConfig:
         "sizes. None: 90% of the device's memory less the model states.")
     generation_dtype: Optional[str] = option(
         None, "Sample from a copy of the policy's weights in this dtype (None: the policy's own). "
-        "bfloat16 samples ~1.5x faster on CPUs with AVX512-BF16/AMX and on GPUs; the tokens then "
+        "bfloat16 samples faster on CPUs with AVX512-BF16/AMX and on GPUs (docs/benchmarks.md); the tokens then "
         "come from a slightly different distribution, corrected by importance sampling (below). "
         "Lean forward only (Llama/Qwen2/Mistral, no LoRA).", ("float32", "bfloat16", "float16"))
     importance_sampling_correction: bool = option(

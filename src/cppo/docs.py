@@ -1,7 +1,7 @@
-"""Generate the README's configuration reference from the config dataclass (keeps them in sync).
+"""Generate docs/configuration.md's reference table from the config dataclass (keeps them in sync).
 
     python -m cppo.docs            # print the table
-    python -m cppo.docs --write    # rewrite the block between the markers in README.md
+    python -m cppo.docs --write    # rewrite the block between the markers in docs/configuration.md
 """
 
 from __future__ import annotations
@@ -26,19 +26,22 @@ def config_reference() -> str:
     return "\n".join(rows)
 
 
-def readme_block() -> str:
+REFERENCE_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def reference_block() -> str:
     return f"{START}\n{config_reference()}\n{END}"
 
 
-def rewrite_readme(path: Path) -> None:
+def rewrite_reference(path: Path = REFERENCE_PATH) -> None:
     text = path.read_text()
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    path.write_text(head + readme_block() + tail)
+    path.write_text(head + reference_block() + tail)
 
 
 if __name__ == "__main__":
     if "--write" in sys.argv:
-        rewrite_readme(Path(__file__).resolve().parents[2] / "README.md")
+        rewrite_reference()
     else:
         print(config_reference())

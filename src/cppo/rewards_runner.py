@@ -64,16 +64,16 @@ class RewardRunner:
         self.weights = torch.tensor(weights if weights is not None else [1.0] * len(self.funcs))
 
     def __call__(self, rows: list[dict], texts: list[str], completion_ids: list[list[int]] | None,
-                 group_size: int, conversational: bool = False) -> torch.Tensor:
-        """Rewards (N, F), N = len(rows) * group_size, NaN where a function returned None.
+                 num_generations: int, conversational: bool = False) -> torch.Tensor:
+        """Rewards (N, F), N = len(rows) * num_generations, NaN where a function returned None.
 
         completion_ids: one unpadded token-id list per completion (TRL's convention; see
         `unpadded_ids`), or None (empty lists are passed)."""
-        n = len(rows) * group_size
+        n = len(rows) * num_generations
         if len(texts) != n:
-            raise ValueError(f"{len(texts)} completions for {len(rows)} questions x {group_size}")
-        prompts = [r["prompt"] for r in rows for _ in range(group_size)]
-        columns = {k: [r[k] for r in rows for _ in range(group_size)]
+            raise ValueError(f"{len(texts)} completions for {len(rows)} questions x {num_generations}")
+        prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
+        columns = {k: [r[k] for r in rows for _ in range(num_generations)]
                    for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         completions = ([[{"role": "assistant", "content": t}] for t in texts]
                        if conversational else list(texts))
