@@ -216,6 +216,9 @@ def test_trl_metric_keys_are_logged(tiny_model_dir, tmp_path):
         <= record["completions/max_length"]
     first = [r for r in read_metrics(tmp_path / "run") if "reward" in r][0]
     assert 0 < first["num_tokens"] < record["num_tokens"]   # cumulative, as TRL's
+    prompt_tokens = len(load_tokenizer(tiny_model_dir)(ROWS[0]["prompt"])["input_ids"])
+    scored = first["cppo/completions_scored"]   # every prompt here has the same length
+    assert first["num_tokens"] == round(scored * (prompt_tokens + first["completions/mean_length"]))
 
 
 def test_entropy_is_the_policy_entropy_over_completion_tokens(tiny_model_dir, tmp_path):
