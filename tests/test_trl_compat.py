@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import struct
+import time
 
 import pytest
 import torch
@@ -90,6 +91,8 @@ def wandb_records(run_file):
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
         pos += 7
+        if pos + length > len(data):   # a record still being written
+            return
         if kind == 0 and length == 0:
             pos += left - 7
             continue
@@ -109,9 +112,13 @@ def test_wandb_offline_run_holds_metrics_and_completions_table(tiny_model_dir, t
     make_trainer(tiny_model_dir, tmp_path, max_steps=2, report_to=["wandb"],
                  log_completions=True, num_completions_to_print=4).train()
     (run_file,) = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    for _ in range(600):   # wandb's service writes the file in the background: wait for its end
+        records = list(wandb_records(run_file))
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            break
+        time.sleep(0.1)
     history = [{i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
-               for r in wandb_records(run_file)
-               if r.WhichOneof("record_type") == "history"]
+               for r in records if r.WhichOneof("record_type") == "history"]
     jsonl = {r["step"]: r for r in read_metrics(tmp_path / "run") if "reward" in r}
     logged = {int(h["_step"]): float(h["reward"]) for h in history if "reward" in h}
     assert logged.keys() == jsonl.keys() == {1, 2}
@@ -209,6 +216,9 @@ def test_trl_metric_keys_are_logged(tiny_model_dir, tmp_path):
         <= record["completions/max_length"]
     first = [r for r in read_metrics(tmp_path / "run") if "reward" in r][0]
     assert 0 < first["num_tokens"] < record["num_tokens"]   # cumulative, as TRL's
+    prompt_tokens = len(load_tokenizer(tiny_model_dir)(ROWS[0]["prompt"])["input_ids"])
+    scored = first["cppo/completions_scored"]   # every prompt here has the same length
+    assert first["num_tokens"] == round(scored * (prompt_tokens + first["completions/mean_length"]))
 
 
 def test_entropy_is_the_policy_entropy_over_completion_tokens(tiny_model_dir, tmp_path):

@@ -524,18 +524,19 @@ class CPPOTrainer:
                           f"so the checkpoint written now (step {self.step}) holds the last good "
                           f"parameters")
                     break
-                if (args.eval_steps and self._crossed(args.eval_steps)) \
-                        or self.callbacks.take("should_evaluate"):
+                asked_eval, asked_save = (self.dist.any(self.callbacks.take(flag))
+                                          for flag in ("should_evaluate", "should_save"))
+                if (args.eval_steps and self._crossed(args.eval_steps)) or asked_eval:
                     with self.engine.gathered():
                         self._evaluate(log, start_wall, label=f"step {self.step}")
                 if self.dist.any(self.stop_requested):
                     status = "interrupted"
                     break
-                if self.callbacks.control.should_training_stop:
+                if self.dist.any(self.callbacks.control.should_training_stop):
                     status = "stopped_by_callback"
                     break
-                if (args.save_steps and self._crossed(args.save_steps) and self.step < self.total_steps) \
-                        or self.callbacks.take("should_save"):
+                if ((args.save_steps and self._crossed(args.save_steps)) or asked_save) \
+                        and self.step < self.total_steps:   # the last step is saved below
                     self.save(start_wall)
         except CallbackError:   # a callback raised: keep this step's parameters, then report it
             self.save(start_wall)

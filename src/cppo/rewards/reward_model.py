@@ -58,7 +58,7 @@ class RewardModel:
                 processing_class = AutoTokenizer.from_pretrained(source)
             except (OSError, ValueError, TypeError) as err:
                 raise RewardModelError(
-                    f"reward model {source!r}: no tokenizer could be loaded from its folder or id "
+                    f"reward model {source or type(model).__name__!r}: no tokenizer could be loaded from its folder or id "
                     f"({err}); pass one in reward_processing_classes") from err
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
