@@ -127,6 +127,42 @@ def test_gradients_are_reduced_once_per_optimizer_step(runs, strategy):
         assert counted["reductions"] == groups * STEPS, counted
 
 
+def test_fsdp_generation_runs_the_lean_forward_on_the_gathered_weights(runs):
+    for rank in (0, 1):
+        lean = json.loads((runs["fsdp"] / f"lean-rank{rank}.json").read_text())
+        assert lean["gathered"] is None                   # gathered: the lean forward runs
+        assert "sharded" in lean["outside"]               # sharded: the model's own forward
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist_lora")
+    lora = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                lora_target_modules=["q_proj", "v_proj"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _dist_worker.run(spec(tiny_model_dir, root / "one", batch=4, scope="step", **lora))
+    finally:
+        torch.set_num_threads(threads)
+    torchrun(spec(tiny_model_dir, root / "fsdp", batch=2, scope="global", strategy="fsdp", **lora),
+             root / "fsdp.json")
+    return {"one": root / "one", "fsdp": root / "fsdp"}
+
+
+def test_lora_under_fsdp_makes_the_same_steps_as_one_process(lora_runs):
+    a, b = records(lora_runs["one"]), records(lora_runs["fsdp"])
+    assert len(a) == len(b) == STEPS // 2
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "kl"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (key, x[key], y[key])
+    final = f"checkpoint-{STEPS}/adapter_model.safetensors"   # the export: peft's adapter folder
+    single, multi = load_file(lora_runs["one"] / final), load_file(lora_runs["fsdp"] / final)
+    assert sorted(multi) == sorted(single)
+    for name, value in single.items():
+        torch.testing.assert_close(multi[name], value, rtol=1e-4, atol=2e-6, msg=name)
+
+
 def test_fsdp_processes_each_hold_half_of_the_state(runs):
     whole = json.loads((runs["one"] / "bytes-rank0.json").read_text())
     shards = [json.loads((runs["fsdp"] / f"bytes-rank{r}.json").read_text()) for r in (0, 1)]
