@@ -166,7 +166,8 @@ class CPPOTrainer:
         if self.args.generation_dtype is None:
             return
         from cppo.models.lean import lean_forward_for
-        lean, reason = lean_forward_for(self.policy)
+        with self.engine.gathered():   # the sampler runs on the gathered weights
+            lean, reason = lean_forward_for(self.policy)
         if lean is None:
             raise ConfigError(f"'generation_dtype' is {self.args.generation_dtype!r}, which needs "
                               f"the lean forward, but it does not support this model: {reason}")
