@@ -105,11 +105,6 @@ def shard_model(model, *, device: torch.device, bf16: bool, block_names: list[st
     return blocks
 
 
-def is_sharded(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
-
-
 def fsdp_modules(model) -> list:
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
