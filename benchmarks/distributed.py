@@ -24,6 +24,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -171,8 +172,7 @@ def main() -> None:
         worker(args.worker)
         return
     OUT.mkdir(parents=True, exist_ok=True)
-    scratch = OUT / ".scratch"
-    scratch.mkdir(exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="cppo-bench-distributed-"))
     runs = {name: [] for name, _, _ in SETUPS}
     for repeat in range(args.repeats):
         for name, processes, strategy in SETUPS:
