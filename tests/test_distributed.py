@@ -279,3 +279,65 @@ def test_one_process_is_a_no_op():
     assert d.sum(3) == 3 and d.gather(t) is t and not d.any(False) and d.any(True)
     assert d.sum_values({"a": 1, "b": 2.5}) == {"a": 1, "b": 2.5}
     assert torch.equal(group_advantages(t, "batch", batch_rewards=d.gather(t)), group_advantages(t, "batch"))
+
+
+class _TwoProcesses(Distributed):
+    """A stand-in for 2 processes: this one has `rows`, the other `other` (gather only)."""
+
+    def __init__(self, other: int) -> None:
+        super().__init__(rank=0, world_size=2)
+        self.other = other
+
+    def gather(self, tensor):
+        return torch.cat([tensor, torch.tensor([self.other])])
+
+
+def test_filler_rows_align_the_processes_without_changing_the_loss():
+    from cppo.algorithm import reduce_loss
+    from cppo.parallel import pad_rows
+    from cppo.trainer import StepBatch
+    g = torch.Generator().manual_seed(0)
+    batch = StepBatch(torch.randint(1, 9, (3, 4), generator=g), torch.ones(3, 4, dtype=torch.long),
+                      torch.randint(1, 9, (3, 5), generator=g), torch.ones(3, 5, dtype=torch.long),
+                      torch.randn(3, generator=g))
+    assert pad_rows(batch, _TwoProcesses(other=2)) is batch          # the largest already
+    padded = pad_rows(batch, _TwoProcesses(other=5))
+    assert len(padded) == 5 and padded.filler_rows == 2
+    assert torch.equal(padded.completion_ids[:3], batch.completion_ids)
+    assert padded.prompt_mask[3:].all()                    # attended: finite log-probs
+    assert not padded.completion_mask[3:].any() and not padded.advantages[3:].any()
+    per_token = torch.randn(5, 5, generator=g)
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        kwargs = dict(max_completion_length=5, total_sequences=3, total_tokens=15)
+        assert torch.allclose(reduce_loss(per_token, padded.completion_mask, loss_type, **kwargs),
+                              reduce_loss(per_token[:3], batch.completion_mask, loss_type, **kwargs))
+    empty = StepBatch(*(t[:0] for t in (batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                        batch.completion_mask, batch.advantages)))
+    filled = pad_rows(empty, _TwoProcesses(other=2))      # a process that kept nothing
+    assert len(filled) == 2 and filled.filler_rows == 2 and filled.prompt_mask.all()
+
+
+def test_a_gather_that_cannot_fit_names_the_way_out(monkeypatch):
+    from cppo.parallel import check_gather_fits
+    model = torch.nn.Linear(1000, 1000)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10_000, 10**12))
+    with pytest.raises(ShardingError, match="use_vllm.*generation_batch_size"):
+        check_gather_fits(model, torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10**10, 10**12))
+    check_gather_fits(model, torch.device("cuda", 0))
+    check_gather_fits(model, torch.device("cpu"))          # CPU: nothing to check
+
+
+def test_run_state_round_trips_and_reads_earlier_checkpoints():
+    class Owner:
+        pass
+    owner = Owner()
+    ckpt.RunState().apply(owner)
+    owner.step, owner.history = 7, [{"step": 5, "accuracy": 0.5}]
+    owner.counters["skipped_steps"] = 2
+    saved = json.loads(json.dumps(ckpt.RunState.of(owner).to_dict()))
+    restored = Owner()
+    ckpt.RunState.from_dict(saved).apply(restored)
+    assert vars(restored) == vars(owner)
+    earlier = ckpt.RunState.from_dict({"step": 3, "wall_time": 12.5, "counters": {"skipped_steps": 1}})
+    assert earlier.wall_offset == 12.5 and earlier.counters["tokens_generated"] == 0
