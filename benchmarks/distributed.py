@@ -160,6 +160,14 @@ def table(results: dict) -> str:
             f"{held['optimizer'] / mib:.1f} MiB | {total / mib:.1f} MiB | {formula / mib:.1f} MiB | "
             f"+{gathered / mib:.1f} MiB | {rss / mib:.0f} MiB | "
             f"{statistics.median(medians):.2f} ({min(medians):.2f}-{max(medians):.2f}) |")
+    lines += ["", "Bytes per process are counted from the local tensors (DTensor shards under "
+              "fsdp) and match 16P/N exactly. 'Gathered for generation' is the full-size buffer "
+              "FSDP2 all-gathers into, next to the shards, for one generation round. RSS is not a "
+              "measure of the sharded state: it includes the torch/transformers libraries, "
+              "activations, and the whole model every process builds before sharding it (memory "
+              "the allocator keeps). Seconds per step: gloo collectives on a CPU shared with "
+              "other jobs; on a CPU 2 x fsdp is slower than 1 process (all-gathers and "
+              "reduce-scatters of every block each step), which says nothing about GPUs."]
     return "\n".join(lines)
 
 
