@@ -50,6 +50,19 @@ def spec(model_dir, output_dir, *, batch: int, scope: str, strategy: str = "ddp"
     return {"config": config, "rows": ROWS, "model": model_dir}
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_left_behind():
+    """A failed or timed-out test must not leave its torchrun group running."""
+    yield
+    for proc in STARTED:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def torchrun(spec_dict: dict, spec_file: Path, *, env: dict | None = None, wait: bool = True):
     spec_file.write_text(json.dumps(spec_dict))
     environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -60,6 +73,7 @@ def torchrun(spec_dict: dict, spec_file: Path, *, env: dict | None = None, wait:
     log = spec_file.with_suffix(".log")
     proc = subprocess.Popen(command, env=environ, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)   # its own process group: killed as a whole
+    STARTED.append(proc)
     if not wait:
         return proc, log
     assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]

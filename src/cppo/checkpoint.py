@@ -285,8 +285,11 @@ def load_tensors(path: Path) -> Any:
                               f"{str(err).splitlines()[0]}") from None
 
 
-def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+def load_trainer_state(checkpoint: Path, missing_ok: bool = False) -> dict[str, Any]:
+    path = Path(checkpoint) / "trainer_state.json"
+    if missing_ok and not path.is_file():
+        return {}
+    return json.loads(path.read_text())
 
 
 def load_model_weights(model, checkpoint: Path) -> None:
