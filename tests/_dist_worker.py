@@ -73,7 +73,8 @@ def run(spec: dict) -> dict:
             json.dump(value, fh)
     from cppo.models.lean import lean_forward_for
     with trainer.engine.gathered():   # what generation runs on: the lean forward if it can
-        lean = {"gathered": lean_forward_for(trainer.policy)[1]}
+        lean = {"gathered": lean_forward_for(trainer.policy)[1],
+                "gathered_dtype": str(trainer.policy.get_input_embeddings().weight.dtype)}
     lean["outside"] = lean_forward_for(trainer.policy)[1]
     with open(os.path.join(out, f"lean-rank{rank}.json"), "w") as fh:
         json.dump(lean, fh)

@@ -177,6 +177,22 @@ def test_lora_under_fsdp_makes_the_same_steps_as_one_process(lora_runs):
         torch.testing.assert_close(multi[name], value, rtol=1e-4, atol=2e-6, msg=name)
 
 
+def test_fsdp_with_bf16_gathers_bfloat16_weights_and_keeps_fp32_masters(runs, tiny_model_dir,
+                                                                        tmp_path):
+    run = tmp_path / "bf16"
+    torchrun(spec(tiny_model_dir, run, batch=2, scope="global", strategy="fsdp", bf16=True,
+                  max_steps=2), tmp_path / "bf16.json")
+    lean = json.loads((run / "lean-rank0.json").read_text())
+    assert lean["gathered_dtype"] == "torch.bfloat16" and lean["gathered"] is None
+    assert all(v.dtype == torch.float32 for v in load_file(run / "checkpoint-2" / "model.safetensors").values())
+    fp32 = records(runs["fsdp"])[0]    # the same first step in fp32: equal up to bf16 rounding
+    bf16 = records(run)[0]
+    for key in ("loss", "grad_norm"):
+        assert bf16[key] == pytest.approx(fp32[key], rel=2e-2), key
+    fp32_lean = json.loads((runs["fsdp"] / "lean-rank0.json").read_text())
+    assert fp32_lean["gathered_dtype"] == "torch.float32"
+
+
 def test_fsdp_processes_each_hold_half_of_the_state(runs):
     whole = json.loads((runs["one"] / "bytes-rank0.json").read_text())
     shards = [json.loads((runs["fsdp"] / f"bytes-rank{r}.json").read_text()) for r in (0, 1)]
