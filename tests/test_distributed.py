@@ -50,6 +50,19 @@ def spec(model_dir, output_dir, *, batch: int, scope: str, strategy: str = "ddp"
     return {"config": config, "rows": ROWS, "model": model_dir}
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_left_behind():
+    """A failed or timed-out test must not leave its torchrun group running."""
+    yield
+    for proc in STARTED:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def torchrun(spec_dict: dict, spec_file: Path, *, env: dict | None = None, wait: bool = True):
     spec_file.write_text(json.dumps(spec_dict))
     environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -60,6 +73,7 @@ def torchrun(spec_dict: dict, spec_file: Path, *, env: dict | None = None, wait:
     log = spec_file.with_suffix(".log")
     proc = subprocess.Popen(command, env=environ, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)   # its own process group: killed as a whole
+    STARTED.append(proc)
     if not wait:
         return proc, log
     assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
@@ -125,6 +139,58 @@ def test_gradients_are_reduced_once_per_optimizer_step(runs, strategy):
         counted = json.loads((runs[strategy] / f"reductions-rank{rank}.json").read_text())
         assert counted["optimizer_steps"] == STEPS
         assert counted["reductions"] == groups * STEPS, counted
+
+
+def test_fsdp_generation_runs_the_lean_forward_on_the_gathered_weights(runs):
+    for rank in (0, 1):
+        lean = json.loads((runs["fsdp"] / f"lean-rank{rank}.json").read_text())
+        assert lean["gathered"] is None                   # gathered: the lean forward runs
+        assert "sharded" in lean["outside"]               # sharded: the model's own forward
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist_lora")
+    lora = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                lora_target_modules=["q_proj", "v_proj"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _dist_worker.run(spec(tiny_model_dir, root / "one", batch=4, scope="step", **lora))
+    finally:
+        torch.set_num_threads(threads)
+    torchrun(spec(tiny_model_dir, root / "fsdp", batch=2, scope="global", strategy="fsdp", **lora),
+             root / "fsdp.json")
+    return {"one": root / "one", "fsdp": root / "fsdp"}
+
+
+def test_lora_under_fsdp_makes_the_same_steps_as_one_process(lora_runs):
+    a, b = records(lora_runs["one"]), records(lora_runs["fsdp"])
+    assert len(a) == len(b) == STEPS // 2
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "kl"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (key, x[key], y[key])
+    final = f"checkpoint-{STEPS}/adapter_model.safetensors"   # the export: peft's adapter folder
+    single, multi = load_file(lora_runs["one"] / final), load_file(lora_runs["fsdp"] / final)
+    assert sorted(multi) == sorted(single)
+    for name, value in single.items():
+        torch.testing.assert_close(multi[name], value, rtol=1e-4, atol=2e-6, msg=name)
+
+
+def test_fsdp_with_bf16_gathers_bfloat16_weights_and_keeps_fp32_masters(runs, tiny_model_dir,
+                                                                        tmp_path):
+    run = tmp_path / "bf16"
+    torchrun(spec(tiny_model_dir, run, batch=2, scope="global", strategy="fsdp", bf16=True,
+                  max_steps=2), tmp_path / "bf16.json")
+    lean = json.loads((run / "lean-rank0.json").read_text())
+    assert lean["gathered_dtype"] == "torch.bfloat16" and lean["gathered"] is None
+    assert all(v.dtype == torch.float32 for v in load_file(run / "checkpoint-2" / "model.safetensors").values())
+    fp32 = records(runs["fsdp"])[0]    # the same first step in fp32: equal up to bf16 rounding
+    bf16 = records(run)[0]
+    for key in ("loss", "grad_norm"):
+        assert bf16[key] == pytest.approx(fp32[key], rel=2e-2), key
+    fp32_lean = json.loads((runs["fsdp"] / "lean-rank0.json").read_text())
+    assert fp32_lean["gathered_dtype"] == "torch.float32"
 
 
 def test_fsdp_processes_each_hold_half_of_the_state(runs):
@@ -243,3 +309,65 @@ def test_one_process_is_a_no_op():
     assert d.sum(3) == 3 and d.gather(t) is t and not d.any(False) and d.any(True)
     assert d.sum_values({"a": 1, "b": 2.5}) == {"a": 1, "b": 2.5}
     assert torch.equal(group_advantages(t, "batch", batch_rewards=d.gather(t)), group_advantages(t, "batch"))
+
+
+class _TwoProcesses(Distributed):
+    """A stand-in for 2 processes: this one has `rows`, the other `other` (gather only)."""
+
+    def __init__(self, other: int) -> None:
+        super().__init__(rank=0, world_size=2)
+        self.other = other
+
+    def gather(self, tensor):
+        return torch.cat([tensor, torch.tensor([self.other])])
+
+
+def test_filler_rows_align_the_processes_without_changing_the_loss():
+    from cppo.algorithm import reduce_loss
+    from cppo.parallel import pad_rows
+    from cppo.trainer import StepBatch
+    g = torch.Generator().manual_seed(0)
+    batch = StepBatch(torch.randint(1, 9, (3, 4), generator=g), torch.ones(3, 4, dtype=torch.long),
+                      torch.randint(1, 9, (3, 5), generator=g), torch.ones(3, 5, dtype=torch.long),
+                      torch.randn(3, generator=g))
+    assert pad_rows(batch, _TwoProcesses(other=2)) is batch          # the largest already
+    padded = pad_rows(batch, _TwoProcesses(other=5))
+    assert len(padded) == 5 and padded.filler_rows == 2
+    assert torch.equal(padded.completion_ids[:3], batch.completion_ids)
+    assert padded.prompt_mask[3:].all()                    # attended: finite log-probs
+    assert not padded.completion_mask[3:].any() and not padded.advantages[3:].any()
+    per_token = torch.randn(5, 5, generator=g)
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        kwargs = dict(max_completion_length=5, total_sequences=3, total_tokens=15)
+        assert torch.allclose(reduce_loss(per_token, padded.completion_mask, loss_type, **kwargs),
+                              reduce_loss(per_token[:3], batch.completion_mask, loss_type, **kwargs))
+    empty = StepBatch(*(t[:0] for t in (batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                        batch.completion_mask, batch.advantages)))
+    filled = pad_rows(empty, _TwoProcesses(other=2))      # a process that kept nothing
+    assert len(filled) == 2 and filled.filler_rows == 2 and filled.prompt_mask.all()
+
+
+def test_a_gather_that_cannot_fit_names_the_way_out(monkeypatch):
+    from cppo.parallel import check_gather_fits
+    model = torch.nn.Linear(1000, 1000)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10_000, 10**12))
+    with pytest.raises(ShardingError, match="use_vllm.*generation_batch_size"):
+        check_gather_fits(model, torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10**10, 10**12))
+    check_gather_fits(model, torch.device("cuda", 0))
+    check_gather_fits(model, torch.device("cpu"))          # CPU: nothing to check
+
+
+def test_run_state_round_trips_and_reads_earlier_checkpoints():
+    class Owner:
+        pass
+    owner = Owner()
+    ckpt.RunState().apply(owner)
+    owner.step, owner.history = 7, [{"step": 5, "accuracy": 0.5}]
+    owner.counters["skipped_steps"] = 2
+    saved = json.loads(json.dumps(ckpt.RunState.of(owner).to_dict()))
+    restored = Owner()
+    ckpt.RunState.from_dict(saved).apply(restored)
+    assert vars(restored) == vars(owner)
+    earlier = ckpt.RunState.from_dict({"step": 3, "wall_time": 12.5, "counters": {"skipped_steps": 1}})
+    assert earlier.wall_offset == 12.5 and earlier.counters["tokens_generated"] == 0

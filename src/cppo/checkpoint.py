@@ -1,7 +1,9 @@
 """Atomic checkpoints: a crash or Ctrl-C at any moment leaves the previous one loadable.
 
 A checkpoint is a directory `checkpoint-<step>` holding the model (safetensors, through
-`save_pretrained`), optimizer and scheduler states, RNG states and a JSON trainer state. It is
+`save_pretrained`), optimizer and scheduler states, RNG states and a JSON trainer state
+(`RunState`). Under FSDP the model and optimizer are every process's shards in `sharded/`
+(torch.distributed.checkpoint), plus, in the final checkpoint, the consolidated model. It is
 written into a temporary sibling directory, flushed to disk, and renamed into place; the rename is
 atomic, so a reader sees either the whole checkpoint or none of it. Tensors are loaded with
 `torch.load(weights_only=True)`: no arbitrary unpickling.
@@ -283,8 +285,11 @@ def load_tensors(path: Path) -> Any:
                               f"{str(err).splitlines()[0]}") from None
 
 
-def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+def load_trainer_state(checkpoint: Path, missing_ok: bool = False) -> dict[str, Any]:
+    path = Path(checkpoint) / "trainer_state.json"
+    if missing_ok and not path.is_file():
+        return {}
+    return json.loads(path.read_text())
 
 
 def load_model_weights(model, checkpoint: Path) -> None:

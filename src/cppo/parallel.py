@@ -105,11 +105,6 @@ def shard_model(model, *, device: torch.device, bf16: bool, block_names: list[st
     return blocks
 
 
-def is_sharded(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
-
-
 def fsdp_modules(model) -> list:
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -230,7 +225,7 @@ class Engine:
             return
         modules = [m for model in (self.policy, *models) if model is not None
                    for m in fsdp_modules(model)]
-        check_gather_fits(self.policy, self.device)
+        check_gather_fits(self.policy, self.device, torch.bfloat16 if self.bf16 else None)
         for module in modules:
             module.unshard()
             module.set_reshard_after_forward(False, recurse=False)  # forwards keep them gathered
@@ -296,13 +291,14 @@ def check_layout(args, plan, world_size: int) -> None:
             f"per_device_train_batch_size")
 
 
-def check_gather_fits(model, device: torch.device) -> None:
-    """On a GPU: raise ShardingError when the gathered weights would not fit next to what the
-    device already holds, naming the ways out (before the all-gather runs out of memory)."""
+def check_gather_fits(model, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """On a GPU: raise ShardingError when the gathered weights (a new buffer of the full size,
+    in `dtype` if the all-gather casts) would not fit next to what the device already holds,
+    naming the ways out (before the all-gather runs out of memory)."""
     if device.type != "cuda":
         return
     free, _ = torch.cuda.mem_get_info(device)
-    needed = full_parameter_bytes(model) - sum(local_tensor(p).nbytes for p in model.parameters())
+    needed = full_parameter_bytes(model, dtype)
     if needed > free:
         raise ShardingError(
             f"distributed: fsdp gathers the full weights for generation ({needed / 2**30:.1f} GiB "

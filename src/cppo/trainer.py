@@ -197,7 +197,8 @@ class CPPOTrainer:
         if self.args.generation_dtype is None:
             return
         from cppo.models.lean import lean_forward_for
-        lean, reason = lean_forward_for(self.policy)
+        with self.engine.gathered():   # the sampler runs on the gathered weights
+            lean, reason = lean_forward_for(self.policy)
         if lean is None:
             raise ConfigError(f"'generation_dtype' is {self.args.generation_dtype!r}, which needs "
                               f"the lean forward, but it does not support this model: {reason}")
@@ -668,8 +669,7 @@ class CPPOTrainer:
         if latest is None:
             print(f"--resume: no checkpoint in {self.output_dir}; starting from scratch")
             return None
-        state = ckpt.load_trainer_state(latest)
-        self.engine.check_resume(state, latest)
+        self.engine.check_resume(ckpt.load_trainer_state(latest, missing_ok=True), latest)
         if self.engine.sharded:
             self.engine.load_sharded_state(latest, self.optimizer)
         else:
@@ -682,6 +682,7 @@ class CPPOTrainer:
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)
+        state = ckpt.load_trainer_state(latest)
         ckpt.RunState.from_dict(state).apply(self)
         self.questions.load_state(state["questions"])
         if log is not None:

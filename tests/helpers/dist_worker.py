@@ -6,7 +6,9 @@ spec.json: {"config": {...CPPOConfig fields...}, "rows": [...], "model": dir}. E
 to <output_dir>: questions-rank<r>.json (the questions it drew), summary-rank<r>.json (train()'s
 summary), bytes-rank<r>.json (the parameter, gradient and optimizer bytes it holds at the end)
 pid-rank<r> (its process id, written before training) and reductions-rank<r>.json (how many
-gradient reductions the engine ran, and how many optimizer steps); rank 0 also writes
+gradient reductions the engine ran, and how many optimizer steps), lean-rank<r>.json (why the
+lean forward cannot run on the model, None when it can: inside and outside `Engine.gathered`);
+rank 0 also writes
 logits.pt, the trained model's logits on a fixed input (through the sharded model under fsdp).
 """
 
@@ -69,6 +71,13 @@ def run(spec: dict) -> dict:
                         ("bytes", local_bytes(trainer.policy, trainer.optimizer))):
         with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
             json.dump(value, fh)
+    from cppo.models.lean import lean_forward_for
+    with trainer.engine.gathered():   # what generation runs on: the lean forward if it can
+        lean = {"gathered": lean_forward_for(trainer.policy)[1],
+                "gathered_dtype": str(trainer.policy.get_input_embeddings().weight.dtype)}
+    lean["outside"] = lean_forward_for(trainer.policy)[1]
+    with open(os.path.join(out, f"lean-rank{rank}.json"), "w") as fh:
+        json.dump(lean, fh)
     with torch.no_grad():   # every process joins (the sharded forward gathers each block)
         ids = torch.arange(3, 15).view(2, 6) % trainer.policy.config.vocab_size
         logits = trainer.policy(input_ids=ids).logits.float()
