@@ -351,7 +351,7 @@ def test_a_gather_that_cannot_fit_names_the_way_out(monkeypatch):
     from cppo.parallel import check_gather_fits
     model = torch.nn.Linear(1000, 1000)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10_000, 10**12))
-    with pytest.raises(ShardingError, match="use_vllm.*generation_batch_size"):
+    with pytest.raises(ShardingError, match="use_vllm.*generation_chunk_size"):
         check_gather_fits(model, torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10**10, 10**12))
     check_gather_fits(model, torch.device("cuda", 0))
