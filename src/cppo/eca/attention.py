@@ -33,7 +33,7 @@ class ECAAttentionFunction(torch.autograd.Function):
         length = q.shape[-2]
         above = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
         probs = scores.masked_fill_(above, float("-inf")).softmax(dim=-1)
-        out = lower_matmul(probs, v32, **run)
+        out = lower_matmul(probs, v32, clean=True, **run)  # softmax left exact zeros above the diagonal
         ctx.save_for_backward(q32, k32, v32, probs, out)
         ctx.scale, ctx.run, ctx.dtype = scale, run, dtype
         return out.to(dtype)
@@ -43,12 +43,12 @@ class ECAAttentionFunction(torch.autograd.Function):
         q, k, v, probs, out = ctx.saved_tensors
         grad_out = _compute(grad_out)
         run, scale = ctx.run, ctx.scale
-        grad_v = upper_matmul(probs.mT, grad_out, **run) if ctx.needs_input_grad[2] else None
+        grad_v = upper_matmul(probs.mT, grad_out, clean=True, **run) if ctx.needs_input_grad[2] else None
         grad_probs = masked_matmul(grad_out, v, **run)
         row_dot = (grad_out * out).sum(dim=-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
         grad_scores = grad_probs.sub_(row_dot).mul_(probs).mul_(scale)  # zero above the diagonal
-        grad_q = lower_matmul(grad_scores, k, **run) if ctx.needs_input_grad[0] else None
-        grad_k = upper_matmul(grad_scores.mT, q, **run) if ctx.needs_input_grad[1] else None
+        grad_q = lower_matmul(grad_scores, k, clean=True, **run) if ctx.needs_input_grad[0] else None
+        grad_k = upper_matmul(grad_scores.mT, q, clean=True, **run) if ctx.needs_input_grad[1] else None
         cast = lambda g: None if g is None else g.to(ctx.dtype)  # noqa: E731
         return cast(grad_q), cast(grad_k), cast(grad_v), None, None, None
 
