@@ -18,7 +18,7 @@ import torch
 
 from .executor import lower_matmul, masked_matmul, upper_matmul
 
-ATTENTION_CUTOFF = 16  # recurse while min(L, d) > 16: the schemes engage at usual head dims
+ATTENTION_CUTOFF = 32  # recurse while min(L, d) > 32: one scheme level at head dim 128, two at 512
 
 
 class ECAAttentionFunction(torch.autograd.Function):
@@ -56,6 +56,13 @@ class ECAAttentionFunction(torch.autograd.Function):
         return cast(grad_q), cast(grad_k), cast(grad_v), None, None, None
 
 
+def check_cutoff(cutoff) -> None:
+    """Raise ValueError unless `cutoff` is an int >= 1 or a pair (masked, triangular) of them."""
+    pair = cutoff if isinstance(cutoff, tuple) else (cutoff,)
+    if len(pair) not in (1, 2) or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in pair):
+        raise ValueError(f"cutoff must be an int >= 1 or a pair (masked, triangular) of them, got {cutoff!r}")
+
+
 def _compute(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
@@ -81,7 +88,5 @@ def eca_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if not q.is_floating_point():
         raise TypeError(f"q, k, v must be floating point, got {q.dtype}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    pair = cutoff if isinstance(cutoff, tuple) else (cutoff,)
-    if len(pair) not in (1, 2) or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in pair):
-        raise ValueError(f"cutoff must be an int >= 1 or a pair (masked, triangular) of them, got {cutoff!r}")
+    check_cutoff(cutoff)
     return ECAAttentionFunction.apply(q, k, v, scale, scheme, cutoff)

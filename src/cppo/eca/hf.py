@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import ATTENTION_CUTOFF, eca_attention
+from .attention import ATTENTION_CUTOFF, check_cutoff, eca_attention
 
 NAME = "eca"
 
@@ -31,7 +31,7 @@ class HFOptions:
     """Scheme and cut-off used by the registered attention function (set by register_eca_attention)."""
 
     scheme: str = "eca"
-    cutoff: int = ATTENTION_CUTOFF
+    cutoff: int | tuple[int, int] = ATTENTION_CUTOFF
 
 
 options = HFOptions()
@@ -119,7 +119,7 @@ def _sdpa_rows(query, key, value, mask, first: int, last: int, scale) -> torch.T
     return torch.where(rows.any(dim=-1, keepdim=True), out, torch.zeros_like(out))  # rows that see no key: 0
 
 
-def register_eca_attention(scheme: str | None = None, cutoff: int | None = None) -> None:
+def register_eca_attention(scheme: str | None = None, cutoff: int | tuple[int, int] | None = None) -> None:
     """Make `attn_implementation="eca"` loadable in transformers; safe to call again.
 
     scheme / cutoff: set the options the registered function uses (eca_attention's); None keeps
@@ -134,8 +134,7 @@ def register_eca_attention(scheme: str | None = None, cutoff: int | None = None)
         load_scheme(scheme)  # fail here, with the scheme's name, rather than inside a forward pass
         options.scheme = scheme
     if cutoff is not None:
-        if isinstance(cutoff, bool) or not isinstance(cutoff, int) or cutoff < 1:
-            raise ValueError(f"cutoff must be an int >= 1, got {cutoff!r}")
+        check_cutoff(cutoff)
         options.cutoff = cutoff
     AttentionInterface.register(NAME, eca_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
