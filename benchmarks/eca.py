@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from cppo.eca import analytic_count, eca_attention, lower_matmul, masked_matmul, naive_masked, record_ops, upper_matmul
+from cppo.eca.plan import recurses
 from cppo.eca.reference import blocked_lower_matmul, blocked_masked_matmul, blocked_upper_matmul
 
 COUNT_CUTOFF, COUNT_BASE_BLOCK = 8, 8  # counts: recurse while min(n, d) > 8; exact base below
@@ -92,15 +93,17 @@ def count_rows(length: int, dims, measure_dims) -> list[dict]:
 
 
 def interleaved(candidates: dict, reps: int, reference: str) -> dict:
-    """Warm up every candidate, then `reps` rounds of all; per candidate: median seconds and the
-    median/min/max of its per-round ratio to `reference`."""
+    """Warm up every candidate, then `reps` rounds of all (each round starts one candidate later, so
+    no candidate always runs first); per candidate: median seconds and the median/min/max of its
+    per-round ratio to `reference`."""
     for run in candidates.values():
         run()
     times = {name: [] for name in candidates}
-    for _ in range(reps):
-        for name, run in candidates.items():
+    names = list(candidates)
+    for round_ in range(reps):
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
             start = time.perf_counter()
-            run()
+            candidates[name]()
             times[name].append(time.perf_counter() - start)
     result = {}
     for name, t in times.items():
@@ -125,18 +128,25 @@ def product_timings(shapes, reps) -> list[dict]:
         }
         for form, (blocked, scheme) in forms.items():
             candidates = {"blocked triangular": blocked}
-            for c in cutoffs:
-                if c < min(length, dim):
-                    candidates[f"ECA c{c}"] = lambda c=c: scheme("eca", c)
-            for c in ug_cutoffs:
-                if c < min(length, dim):
-                    candidates[f"ug-444 c{c}"] = lambda c=c: scheme("ug444", c)
+            for label, name, values in (("ECA", "eca", cutoffs), ("ug-444", "ug444", ug_cutoffs)):
+                seen = set()
+                for c in values:  # cut-offs giving the same number of levels run the same code: once
+                    if c < min(length, dim) and levels(length, dim, c) not in seen:
+                        seen.add(levels(length, dim, c))
+                        candidates[f"{label} c{c}"] = lambda c=c, name=name: scheme(name, c)
             timing = interleaved(candidates, reps, "blocked triangular")
             rows.append({"form": form, "batch": batch, "L": length, "d": dim, "times": timing})
             print(f"  {form:6s} B={batch} L={length} d={dim}: " + ", ".join(
                 f"{k} {v['ratio']:.3f}" for k, v in timing.items() if k != "blocked triangular"), flush=True)
         del a, b, tri
     return rows
+
+
+def levels(n: int, inner: int, cutoff: int) -> int:
+    count = 0
+    while recurses(n, inner, cutoff):
+        n, inner, count = -(-n // 4), -(-inner // 4), count + 1
+    return count
 
 
 def best(timing: dict, prefix: str) -> tuple[str, dict] | None:
@@ -253,6 +263,38 @@ def report(info, counts, products, attention, command, seconds) -> str:
     return "\n".join(lines)
 
 
+def write_profile(path: Path) -> None:
+    """Operator self times of one call of each: attention fwd+bwd (H=4, L=2048, d=128, cut-off 32)
+    and the upper product at L = d = 4096 (cut-off 1024) against its blocked baseline."""
+    from torch.profiler import profile
+
+    started = time.time()
+    sections = []
+    q, k, v = (torch.randn(1, 4, 2048, 128, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 4, 2048, 128)
+    tri, x = torch.rand(1, 4096, 4096).tril_(), torch.randn(1, 4096, 4096)
+    calls = {
+        "attention fwd+bwd, H=4, L=2048, d=128, ECA cut-off 32":
+            lambda: torch.autograd.grad(eca_attention(q, k, v, cutoff=32), (q, k, v), grad),
+        "upper product triu(P^T) X, L = d = 4096, ECA cut-off 1024":
+            lambda: upper_matmul(tri.mT, x, "eca", cutoff=1024, clean=True),
+        "upper product, L = d = 4096, blocked triangular": lambda: blocked_upper_matmul(tri.mT, x),
+    }
+    for title, call in calls.items():
+        call()
+        with profile() as prof:
+            call()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8)
+        sections += [f"## {title}", "", "```", table, "```", ""]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    head = [f"# ECA profile", "", f"`python benchmarks/eca.py --profile`, {time.time() - started:.0f} s, torch "
+            f"{torch.__version__}, {torch.get_num_threads()} thread(s), CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}; machine shared with other jobs (load average {load}). "
+            "One profiled call each (profiler overhead included).", ""]
+    path.write_text("\n".join(head + sections) + "\n")
+    print(path.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, two rounds (under a minute)")
@@ -260,10 +302,15 @@ def main() -> None:
                         help="torch CPU threads (default 1: stable on a shared machine)")
     parser.add_argument("--reps", type=int, default=None, help="interleaved timed rounds (default 3, quick 2)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "eca")
+    parser.add_argument("--profile", action="store_true",
+                        help="only profile (torch.profiler) the calls the results discuss; writes profile.txt")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        write_profile(args.out / "profile.txt")
+        return
     info = machine()
     info["load_start"] = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     started = time.time()
@@ -274,9 +321,9 @@ def main() -> None:
         attention, attention_cutoffs, reps = [(2, 512, 64)], [16, (16, 1024)], args.reps or 2
     else:
         count_length, count_dims, measure_dims = 16384, [64, 128, 256, 1024], [64, 128]
-        shapes = [(1, 1024, 1024, [256, 512], [256]), (1, 2048, 2048, [512, 1024], [512]),
-                  (1, 4096, 4096, [512, 1024], [512]), (1, 8192, 512, [128, 256], [128]),
-                  (8, 2048, 128, [32, 64], [32])]
+        shapes = [(1, 1024, 1024, [64, 256], [256]), (1, 2048, 2048, [128, 512], [512]),
+                  (1, 4096, 4096, [512, 1024], [1024]), (1, 8192, 512, [32, 128], [128]),
+                  (8, 2048, 128, [8, 32], [32])]
         attention = [(4, 2048, 64), (4, 1024, 128), (4, 2048, 128), (2, 4096, 128), (2, 2048, 256)]
         attention_cutoffs, reps = [32, (32, 1024)], args.reps or 3
 
