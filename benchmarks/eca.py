@@ -1,242 +1,348 @@
-"""ECA benchmark: operation counts and CPU wall time against the classical alternatives.
+"""ECA benchmark: executed operations, and CPU wall time of every attention product and of attention.
 
-(a) counted multiplications and total operations relative to the naive masked product, for ECA,
-    ug-444 and the plain 4x4 triangular recursion (counting only, no tensors are multiplied);
-(b) CPU wall time of the masked product tril(A B^T), of P V and of causal attention forward +
-    backward, side by side in one run (repetitions interleaved, medians reported).
+(a) executed multiplications + additions of the masked product relative to the naive masked product,
+    measured with record_ops (a torch dispatch mode counting the operators that run, on meta tensors)
+    where it is quick and from the analytic recursion (equal to the measurement; tested) elsewhere;
+(b) wall time of the three product forms against the blocked triangular product, side by side:
+    masked tril(A B^T) = forward S = QK^T and backward dP = dO V^T; lower tril(L) X = forward P V and
+    backward dQ = dS K; upper triu(U) X = backward dV = P^T dO and dK = dS^T Q. Several scheme
+    cut-offs per shape (the fastest is named), batch x heads, the crossover against blocked named;
+(c) causal attention forward + backward: ECA against eager full-then-mask and SDPA, d = 64..256.
+Repetitions are interleaved (every candidate once per round); ratios are taken within a round and
+reported as median [min-max] over the rounds.
 
-    python benchmarks/eca.py            # full run, a few minutes
-    python benchmarks/eca.py --quick    # small sizes, seconds
+    python benchmarks/eca.py            # full run, about 10 minutes on a busy 2-core machine
+    python benchmarks/eca.py --quick    # small sizes, under a minute
 
-Writes benchmarks/results/eca/results.md and PNG plots next to it.
+Writes benchmarks/results/eca/results.md and results.json (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
 
-import matplotlib
+import torch
+import torch.nn.functional as F
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from cppo.eca import analytic_count, eca_attention, lower_matmul, masked_matmul, naive_masked, record_ops, upper_matmul
+from cppo.eca.plan import recurses
+from cppo.eca.reference import blocked_lower_matmul, blocked_masked_matmul, blocked_upper_matmul
 
-from cppo.eca import (  # noqa: E402
-    DEFAULT_CUTOFF,
-    analytic_count,
-    eca_attention,
-    lower_matmul,
-    masked_matmul,
-    naive_masked,
-)
-from cppo.eca.reference import blocked_lower_matmul, blocked_masked_matmul  # noqa: E402
-
-SCHEMES = {"ECA": "eca", "ug-444": "ug444", "plain triangular recursion": "naive"}
-COUNT_CUTOFF = 8  # recursion stops once min(n, d) <= 8: products thinner than that only add work
+COUNT_CUTOFF, COUNT_BASE_BLOCK = 8, 8  # counts: recurse while min(n, d) > 8; exact base below
+COUNT_GOALS = {"eca": 0.91, "ug444": 0.88}
+SCHEME_LABELS = {"eca": "ECA", "ug444": "ug-444", "naive": "plain 4x4 recursion"}
+PRODUCTS = {  # form -> the attention products it computes
+    "masked": "S = tril(QK^T) (fwd), dP = tril(dO V^T) (bwd)",
+    "lower": "O = P V (fwd), dQ = dS K (bwd)",
+    "upper": "dV = P^T dO (bwd), dK = dS^T Q (bwd)",
+}
 
 
-# ----------------------------------------------------------------------------------------------
-# (a) operation counts
-
-
-def count_table(lengths, dims):
-    """rows: (scheme, L, d, mult ratio, total ratio, total ratio with CSE of additions)."""
-    rows = []
-    for label, scheme in SCHEMES.items():
-        for length in lengths:
-            for dim in dims:
-                naive = naive_masked(length, dim)
-                plain = analytic_count(scheme, "masked", length, dim, cutoff=COUNT_CUTOFF)
-                shared = analytic_count(scheme, "masked", length, dim, cutoff=COUNT_CUTOFF, cse=True)
-                rows.append((label, length, dim, plain.multiplications / naive.multiplications,
-                             plain.total / naive.total, shared.total / naive.total))
-    return rows
-
-
-def plot_counts(rows, dims, path):
-    fig, axes = plt.subplots(1, len(dims), figsize=(4 * len(dims), 3.6), sharey=True)
-    for ax, dim in zip(axes, dims):
-        for label in SCHEMES:
-            pts = [(r[1], r[3], r[4], r[5]) for r in rows if r[0] == label and r[2] == dim]
-            lengths = [p[0] for p in pts]
-            line = ax.plot(lengths, [p[2] for p in pts], marker="o", label=f"{label}: total")[0]
-            ax.plot(lengths, [p[1] for p in pts], ls=":", color=line.get_color(), label=f"{label}: mults")
-            ax.plot(lengths, [p[3] for p in pts], ls="--", color=line.get_color(), label=f"{label}: total, CSE")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"d = {dim}")
-        ax.set_xlabel("L")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("operations / naive masked")
-    axes[-1].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def machine() -> dict:
+    flags = ""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pass
+    model = ""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": model or platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "avx512_bf16": " avx512_bf16" in flags,
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "shared": "yes: other jobs ran on the same cores during the run (see the load averages)"}
 
 
 # ----------------------------------------------------------------------------------------------
-# (b) wall time
+# (a) executed operations
 
 
-def interleaved_medians(candidates: dict, reps: int) -> dict:
-    """Run every candidate once (warm-up), then `reps` rounds of all candidates; median seconds."""
+def count_rows(length: int, dims, measure_dims) -> list[dict]:
+    naive_rows = []
+    for scheme in ("eca", "ug444", "naive"):
+        for dim in dims:
+            naive = naive_masked(length, dim)
+            run = dict(cutoff=COUNT_CUTOFF, base_block=COUNT_BASE_BLOCK)
+            shared = analytic_count(scheme, "masked", length, dim, **run)
+            plain = analytic_count(scheme, "masked", length, dim, cse=False, **run)
+            measured = None
+            if dim in measure_dims:
+                meta = torch.empty(1, length, dim, device="meta")
+                with record_ops() as ops:
+                    masked_matmul(meta, meta, scheme, **run)
+                measured = ops.total / naive.total
+                assert ops == shared, f"measured {ops} != analytic {shared}"
+            naive_rows.append({"scheme": scheme, "L": length, "d": dim,
+                               "multiplications": shared.multiplications / naive.multiplications,
+                               "executed": shared.total / naive.total, "measured": measured,
+                               "without_sharing": plain.total / naive.total})
+    return naive_rows
+
+
+# ----------------------------------------------------------------------------------------------
+# timing helpers
+
+
+def interleaved(candidates: dict, reps: int, reference: str) -> dict:
+    """Warm up every candidate, then `reps` rounds of all (each round starts one candidate later, so
+    no candidate always runs first); per candidate: median seconds and the median/min/max of its
+    per-round ratio to `reference`."""
     for run in candidates.values():
         run()
     times = {name: [] for name in candidates}
-    for _ in range(reps):
-        for name, run in candidates.items():
+    names = list(candidates)
+    for round_ in range(reps):
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
             start = time.perf_counter()
-            run()
+            candidates[name]()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    result = {}
+    for name, t in times.items():
+        ratios = [a / b for a, b in zip(t, times[reference])]
+        result[name] = {"median_s": statistics.median(t), "ratio": statistics.median(ratios),
+                        "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    return result
 
 
-def product_timings(sizes, reps, cutoff):
+def product_timings(shapes, reps) -> list[dict]:
+    """shapes: (batch, L, d, ECA cut-offs, ug-444 cut-offs). Per shape and form: blocked triangular
+    and the schemes at each of their cut-offs."""
     rows = []
-    for size in sizes:
-        a, b = torch.randn(1, size, size), torch.randn(1, size, size)
-        probs = torch.rand(1, size, size).tril_()
-        masked = interleaved_medians({
-            "full + mask": lambda: torch.matmul(a, b.mT).tril_(),
-            "blocked triangular": lambda: blocked_masked_matmul(a, b),
-            "ECA": lambda: masked_matmul(a, b, "eca", cutoff=cutoff),
-            "ug-444": lambda: masked_matmul(a, b, "ug444", cutoff=cutoff),
-        }, reps)
-        rows.append(("tril(A B^T)", size, masked))
-        pv = interleaved_medians({
-            "full + mask": lambda: torch.matmul(probs, a),
-            "blocked triangular": lambda: blocked_lower_matmul(probs, a),
-            "ECA": lambda: lower_matmul(probs, a, "eca", cutoff=cutoff),
-            "ug-444": lambda: lower_matmul(probs, a, "ug444", cutoff=cutoff),
-        }, reps)
-        rows.append(("P V", size, pv))
+    for batch, length, dim, cutoffs, ug_cutoffs in shapes:
+        a, b = torch.randn(batch, length, dim), torch.randn(batch, length, dim)
+        tri = torch.rand(batch, length, length).tril_()
+        forms = {
+            "masked": (lambda: blocked_masked_matmul(a, b), lambda s, c: masked_matmul(a, b, s, cutoff=c)),
+            "lower": (lambda: blocked_lower_matmul(tri, a), lambda s, c: lower_matmul(tri, a, s, cutoff=c, clean=True)),
+            "upper": (lambda: blocked_upper_matmul(tri.mT, a),
+                      lambda s, c: upper_matmul(tri.mT, a, s, cutoff=c, clean=True)),
+        }
+        for form, (blocked, scheme) in forms.items():
+            candidates = {"blocked triangular": blocked}
+            for label, name, values in (("ECA", "eca", cutoffs), ("ug-444", "ug444", ug_cutoffs)):
+                seen = set()
+                for c in values:  # cut-offs giving the same number of levels run the same code: once
+                    if c < min(length, dim) and levels(length, dim, c) not in seen:
+                        seen.add(levels(length, dim, c))
+                        candidates[f"{label} c{c}"] = lambda c=c, name=name: scheme(name, c)
+            timing = interleaved(candidates, reps, "blocked triangular")
+            rows.append({"form": form, "batch": batch, "L": length, "d": dim, "times": timing})
+            print(f"  {form:6s} B={batch} L={length} d={dim}: " + ", ".join(
+                f"{k} {v['ratio']:.3f}" for k, v in timing.items() if k != "blocked triangular"), flush=True)
+        del a, b, tri
     return rows
 
 
-def attention_timings(configs, reps, cutoffs):
+def levels(n: int, inner: int, cutoff: int) -> int:
+    count = 0
+    while recurses(n, inner, cutoff):
+        n, inner, count = -(-n // 4), -(-inner // 4), count + 1
+    return count
+
+
+def best(timing: dict, prefix: str) -> tuple[str, dict] | None:
+    options = [(k, v) for k, v in timing.items() if k.startswith(prefix)]
+    return min(options, key=lambda kv: kv[1]["ratio"]) if options else None
+
+
+def crossover(rows, form: str, prefix: str, batch: int = 1):
+    """Smallest L = d (batch 1) from which the best cut-off of `prefix` is no slower than blocked
+    (median ratio <= 1) at every larger size run; None if it never is."""
+    square = sorted((r for r in rows if r["form"] == form and r["L"] == r["d"] and r["batch"] == batch),
+                    key=lambda r: r["L"])
+    wins = [(b := best(r["times"], prefix)) is not None and b[1]["ratio"] <= 1.0 for r in square]
+    for i in range(len(square)):
+        if all(wins[i:]):
+            return square[i]["L"]
+    return None
+
+
+def attention_timings(configs, cutoffs, reps) -> list[dict]:
     rows = []
     for heads, length, dim in configs:
         q, k, v = (torch.randn(1, heads, length, dim, requires_grad=True) for _ in range(3))
         grad = torch.randn(1, heads, length, dim)
+        above = torch.ones(length, length, dtype=torch.bool).triu_(1)
 
         def step(fn):
             return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
 
         def eager(q, k, v):
             scores = (q @ k.mT) / dim**0.5
-            mask = torch.ones(length, length, dtype=torch.bool).triu_(1)
-            return scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+            return scores.masked_fill(above, float("-inf")).softmax(-1) @ v
 
-        candidates = {"SDPA (is_causal)": step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
-                      "eager full + mask": step(eager)}
-        for cutoff in cutoffs:
-            candidates[f"ECA (cutoff {cutoff})"] = step(lambda q, k, v, c=cutoff: eca_attention(q, k, v, cutoff=c))
-        rows.append((f"attention fwd+bwd, H={heads}, d={dim}", length, interleaved_medians(candidates, reps)))
+        candidates = {"eager full + mask": step(eager),
+                      "SDPA (is_causal)": step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))}
+        for c in cutoffs:
+            label = f"ECA c{c[0]}/{c[1]}" if isinstance(c, tuple) else f"ECA c{c}"
+            candidates[label] = step(lambda q, k, v, c=c: eca_attention(q, k, v, cutoff=c))
+        timing = interleaved(candidates, reps, "eager full + mask")
+        rows.append({"heads": heads, "L": length, "d": dim, "times": timing})
+        print(f"  attention H={heads} L={length} d={dim}: " + ", ".join(
+            f"{k} {v['median_s']:.3f}s ({v['ratio']:.2f}x eager)" for k, v in timing.items()), flush=True)
+        del q, k, v, grad
     return rows
 
 
-def plot_times(rows, path):
-    kinds = sorted({r[0] for r in rows}, key=[r[0] for r in rows].index)
-    fig, axes = plt.subplots(1, len(kinds), figsize=(4.5 * len(kinds), 3.6))
-    axes = [axes] if len(kinds) == 1 else axes
-    for ax, kind in zip(axes, kinds):
-        sub = [r for r in rows if r[0] == kind]
-        for name in sub[0][2]:
-            ax.plot([r[1] for r in sub], [r[2][name] for r in sub], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(kind, fontsize=9)
-        ax.set_xlabel("L (= d for the products)")
-        ax.set_ylabel("seconds (median)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def crossover(rows, kind, name, reference="blocked triangular"):
-    """Smallest size from which `name` is at least as fast as `reference` at every larger size run."""
-    sub = sorted((r for r in rows if r[0] == kind), key=lambda r: r[1])
-    wins = [r[2][name] <= r[2][reference] for r in sub]
-    for i in range(len(sub)):
-        if all(wins[i:]):
-            return sub[i][1]
-    return None
-
-
 # ----------------------------------------------------------------------------------------------
+# report
+
+
+def fmt_ratio(v: dict) -> str:
+    return f"{v['ratio']:.3f} [{v['ratio_min']:.2f}-{v['ratio_max']:.2f}]"
+
+
+def report(info, counts, products, attention, command, seconds) -> str:
+    lines = ["# ECA benchmark results", "",
+             f"Generated by `{command}` in {seconds:.0f} s ({seconds / 60:.1f} min). "
+             f"CPU: {info['cpu']}, {info['cores']} cores, torch CPU capability {info['cpu_capability']}, "
+             f"AVX512-BF16 {'present' if info['avx512_bf16'] else 'absent'}; torch {info['torch']}, "
+             f"{info['threads']} torch thread(s). The machine was shared with other jobs: load average "
+             f"{info['load_start']} at the start and {info['load_end']} at the end, so absolute times are "
+             "noisy; ratios are taken within each interleaved round and given as median [min-max].", ""]
+    lines += ["## (a) Executed operations relative to the naive masked product", "",
+              f"Masked product tril(A B^T), A, B: L x d; recursion while min(n, d) > {COUNT_CUTOFF}, blocked base "
+              f"with dense diagonal blocks of {COUNT_BASE_BLOCK} rows; element-wise operations as counted in "
+              "src/cppo/eca/counting.py. *Executed* = the operations the executor runs, shared additions "
+              "included; *measured* = counted from the torch operators of a real (meta-tensor) run; "
+              "*without sharing* = the same schemes without common-subexpression elimination.", "",
+              "| scheme | L | d | multiplications | executed mults + adds | measured | without sharing | goal |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in counts:
+        goal = COUNT_GOALS.get(r["scheme"]) if r["d"] == 128 else None
+        verdict = "" if goal is None else (
+            f"<= {goal}: met by {goal - r['executed']:.4f}" if r["executed"] <= goal
+            else f"<= {goal}: MISSED by {r['executed'] - goal:.4f}")
+        measured = "" if r["measured"] is None else f"{r['measured']:.4f}"
+        lines.append(f"| {SCHEME_LABELS[r['scheme']]} | {r['L']} | {r['d']} | {r['multiplications']:.4f} | "
+                     f"{r['executed']:.4f} | {measured} | {r['without_sharing']:.4f} | {verdict} |")
+    lines += ["", "## (b) Products: wall time relative to the blocked triangular product", "",
+              "Ratio = scheme time / blocked triangular time in the same round (< 1: the scheme is faster). "
+              "`c512` = scheme cut-off 512 (recurse while min(n, d) > 512). Blocked triangular = 2x2 "
+              "recursion, dense below 256 rows. Triangular operands are passed with clean=True (zeros "
+              "outside the triangle, as in attention).", ""]
+    for form, what in PRODUCTS.items():
+        sub = [r for r in products if r["form"] == form]
+        if not sub:
+            continue
+        lines += [f"### {form}: {what}", "",
+                  "| batch | L | d | blocked (s) | best ECA | ratio | best ug-444 | ratio | all cut-offs |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in sub:
+            t = r["times"]
+            be, bu = best(t, "ECA"), best(t, "ug-444")
+            others = "; ".join(f"{k}: {v['ratio']:.3f}" for k, v in t.items() if k != "blocked triangular")
+            lines.append(f"| {r['batch']} | {r['L']} | {r['d']} | {t['blocked triangular']['median_s']:.4f} | "
+                         f"{be[0] if be else '-'} | {fmt_ratio(be[1]) if be else '-'} | {bu[0] if bu else '-'} | "
+                         f"{fmt_ratio(bu[1]) if bu else '-'} | {others} |")
+        for prefix in ("ECA", "ug-444"):
+            cross = crossover(products, form, prefix)
+            lines.append(f"\nCrossover, {prefix} (best cut-off) no slower than blocked triangular (median) from "
+                         f"L = d = {cross} on" if cross else
+                         f"\nCrossover, {prefix}: none among the L = d sizes run")
+        lines.append("")
+    lines += ["## (c) Causal attention forward + backward (fp32, batch 1)", "",
+              "Ratio = time / eager full-then-mask time in the same round. `ECA c32/1024` = masked products "
+              "with cut-off 32, triangular ones with 1024 (i.e. blocked triangular, no scheme level).", ""]
+    for r in attention:
+        t = r["times"]
+        names = list(t)
+        lines += [f"### H = {r['heads']}, L = {r['L']}, d = {r['d']}", "",
+                  "| implementation | median s | ratio to eager [min-max] |", "|---|---|---|"]
+        lines += [f"| {n} | {t[n]['median_s']:.4f} | {fmt_ratio(t[n])} |" for n in names]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_profile(path: Path) -> None:
+    """Operator self times of one call of each: attention fwd+bwd (H=4, L=2048, d=128, cut-off 32)
+    and the upper product at L = d = 4096 (cut-off 1024) against its blocked baseline."""
+    from torch.profiler import profile
+
+    started = time.time()
+    sections = []
+    q, k, v = (torch.randn(1, 4, 2048, 128, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 4, 2048, 128)
+    tri, x = torch.rand(1, 4096, 4096).tril_(), torch.randn(1, 4096, 4096)
+    calls = {
+        "attention fwd+bwd, H=4, L=2048, d=128, ECA cut-off 32":
+            lambda: torch.autograd.grad(eca_attention(q, k, v, cutoff=32), (q, k, v), grad),
+        "upper product triu(P^T) X, L = d = 4096, ECA cut-off 1024":
+            lambda: upper_matmul(tri.mT, x, "eca", cutoff=1024, clean=True),
+        "upper product, L = d = 4096, blocked triangular": lambda: blocked_upper_matmul(tri.mT, x),
+    }
+    for title, call in calls.items():
+        call()
+        with profile() as prof:
+            call()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8)
+        sections += [f"## {title}", "", "```", table, "```", ""]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    head = [f"# ECA profile", "", f"`python benchmarks/eca.py --profile`, {time.time() - started:.0f} s, torch "
+            f"{torch.__version__}, {torch.get_num_threads()} thread(s), CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}; machine shared with other jobs (load average {load}). "
+            "One profiled call each (profiler overhead included).", ""]
+    path.write_text("\n".join(head + sections) + "\n")
+    print(path.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    parser.add_argument("--quick", action="store_true", help="small sizes, two rounds (under a minute)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: stable on a shared machine; OpenMP barriers under "
-                             "oversubscription make small element-wise ops 40x slower)")
-    parser.add_argument("--reps", type=int, default=None, help="timed rounds per size (median)")
-    parser.add_argument("--cutoff", type=int, default=DEFAULT_CUTOFF, help="scheme recursion cut-off for the products")
+                        help="torch CPU threads (default 1: stable on a shared machine)")
+    parser.add_argument("--reps", type=int, default=None, help="interleaved timed rounds (default 3, quick 2)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "eca")
+    parser.add_argument("--profile", action="store_true",
+                        help="only profile (torch.profiler) the calls the results discuss; writes profile.txt")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
-
-    count_lengths = [1024, 2048, 4096, 8192, 16384]
-    count_dims = [64, 128, 256, 1024]
-    if args.quick:
-        sizes, attention, reps, cutoffs = [512, 1024], [(2, 512, 64)], args.reps or 2, [16]
-    else:
-        sizes, attention, reps, cutoffs = [512, 1024, 2048, 4096], [(4, 1024, 128), (4, 2048, 128), (1, 2048, 512)], args.reps or 5, [16, 64]
-
+    if args.profile:
+        write_profile(args.out / "profile.txt")
+        return
+    info = machine()
+    info["load_start"] = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     started = time.time()
-    counts = count_table(count_lengths, count_dims)
-    plot_counts(counts, count_dims, args.out / "op_counts.png")
-    products = product_timings(sizes, reps, args.cutoff)
-    attn = attention_timings(attention, reps, cutoffs)
-    plot_times(products + attn, args.out / "wall_time.png")
 
-    lines = ["# ECA benchmark results", ""]
-    lines += [f"Generated by `python benchmarks/eca.py{' --quick' if args.quick else ''}` in {time.time() - started:.0f} s. "
-              f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} CPU cores shared with other jobs (load average at the end: "
-              f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}), torch threads = {args.threads}.", ""]
-    lines += ["## (a) Operation counts relative to the naive masked product", "",
-              f"Masked product tril(A B^T), A, B: L x d. Recursion while min(n, d) > {COUNT_CUTOFF}; ideal triangular "
-              "base case; additions counted element-wise (see src/cppo/eca/counting.py). CSE: additions after greedy "
-              "sharing of common pairs (counted; the executor does not share yet).", "",
-              "| scheme | L | d | multiplications | mults + adds | mults + adds, CSE |", "|---|---|---|---|---|---|"]
-    for label, length, dim, mult, total, shared in counts:
-        if length == count_lengths[-1]:
-            lines.append(f"| {label} | {length} | {dim} | {mult:.4f} | {total:.4f} | {shared:.4f} |")
-    lines += ["", "All lengths are in `op_counts.png`.", "",
-              "## (b) CPU wall time (median seconds)", "",
-              f"Products: A, B, P of size L x L / L x d with L = d, batch 1, scheme cut-off {args.cutoff} "
-              f"(recurse while min(n, d) > cut-off); blocked triangular = 2x2 recursion, dense below 256 rows.", ""]
-    for kind in sorted({r[0] for r in products + attn}, key=[r[0] for r in products + attn].index):
-        sub = [r for r in products + attn if r[0] == kind]
-        names = list(sub[0][2])
-        reference = "blocked triangular" if "blocked triangular" in names else "SDPA (is_causal)"
-        lines += [f"### {kind}", "", "| L | " + " | ".join(names) + f" | best scheme / {reference} |",
-                  "|---" * (len(names) + 2) + "|"]
-        for _, size, t in sub:
-            best = min(v for k, v in t.items() if k.startswith(("ECA", "ug")))
-            lines.append(f"| {size} | " + " | ".join(f"{t[n]:.4f}" for n in names) + f" | {best / t[reference]:.3f} |")
-        if reference == "blocked triangular":
-            for name in ("ECA", "ug-444"):
-                cross = crossover(products, kind, name)
-                lines.append(f"\nCrossover ({name} no slower than blocked triangular from here on): "
-                             f"{'L = d = ' + str(cross) if cross else 'none in the sizes run'}")
-        lines.append("")
-    text = "\n".join(lines)
+    if args.quick:
+        count_length, count_dims, measure_dims = 4096, [64, 128], [128]
+        shapes = [(1, 512, 512, [128, 256], [128]), (1, 1024, 1024, [256], [256]), (4, 1024, 128, [32], [32])]
+        attention, attention_cutoffs, reps = [(2, 512, 64)], [16, (16, 1024)], args.reps or 2
+    else:
+        count_length, count_dims, measure_dims = 16384, [64, 128, 256, 1024], [64, 128]
+        shapes = [(1, 1024, 1024, [64, 256], [256]), (1, 2048, 2048, [128, 512], [512]),
+                  (1, 4096, 4096, [512, 1024], [1024]), (1, 8192, 512, [32, 128], [128]),
+                  (8, 2048, 128, [8, 32], [32])]
+        attention = [(4, 2048, 64), (4, 1024, 128), (4, 2048, 128), (2, 4096, 128), (2, 2048, 256)]
+        attention_cutoffs, reps = [32, (32, 1024)], args.reps or 3
+
+    print("(a) operation counts", flush=True)
+    counts = count_rows(count_length, count_dims, measure_dims)
+    print("(b) products", flush=True)
+    products = product_timings(shapes, reps)
+    print("(c) attention", flush=True)
+    attn = attention_timings(attention, attention_cutoffs, reps)
+    seconds = time.time() - started
+    info["load_end"] = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    command = "python benchmarks/eca.py" + (" --quick" if args.quick else "")
+    (args.out / "results.json").write_text(json.dumps(
+        {"command": command, "seconds": seconds, "machine": info, "counts": counts, "products": products,
+         "attention": attn}, indent=1) + "\n")
+    text = report(info, counts, products, attn, command, seconds)
     (args.out / "results.md").write_text(text + "\n")
     print(text)
-    print(f"\nwrote {args.out / 'results.md'}, op_counts.png, wall_time.png")
+    print(f"\nwrote {args.out / 'results.md'} and results.json")
 
 
 if __name__ == "__main__":

@@ -45,3 +45,15 @@ def test_bad_shapes_are_named():
         eca_attention(torch.ones(1, 2, 8, 4), torch.ones(1, 1, 8, 4), torch.ones(1, 1, 8, 4))
     with pytest.raises(ValueError, match="4D tensor"):
         eca_attention(torch.ones(8, 4), torch.ones(8, 4), torch.ones(8, 4))
+
+
+def test_separate_masked_and_triangular_cutoffs():
+    q, k, v = (torch.randn(1, 2, 40, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = eca_attention(q, k, v, cutoff=(2, 1000))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    for mine, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(mine, theirs)
+    with pytest.raises(ValueError, match="cutoff must be an int >= 1 or a pair"):
+        eca_attention(q, k, v, cutoff=(2, 0))

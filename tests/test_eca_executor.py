@@ -97,3 +97,26 @@ def test_blocked_reference_exact_on_integers():
     assert torch.equal(blocked_masked_matmul(a, b, block=16), torch.tril(a @ b.mT))
     assert torch.equal(blocked_lower_matmul(t, a, block=16), t.tril() @ a)
     assert torch.equal(blocked_upper_matmul(t, a, block=16), t.triu() @ a)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_transposed_and_clean_triangular_operands(scheme):
+    """P^T in attention is a transposed view; clean=True skips copying diagonal blocks."""
+    t, x = _ints(2, 64, 64, seed=14), _ints(2, 64, 12, seed=15)
+    assert torch.equal(upper_matmul(t.mT, x, scheme, cutoff=2), t.mT.triu() @ x)
+    assert torch.equal(lower_matmul(t.mT, x, scheme, cutoff=2), t.mT.tril() @ x)
+    assert torch.equal(upper_matmul(t.tril().mT, x, scheme, cutoff=2, clean=True), t.mT.triu() @ x)
+    assert torch.equal(lower_matmul(t.tril(), x, scheme, cutoff=2, clean=True, base_block=4), t.tril() @ x)
+
+
+@pytest.mark.parametrize("base_block", [1, 3, 64])
+def test_base_block_changes_path_not_result(base_block):
+    a, b = _ints(2, 100, 40, seed=16), _ints(2, 100, 40, seed=17)
+    assert torch.equal(masked_matmul(a, b, cutoff=8, base_block=base_block), torch.tril(a @ b.mT))
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="base_block must be an int >= 1, got 0"):
+        masked_matmul(torch.ones(4, 3), torch.ones(4, 3), base_block=0)
+    with pytest.raises(ValueError, match="general_cutoff must be an int >= 1"):
+        lower_matmul(torch.ones(4, 4), torch.ones(4, 3), general_cutoff=-1)

@@ -54,11 +54,32 @@ def test_same_loss_and_gradients_as_sdpa(config_cls, model_cls, eca_calls):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_padding_mask_falls_back_to_sdpa(eca_calls):
+def test_padded_batch_runs_the_scheme_on_each_row(eca_calls):
+    """Left padding in row 0, right padding in row 1 (a training batch): same loss and gradients."""
     reference, model = _pair(*FAMILIES[0])
     ids = torch.randint(0, 32, (2, 24), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, 24, dtype=torch.long)
     mask[0, :5] = 0
+    mask[1, 20:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    hf._warned.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    ref_loss = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert sorted(c[2] for c in eca_calls) == [19, 19, 20, 20]  # each row's real tokens, both layers
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    ref_loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_other_masks_fall_back_to_sdpa(eca_calls):
+    reference, model = _pair(*FAMILIES[0])
+    ids = torch.randint(0, 32, (2, 24), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[0, 10] = 0  # a hole inside the row: not causal + padding
     hf._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -59,7 +59,13 @@ def _sum_into(dest: torch.Tensor, terms, values, beta: int = 0) -> None:
 
 
 def _operands(program: Program, sources: list[torch.Tensor], space) -> list[tuple[torch.Tensor, int]]:
-    """The rows of an operand program as (tensor, sign): views where a row is one block."""
+    """The rows of an operand program as (tensor, sign): views where a row is one block.
+
+    Blocks of a transposed view (column-major, e.g. P^T in attention) are summed as their
+    transposes, row by row in memory, and handed back transposed (GEMMs take either layout).
+    """
+    if sources[0].stride(-2) == 1 and sources[0].stride(-1) != 1:
+        return [(x.mT, sign) for x, sign in _operands(program, [s.mT for s in sources], space)]
     values = list(sources)
     for terms in program.intermediates:
         buffer = space.take(sources[0].shape, sources[0])
