@@ -32,6 +32,7 @@ from cppo.data.sources import TaskData, check_rows, load_task
 from cppo.distributed import Distributed
 from cppo.evaluate import evaluate
 from cppo.generation import chunk_seed, make_backend
+from cppo.hardware import warn_slow_precision
 from cppo.rewards_runner import RewardRunner
 from cppo.rollout import Completions, PromptBatch, completion_logprobs, encode_prompts
 from cppo.tracking import MetricsLog, PhaseTimer, write_plots
@@ -128,6 +129,7 @@ class CPPOTrainer:
         torch.manual_seed(args.seed + self.dist.rank)  # dropout differs per process
         self.reference = self._load_reference(model)
         self._check_generation_dtype()
+        warn_slow_precision(args, self.device)   # bf16 on a CPU without native bf16
         self.backend = make_backend(self.policy, self.tokenizer, args)
         self.task = self._load_data(train_dataset, eval_dataset)
         funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
