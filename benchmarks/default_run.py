@@ -79,7 +79,9 @@ def finish_run(run: dict) -> dict:
 def row_from_summary(out_dir: Path, label: str, seed: int | None, command: str) -> dict:
     summary = json.loads((Path(out_dir) / "summary.json").read_text())
     config = yaml.safe_load((Path(out_dir) / "config.yaml").read_text())
-    seed = config["seed"] if seed is None else seed
+    if seed is None:
+        seed = config["seed"]
+        command = f"{command} (seed {seed})"
     phases = summary["phase_seconds_this_session"]
     return {"label": label, "seed": seed, "command": command,
             "accuracy_before": summary["accuracy_before"], "accuracy_after": summary["accuracy_after"],
@@ -135,6 +137,8 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
         walls = [r.get("process_seconds", r["wall_seconds"]) for r in group]
         lines.append(f"- {label}: {len(group)} run(s), gain mean {statistics.mean(gains):+.1f} "
                      f"(range {min(gains):+.1f} to {max(gains):+.1f}); wall {min(walls):.0f}-{max(walls):.0f} s")
+    if meta.get("note"):
+        lines += ["", meta["note"]]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -194,6 +198,7 @@ def main() -> None:
                         help="instead of full runs: seconds per training round of the previous "
                              "recipe (untrimmed, 8 tokens) against this default, interleaved in one "
                              "process, ROUNDS rounds each; written to step_cost[_avx2].json")
+    parser.add_argument("--note", default="", help="a paragraph added to results.md")
     parser.add_argument("--output", default="benchmarks/results/default_run")
     args = parser.parse_args()
     env = run_env(args.threads, args.emulate_avx2)
@@ -229,7 +234,7 @@ def main() -> None:
             "parallel": args.parallel, "shared": args.shared,
             "emulation": ", ".join(f"{k}={v}" for k, v in AVX2_ENV.items()) if args.emulate_avx2 else "",
             "mean_load_average": round(statistics.mean(loads), 2) if loads else "n/a",
-            "nproc": os.cpu_count()}
+            "nproc": os.cpu_count(), "note": args.note}
     write_results(rows, meta, Path(args.output))
 
 

@@ -80,7 +80,7 @@ def build_assets(folder: Path, shape: dict) -> Path:
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                          bos_token_id=None)
     model = Qwen2ForCausalLM(config)
-    calibrate_eos(model, tok, text[:8], mean_length=shape["max_new"] / 2)
+    calibrate_eos(model, tok, mean_length=shape["max_new"] / 2)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     prompts = [{"prompt": "Repeat shortly: " + " ".join(words(rng, shape["prompt_words"])) + "\n"}
@@ -90,21 +90,24 @@ def build_assets(folder: Path, shape: dict) -> Path:
     return folder
 
 
-def calibrate_eos(model, tok, texts: list[str], mean_length: float) -> None:
-    """Scale the EOS row of the output head along the mean final hidden state so that EOS gets
-    about 1/mean_length of the probability, varying with the position: lengths then vary."""
+def calibrate_eos(model, tok, mean_length: float) -> None:
+    """Scale the EOS row of the output head along the mean final hidden state so that, on the
+    kind of text a random model samples (uniform random tokens), the median position gives EOS
+    about 1/mean_length of the probability; it varies with the position, so lengths vary."""
     import torch
     with torch.no_grad():
-        ids = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=64)
-        hidden = model.model(**ids).last_hidden_state.flatten(0, 1)          # (tokens, d)
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, model.config.vocab_size, (8, 96), generator=gen)
+        hidden = model.model(input_ids=ids).last_hidden_state[:, 16:].flatten(0, 1)  # (tokens, d)
         direction = hidden.mean(0)
+        direction = direction / direction.norm()
         head = model.lm_head.weight
         target = 1.0 / mean_length
-        lo, hi = 0.0, 50.0
-        for _ in range(40):
+        lo, hi = 0.0, 1e4
+        for _ in range(60):
             scale = (lo + hi) / 2
-            head[tok.eos_token_id] = scale * direction / direction.norm()
-            p = torch.softmax(hidden @ head.T, -1)[:, tok.eos_token_id].mean()
+            head[tok.eos_token_id] = scale * direction
+            p = torch.softmax(hidden @ head.T, -1)[:, tok.eos_token_id].median()
             lo, hi = (scale, hi) if p < target else (lo, scale)
 
 
