@@ -91,22 +91,23 @@ def build_assets(folder: Path, shape: dict) -> Path:
 
 
 def calibrate_eos(model, tok, mean_length: float) -> None:
-    """Scale the EOS row of the output head along the mean final hidden state so that, on the
-    kind of text a random model samples (uniform random tokens), the median position gives EOS
-    about 1/mean_length of the probability; it varies with the position, so lengths vary."""
+    """Give every token embedding the same value in channel 0 (so the final hidden states share
+    that channel) and point the EOS row of the output head along it, scaled so that on the kind
+    of text a random model samples (uniform random tokens) the median position gives EOS about
+    1/mean_length of the probability; it varies with the position, so lengths vary."""
     import torch
     with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
         gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, model.config.vocab_size, (8, 96), generator=gen)
+        ids = torch.randint(0, model.config.vocab_size, (16, 96), generator=gen)
         hidden = model.model(input_ids=ids).last_hidden_state[:, 16:].flatten(0, 1)  # (tokens, d)
-        direction = hidden.mean(0)
-        direction = direction / direction.norm()
         head = model.lm_head.weight
         target = 1.0 / mean_length
-        lo, hi = 0.0, 1e4
-        for _ in range(60):
+        lo, hi = 0.0, 100.0
+        for _ in range(50):
             scale = (lo + hi) / 2
-            head[tok.eos_token_id] = scale * direction
+            head[tok.eos_token_id] = 0.0
+            head[tok.eos_token_id, 0] = scale
             p = torch.softmax(hidden @ head.T, -1)[:, tok.eos_token_id].median()
             lo, hi = (scale, hi) if p < target else (lo, scale)
 
