@@ -113,8 +113,9 @@ def calibrate_eos(model, tok, mean_length: float) -> None:
 
 
 def shorter_is_better(prompts, completions, completion_ids=None, **kw):
-    """Reward in [0, 1]: 1 - length / 256 (continuous, so groups have variance)."""
-    return [1.0 - len(ids) / 256 for ids in completion_ids]
+    """Reward in [0, 1]: 1 - characters / 2048 of the completion text (continuous, so groups
+    have variance). Measured on the text: cppo passes completion_ids padded to the step's width."""
+    return [1.0 - min(len(text), 2048) / 2048 for text in completions]
 
 
 # ----------------------------------------------------------------- compute bound -------------
@@ -298,15 +299,12 @@ def summarise(runs: dict[str, list[dict]], shape: dict, bound: dict) -> dict:
             pads = [s["padding"] for s in steps if s.get("padding")]
             row["padding_before"] = statistics.mean(p["before"] for p in pads)
             row["padding_after"] = statistics.mean(p["after"] for p in pads)
-            kept_tokens = statistics.median(
-                p["kept_rows"] * (1 - p["after"]) for p in pads)   # not used for the bound
             update_tokens = statistics.median(
                 s["kept"] * (shape["prompt_words"] * 2 + s["tokens_generated"] / s["completions"])
                 for s in steps)
             row["update_tokens_per_s"] = update_tokens / row["update"]
             row["update_gflops"] = row["update_tokens_per_s"] * 3 * flops_per_token(shape, ctx) / 1e9
             row["update_share_of_bound"] = row["update_gflops"] / bound["update"]
-            del kept_tokens
         out[system] = row
     grpo, trl_row, cppo = (out.get(s, {}) for s in SYSTEMS)
     if "seconds_per_step" in grpo and "seconds_per_step" in trl_row:
@@ -331,7 +329,7 @@ def write_report(result: dict, out: Path) -> None:
              f"{result['threads']} threads, device {result['device']}, dtype {result['dtype']}; "
              f"shared machine: {result['shared']} (1-min load average at the start "
              f"{result['load_average'][0]:.1f}, at the end {result['load_average'][1]:.1f}).  ",
-             f"Model: random Qwen2, {s.get('cppo_grpo', {}).get('parameters', 0) / 1e6:.1f}M parameters "
+             f"Model: random Qwen2, {max(r.get('parameters', 0) for v in result['runs'].values() for r in v) / 1e6:.1f}M parameters "
              f"(hidden {shape['hidden']}, {shape['layers']} layers, vocabulary {shape['vocab']}, "
              f"BPE tokenizer trained here); G = {shape['group']}, up to {shape['max_new']} new tokens, "
              f"{shape['steps']} timed steps per process after 1 warm-up, {shape['repeats']} "
@@ -394,6 +392,7 @@ def main() -> None:
     parser.add_argument("--shared", action="store_true", help="record that other work shared the machine")
     parser.add_argument("--assets", default=None, help="model folder (default: a cache under /tmp)")
     parser.add_argument("--output", default="benchmarks/results/real_shape")
+    parser.add_argument("--from-json", help="only re-render results.md from this results.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -402,6 +401,11 @@ def main() -> None:
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
     folder = Path(args.assets or Path(tempfile.gettempdir()) / f"cppo_real_shape_{'quick' if args.quick else 'full'}")
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        result["summary"] = summarise(result["runs"], result["shape"], result["bound"])
+        write_report(result, Path(args.output))
+        return
     if args.worker:
         result = worker(args.worker, folder, shape, args.device, args.dtype, args.threads)
         Path(args.worker_out).write_text(json.dumps(result))
