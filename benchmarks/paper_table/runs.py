@@ -15,7 +15,7 @@ def base_config(args, row: Row, seed: int, output_dir: Path, steps: int | None =
     from cppo.config import CPPOConfig
     q = questions_per_step(row.pruning_rate) if row.kind in ("cppo", "fair", "ablation") else 1
     total = steps or math.ceil(args.train_questions / q)
-    values = dict(model="embedded", dataset_name="embedded", num_generations=GROUP_SIZE,
+    values = dict(model="embedded", dataset_name="embedded", num_generations=GROUP_SIZE, max_completion_length=8,
                   gradient_accumulation_steps=1, num_train_questions=args.train_questions,
                   num_train_epochs=1, max_steps=steps or -1, learning_rate=args.learning_rate,
                   lr_scheduler_type="constant",

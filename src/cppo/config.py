@@ -92,8 +92,9 @@ class CPPOConfig:
     # --- generation ------------------------------------------------------------------------
     num_generations: int = option(16, "G: completions sampled per question.")
     max_prompt_length: Optional[int] = option(512, "Prompts longer than this are left-truncated.")
-    max_completion_length: int = option(8, "Maximum new tokens per completion (the embedded task "
-                                    "needs 5; use 256-1024 for real reasoning tasks).")
+    max_completion_length: int = option(5, "Maximum new tokens per completion (the embedded task's "
+                                    "answers are 4 digits + EOS; use 256-1024 for real reasoning "
+                                    "tasks).")
     temperature: float = option(1.0, "Sampling temperature.")
     top_p: float = option(1.0, "Nucleus sampling threshold (1.0: off).")
     top_k: int = option(0, "Top-k sampling (0: off).")

@@ -35,6 +35,7 @@ from cppo.data.sources import TaskData, check_rows, load_task
 from cppo.distributed import Distributed
 from cppo.evaluate import evaluate
 from cppo.generation import chunk_seed, make_backend
+from cppo.hardware import warn_slow_precision
 from cppo.memory import check_batch_settings, plan_for_run
 from cppo.parallel import Engine, check_layout, pad_rows, resolve_strategy
 from cppo.rewards_runner import RewardRunner, unpadded_ids
@@ -139,6 +140,7 @@ class CPPOTrainer:
         self.reference = self.engine.shard_reference(self.reference)
         torch.manual_seed(args.seed + self.dist.rank)  # dropout differs per process
         self._check_generation_dtype()
+        warn_slow_precision(args, self.device)   # bf16 on a CPU without native bf16
         self.task = self._load_data(train_dataset, eval_dataset)
         self.batch_sizes = plan_for_run(args, self.policy, self.reference, self.device,  # memory
                                         tokenizer=self.tokenizer, rows=self.task.train_rows)

@@ -1,0 +1,135 @@
+"""What this machine computes fast, and a warning when a run asks for a precision it does not.
+
+bfloat16 pays where the hardware has native bf16 dot products: CUDA GPUs of compute capability
+8.0+ (and ROCm), and CPUs with AVX512-BF16 or AMX that oneDNN (torch's CPU matmul library) is
+allowed to use (ONEDNN_MAX_CPU_ISA can forbid it). Elsewhere, for instance on an AVX2-only CPU, torch
+converts bf16 to float32 and back around every operation: the forward of a bf16 Linear is several
+times slower than float32 and its backward tens of times slower. float16 on a CPU is fast only with
+AVX512-FP16 or AMX-FP16. See docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import platform
+import warnings
+from functools import lru_cache
+
+import torch
+
+LOW_PRECISION = ("bfloat16", "float16")
+
+
+class SlowPrecisionWarning(UserWarning):
+    """A run asks for a dtype this device computes far slower than float32."""
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _probe(name: str, flags: tuple[str, ...]) -> bool:
+    """torch's own CPU probe when this torch has it, else the /proc/cpuinfo flags."""
+    probe = getattr(torch.cpu, name, None)
+    if probe is not None:
+        try:
+            return bool(probe())
+        except RuntimeError:
+            pass
+    return any(f in cpu_flags() for f in flags)
+
+
+def cpu_capability() -> str:
+    """The vector ISA torch's CPU kernels run with: 'AVX512', 'AVX2', 'DEFAULT', ..."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def cpu_has_fast_dtype(dtype: str) -> bool:
+    """True when this CPU (as torch uses it) has native dot products for `dtype`
+    ('bfloat16' or 'float16'); float32 is always native."""
+    if dtype not in LOW_PRECISION:
+        return True
+    if dtype == "bfloat16":
+        hardware = _probe("_is_avx512_bf16_supported", ("avx512_bf16",)) or \
+            _probe("_is_amx_tile_supported", ("amx_bf16",))
+        onednn = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    else:
+        hardware = _probe("_is_amx_fp16_supported", ("amx_fp16",)) or "avx512_fp16" in cpu_flags()
+        onednn = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
+    try:   # oneDNN honours ONEDNN_MAX_CPU_ISA; a limit below the ISA makes matmuls slow again
+        allowed = bool(onednn()) if onednn is not None else True
+    except RuntimeError:
+        allowed = True
+    return hardware and allowed
+
+
+def has_fast_dtype(dtype: str, device: torch.device | str = "cpu") -> bool:
+    """True when `device` computes `dtype` at least about as fast as float32."""
+    device = torch.device(device)
+    if dtype not in LOW_PRECISION:
+        return True
+    if device.type == "cuda":
+        return dtype == "float16" or torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        return cpu_has_fast_dtype(dtype)
+    return True   # other accelerators: trust the user's choice
+
+
+def describe(device: torch.device | str = "cpu") -> dict:
+    """A record of the compute a measurement ran on, for benchmark results."""
+    flags = cpu_flags()
+    info = {"cpu": _cpu_model(), "machine": platform.machine(), "torch": torch.__version__,
+            "cpu_capability": cpu_capability(), "threads": torch.get_num_threads(),
+            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
+            "fast_bfloat16": has_fast_dtype("bfloat16", "cpu")}
+    device = torch.device(device)
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["fast_bfloat16"] = has_fast_dtype("bfloat16", device)
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def slow_precision_requests(args, device: torch.device | str) -> list[str]:
+    """The config fields that ask for a dtype `device` computes slowly, each with its value."""
+    asked = []
+    if getattr(args, "bf16", False):
+        asked.append(("bf16", "true", "bfloat16"))
+    for key in ("torch_dtype", "generation_dtype"):
+        value = getattr(args, key, None)
+        if value in LOW_PRECISION:
+            asked.append((key, value, value))
+    return [f"{key}={value}" for key, value, dtype in asked if not has_fast_dtype(dtype, device)]
+
+
+def warn_slow_precision(args, device: torch.device | str) -> None:
+    """Warn (SlowPrecisionWarning) when the config asks for bf16/fp16 on a device without native
+    support for it, saying what it costs and what to use instead."""
+    slow = slow_precision_requests(args, device)
+    if not slow:
+        return
+    where = "this GPU" if torch.device(device).type == "cuda" else (
+        f"this CPU (torch's CPU capability: {cpu_capability()}, no native bf16/fp16 dot products)")
+    warnings.warn(f"{', '.join(slow)} asked for on {where}: these dtypes are emulated here, "
+                  f"several times slower than float32 for the forward and tens of times slower for "
+                  f"the backward. Use float32 (the default: drop {', '.join(s.split('=')[0] for s in slow)}) "
+                  f"on this machine; bf16 pays on CPUs with AVX512-BF16 or AMX and on recent GPUs "
+                  f"(docs/performance.md).", SlowPrecisionWarning, stacklevel=2)

@@ -1,0 +1,74 @@
+"""On a CUDA GPU: training steps, sampling and the lean forward run there and agree with the CPU.
+Marked `cuda`; skipped where torch sees no CUDA device (run them with `pytest -m cuda`)."""
+
+import pytest
+import torch
+
+from cppo import hardware
+from cppo.config import CPPOConfig
+from cppo.models import load_model, load_tokenizer
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(8) for b in range(2, 6)]
+
+
+def odd_length(prompts, completions, **kw):
+    return [float(len(c) % 2) for c in completions]
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_training_steps_on_the_gpu(tiny_model_dir, tmp_path, bf16):
+    from cppo.trainer import CPPOTrainer
+    if bf16 and not hardware.has_fast_dtype("bfloat16", "cuda"):
+        pytest.skip("this GPU has no native bf16")
+    cfg = CPPOConfig(model=tiny_model_dir, output_dir=str(tmp_path), max_steps=3, num_generations=4,
+                     per_device_train_batch_size=8, pruning_rate=0.5, max_completion_length=5,
+                     eval_steps=0, progress_bar=False, bf16=bf16, learning_rate=1e-3)
+    trainer = CPPOTrainer(model=load_model(tiny_model_dir), processing_class=load_tokenizer(tiny_model_dir),
+                          reward_funcs=[odd_length], args=cfg, train_dataset=ROWS, eval_dataset=ROWS[:8])
+    assert trainer.device.type == "cuda"
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    summary = trainer.train()
+    assert summary["status"] == "completed" and summary["steps"] == 3
+    assert all(p.device.type == "cuda" for p in trainer.policy.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
+
+
+def test_lean_forward_on_the_gpu_matches_the_model(tiny_model_dir):
+    from cppo.models.lean import lean_forward_for
+    model = load_model(tiny_model_dir).cuda().eval()
+    ids = torch.randint(3, model.config.vocab_size, (4, 9), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    lean, reason = lean_forward_for(model)
+    assert lean is not None, reason
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        got = lean(ids, positions, mask.bool())[0]
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], rtol=1e-4, atol=1e-4)
+
+
+def test_sampling_on_the_gpu_is_seeded(tiny_model_dir):
+    from cppo.rollout import encode_prompts, sample_completions
+    model = load_model(tiny_model_dir).cuda().eval()
+    tok = load_tokenizer(tiny_model_dir)
+    prompts = encode_prompts(tok, [r["prompt"] for r in ROWS[:4]])
+
+    def sample():
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        return sample_completions(model, prompts, num_generations=4, max_new_tokens=5,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                  generator=gen)
+    a, b = sample(), sample()
+    assert a.ids.device.type == "cuda" and a.ids.shape[0] == 16
+    assert torch.equal(a.ids, b.ids)
+
+
+def test_hardware_describes_the_gpu():
+    info = hardware.describe("cuda")
+    assert info["gpu"] == torch.cuda.get_device_name(0)
+    major, _ = torch.cuda.get_device_capability()
+    assert info["fast_bfloat16"] == (major >= 8)
