@@ -18,6 +18,7 @@ what the executor really runs; an operator it does not know raises instead of be
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -156,7 +157,8 @@ def analytic_count(scheme, form: str, n: int, inner: int, cutoff: int = 1, gener
                       base_block=DEFAULT_BASE_BLOCK if base_block is None else base_block)
     plan = make_plan(load_scheme(scheme), form, share=cse)
     rows, cols = padded_sizes(n, inner, cutoff)
-    return _level(plan, rows, cols, 0, options)
+    count = _level(plan, rows, cols, 0, options)  # cached: hand back a copy
+    return OpCount(count.multiplications, count.additions)
 
 
 def _masked_base(n: int, m: int, beta: int, block: int) -> OpCount:
@@ -188,6 +190,7 @@ def _operand_cost(program: Program, elements: int) -> int:
     return cost
 
 
+@functools.lru_cache(maxsize=None)
 def _level(plan: Plan, n: int, m: int, beta: int, options) -> OpCount:
     masked = plan.form == "masked"
     if not recurses(n, m, options.cutoff):

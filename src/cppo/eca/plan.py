@@ -21,7 +21,7 @@ from .scheme import BLOCKS, LOWER_BLOCKS, Block, Scheme
 ALL_BLOCKS: tuple[Block, ...] = tuple((i, j) for i in range(BLOCKS) for j in range(BLOCKS))
 UPPER_BLOCKS: tuple[Block, ...] = tuple((j, i) for i, j in LOWER_BLOCKS)
 FORMS = ("masked", "lower", "upper")
-DEFAULT_CUTOFF = 512
+DEFAULT_CUTOFF = 1024  # one scheme level at the sizes benchmarks/eca.py runs: measured faster than two
 DEFAULT_BASE_BLOCK = 64
 GENERAL_METHODS = ("gemm", "strassen", "winograd")
 
