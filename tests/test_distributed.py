@@ -230,6 +230,8 @@ def test_sigkill_mid_run_then_resume_ends_identical(runs, tiny_model_dir, tmp_pa
     while f"{ckpt.PAUSE_ENV} weights {STEPS}" not in log.read_text():
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.2)
+    for rank in (0, 1):   # torchrun's workers run in sessions of their own: kill them too
+        os.kill(int((run / f"pid-rank{rank}").read_text()), signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert ckpt.latest_checkpoint(run) == run / "checkpoint-2"   # the previous one, loadable
