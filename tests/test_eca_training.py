@@ -12,12 +12,7 @@ from cppo.eca import ATTENTION_CUTOFF, register_eca_attention
 from cppo.eca.plan import recurses
 from cppo.models import load_model, load_tokenizer
 from cppo.trainer import CPPOTrainer
-
-ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
-
-
-def odd_length_reward(prompts, completions, **kw):
-    return [float(len(c) % 2) for c in completions]
+from helpers import ROWS, odd_length_reward
 
 
 @pytest.fixture

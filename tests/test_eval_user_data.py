@@ -1,7 +1,5 @@
 """Held-out evaluation on user data: the reward passed in, eval_num_questions, chat rewards."""
 
-import torch
-
 from cppo.evaluate import evaluate
 from cppo.models import load_model, load_tokenizer
 from helpers import ROWS, make_trainer

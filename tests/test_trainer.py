@@ -154,28 +154,6 @@ def test_bad_rows_fail_before_training(tiny_model_dir, tmp_path):
         make_trainer(tiny_model_dir, tmp_path / "run", reward="arithmetic", rows=[{"prompt": "1*2="}] * 4)
 
 
-def test_one_step_with_eca_attention_matches_sdpa(tiny_model_dir, tmp_path):
-    """`--attn_implementation eca` trains: one step gives the loss and parameters of sdpa."""
-    from cppo.eca import register_eca_attention
-    register_eca_attention()
-    results = []
-    for impl in ("sdpa", "eca"):
-        cfg = CPPOConfig(model=tiny_model_dir, output_dir=str(tmp_path / impl), max_steps=1,
-                         per_device_train_batch_size=8, num_generations=4, pruning_rate=0.5,
-                         max_completion_length=5, eval_steps=0, progress_bar=False,
-                         learning_rate=1e-3, seed=3, attn_implementation=impl)
-        trainer = CPPOTrainer(model=load_model(tiny_model_dir, attn_implementation=impl),
-                              processing_class=load_tokenizer(tiny_model_dir),
-                              reward_funcs=[odd_length_reward], args=cfg, train_dataset=ROWS)
-        assert trainer.policy.config._attn_implementation == impl
-        metrics = trainer.training_round()
-        results.append((metrics, [p.detach().clone() for p in trainer.policy.parameters()]))
-    (m_sdpa, p_sdpa), (m_eca, p_eca) = results
-    assert m_sdpa["reward"] == m_eca["reward"]             # same completions were sampled
-    assert m_sdpa["loss"] == pytest.approx(m_eca["loss"], rel=1e-4, abs=1e-6)
-    for a, b in zip(p_sdpa, p_eca):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
 
 def test_bfloat16_sampling_records_logprobs_and_reweights_the_loss(tiny_model_dir, tmp_path):
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", generation_dtype="bfloat16", max_steps=2)

@@ -32,7 +32,6 @@ import dataclasses
 import os
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from cppo.config import ConfigError

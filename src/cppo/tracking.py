@@ -12,8 +12,12 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cppo.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 # report_to name -> (module that must be importable, pip extra that installs it)
 TRACKERS: dict[str, tuple[str, str]] = {
