@@ -91,3 +91,64 @@ def test_filter_logits():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     kept = ~torch.isinf(filter_logits(probs, top_p=0.7))
     assert kept.tolist() == [[True, True, False, False]]
+
+
+def test_sample_categorical_draws_from_the_given_distribution():
+    from cppo.rollout import sample_categorical
+    weights = torch.tensor([[0.0, 3.0, 0.0, 1.0, 6.0, 0.0],     # unnormalised rows, zeros inside
+                            [5.0, 0.0, 0.0, 0.0, 0.0, 5.0]])
+    draws = 200_000
+    probs = weights.repeat(draws, 1)
+    tokens = sample_categorical(probs, torch.Generator().manual_seed(0)).view(draws, 2)
+    for row in range(2):
+        freq = torch.bincount(tokens[:, row], minlength=6).float() / draws
+        expected = weights[row] / weights[row].sum()
+        assert (freq[expected == 0] == 0).all()            # weight 0: never drawn
+        torch.testing.assert_close(freq, expected, atol=0.005, rtol=0)
+
+
+def test_sample_categorical_refuses_a_broken_distribution():
+    import pytest
+    from cppo.rollout import sample_categorical
+    for bad in (torch.tensor([[0.5, float("nan")]]), torch.tensor([[0.0, 0.0]]),
+                torch.tensor([[float("inf"), 1.0]])):
+        with pytest.raises(ValueError, match="not finite or is all zero"):
+            sample_categorical(bad)
+
+
+def test_finished_rows_leave_the_decode_batch():
+    """Once some completions have ended, the decode steps run on the others only, and the
+    completions are the same as decoding every row to the end (greedy, so no randomness)."""
+    model, tok = _setup("embedded")   # trained: its answers end, after different lengths
+    prompts = encode_prompts(tok, ["37*42=", "1*2=", "12*34+56=", "5*6="])
+    kw = dict(num_generations=2, max_new_tokens=12, greedy=True, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id)
+    for lean in (True, False):
+        from cppo import rollout
+        rows_seen = []
+        original = rollout._decode
+
+        def spy(logits, advance, *args, **kwargs):
+            def counted(tokens, rows):
+                rows_seen.append(len(tokens))
+                return advance(tokens, rows)
+            return original(logits, counted, *args, **kwargs)
+        rollout._decode = spy
+        try:
+            out = sample_completions(model, prompts, lean=lean, **kw)
+        finally:
+            rollout._decode = original
+        lengths = out.mask.sum(1)
+        assert lengths.min() < lengths.max()        # the test needs completions of different lengths
+        # each decode step runs the rows that have not ended, give or take the one-eighth slack
+        for step, rows in enumerate(rows_seen, start=1):
+            running = int((lengths > step).sum())
+            assert running <= rows < running + max(1, len(lengths) // 8) + 1, (step, rows, running)
+        assert rows_seen[-1] < len(lengths)
+        ref = model.generate(input_ids=prompts.ids, attention_mask=prompts.mask, do_sample=False,
+                             max_new_tokens=12, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)[:, prompts.ids.shape[1]:].repeat_interleave(2, 0)
+        for row in range(len(lengths)):
+            n = int(lengths[row])
+            assert out.ids[row, :n].tolist() == ref[row, :n].tolist()
+            assert (out.ids[row, n:] == tok.pad_token_id).all()

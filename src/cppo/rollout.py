@@ -103,14 +103,27 @@ def _next_tokens(logits: Tensor, *, greedy: bool, temperature: float, top_k: int
     if greedy:
         return logits.argmax(-1)
     logits = filter_logits(logits.float() / temperature, top_k, top_p)
-    probs = logits.softmax(-1)
-    if generator is not None and generator.device != probs.device:  # e.g. a CPU generator, GPU model
-        tok = torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
-    else:
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    tok = sample_categorical(logits.softmax(-1), generator)
     if logprobs is not None:
         logprobs.append(torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
     return tok
+
+
+def sample_categorical(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One draw (N,) from each row of probs (N, V) (non-negative weights, rows need not sum to 1)
+    by inverting its cumulative distribution.
+
+    One uniform number per row, against V per row for torch.multinomial (which runs an
+    exponential race): far less work for large vocabularies. Tokens of weight 0 are never drawn."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise ValueError("cannot sample: a row of the sampling distribution is not finite or is "
+                         "all zero (the model's logits hold NaN or inf)")
+    device = generator.device if generator is not None else probs.device
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=device).to(probs.device)
+    # u < 1, so u * total < total: the index is always a token of nonzero weight
+    return torch.searchsorted(cdf, u * total, right=True).squeeze(-1)
 
 
 @torch.no_grad()
@@ -183,14 +196,18 @@ def _sample_chunk(model, prompts, num_generations, max_new_tokens, eos_token_id,
     state = {"attention": prompts.mask.repeat_interleave(num_generations, 0),
              "position": positions[:, -1:].repeat_interleave(num_generations, 0) + 1}
 
-    def advance(tok: Tensor) -> Tensor:
+    def advance(tok: Tensor, rows: Tensor | None) -> Tensor:
+        if rows is not None:   # drop finished rows from the batch and the cache
+            cache.batch_select_indices(rows)
+            state["attention"], state["position"] = state["attention"][rows], state["position"][rows]
         state["attention"] = F.pad(state["attention"], (0, 1), value=1)
         out = model(input_ids=tok[:, None], attention_mask=state["attention"],
                     position_ids=state["position"], use_cache=True, **{cache_arg: cache})
         state["position"] = state["position"] + 1
         return out.logits[:, -1]
     return _decode(out.logits[:, -1].repeat_interleave(num_generations, 0), advance, max_new_tokens,
-                   _eos_tensor(eos_token_id, device), pad_token_id, record=False, greedy=greedy,
+                   _eos_tensor(eos_token_id, device), pad_token_id, record=False,
+                   compact=hasattr(cache, "batch_select_indices"), greedy=greedy,
                    temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
 
 
@@ -209,42 +226,62 @@ def _sample_chunk_lean(lean, dtype, model, prompts, num_generations, max_new_tok
         keys = torch.ones(len(prompts) * num_generations, width + max_new_tokens, dtype=torch.bool,
                           device=device)
         keys[:, :width] = prompts.mask.bool().repeat_interleave(num_generations, 0)
-        state = {"position": positions[:, -1:].repeat_interleave(num_generations, 0) + 1}
+        state = {"position": positions[:, -1:].repeat_interleave(num_generations, 0) + 1,
+                 "cache": cache, "keys": keys}
 
-        def advance(tok: Tensor) -> Tensor:
-            logits, _ = lean(tok[:, None], state["position"], keys, cache=cache)
+        def advance(tok: Tensor, rows: Tensor | None) -> Tensor:
+            if rows is not None:   # drop finished rows from the batch and the cache
+                state["cache"] = state["cache"].select_rows(rows)
+                state["keys"], state["position"] = state["keys"][rows], state["position"][rows]
+            logits, _ = lean(tok[:, None], state["position"], state["keys"], cache=state["cache"])
             state["position"] = state["position"] + 1
             return logits[:, -1]
         return _decode(logits[:, -1].repeat_interleave(num_generations, 0), advance, max_new_tokens,
                        _eos_tensor(eos_token_id, device), pad_token_id, record=dtype is not None,
-                       greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
-                       generator=generator)
+                       compact=True, greedy=greedy, temperature=temperature, top_k=top_k,
+                       top_p=top_p, generator=generator)
 
 
 def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token_id: int, *,
-            record: bool, **sampling) -> Completions:
-    """Sample up to max_new_tokens tokens per row from first logits (N, V); advance(tokens (N,))
-    runs one decode step and returns the next logits. Rows that have produced EOS get padding;
-    with `record`, each token's log-prob under the sampling distribution is kept."""
-    finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    tokens, logprobs = [], ([] if record and not sampling["greedy"] else None)
+            record: bool, compact: bool, **sampling) -> Completions:
+    """Sample up to max_new_tokens tokens per row from first logits (N, V).
+
+    advance(tokens (n,), rows) runs one decode step of the n rows still in the batch and returns
+    their next logits (n, V); rows (n,) is None, or the positions of the rows to keep in the
+    batch (the others have produced EOS): with `compact`, finished rows leave the batch once they
+    are an eighth of it, so no work is spent on them. Finished rows get padding; with `record`,
+    each token's log-prob under the sampling distribution is kept."""
+    n, device = logits.shape[0], logits.device
+    ids = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    recorded = torch.zeros(n, max_new_tokens, device=device) if record and not sampling["greedy"] else None
+    active = torch.arange(n, device=device)          # the row of ids each batch row fills
+    finished = torch.zeros(n, dtype=torch.bool, device=device)   # per batch row
+    width = 0
     for step in range(max_new_tokens):
+        logprobs = [] if recorded is not None else None
         tok = _next_tokens(logits, logprobs=logprobs, **sampling)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
-        tokens.append(tok)
+        ids[active, step] = tok
+        if logprobs is not None:
+            recorded[active, step] = logprobs[0].float()
+        width = step + 1
         finished |= torch.isin(tok, eos)
-        if step == max_new_tokens - 1 or finished.all():
+        done = int(finished.sum())
+        if step == max_new_tokens - 1 or done == len(finished):
             break
-        logits = advance(tok)
-    completions = _completions(tokens, eos)
-    if logprobs is not None:
-        completions.logprobs = torch.stack(logprobs, dim=1) * completions.mask
+        rows = None
+        if compact and done and 8 * done >= len(finished):
+            rows = (~finished).nonzero().squeeze(1)
+            active, tok, finished = active[rows], tok[rows], finished[rows]
+        logits = advance(tok, rows)
+    completions = _completions(ids[:, :width], eos)
+    if recorded is not None:
+        completions.logprobs = recorded[:, :width] * completions.mask
     return completions
 
 
-def _completions(tokens: list[Tensor], eos: Tensor) -> Completions:
-    """Completions from per-step sampled tokens (N,) each; mask 1 up to and including the first EOS."""
-    ids = torch.stack(tokens, dim=1)
+def _completions(ids: Tensor, eos: Tensor) -> Completions:
+    """Completions from sampled tokens (N, T) padded after EOS; mask 1 up to and including the first EOS."""
     is_eos = torch.isin(ids, eos)
     after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
     return Completions(ids=ids, mask=(~after_eos).long(), truncated=~is_eos.any(1))

@@ -76,6 +76,10 @@ class KVCache:
             return out
         return KVCache([grow(k) for k in self.keys], [grow(v) for v in self.values], self.length)
 
+    def select_rows(self, rows: Tensor) -> "KVCache":
+        """Only the given rows (n,) of the batch, in the same capacity."""
+        return KVCache([k[rows] for k in self.keys], [v[rows] for v in self.values], self.length)
+
 
 def unsupported_reason(model) -> str | None:
     """Why the lean forward cannot reproduce `model` exactly, or None when it can."""
