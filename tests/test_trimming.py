@@ -68,9 +68,9 @@ def record_widths(trainer, monkeypatch):
             widths.append(ids.shape[1])
             return call(self, ids, *args, **kwargs)
 
-        def counted_scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask):
+        def counted_scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask, **kw):
             widths.append(prompt_ids.shape[1] + completion_ids.shape[1])
-            return scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask)
+            return scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask, **kw)
         monkeypatch.setattr(LeanForward, "__call__", counted_call)
         monkeypatch.setattr(LeanForward, "completion_logits", counted_scoring)
     else:
