@@ -59,7 +59,9 @@ def step_inputs(trainer):
 
 
 def record_widths(trainer, monkeypatch):
-    """Columns (prompt + completion) of every forward pass the models receive."""
+    """Columns (prompt + completion) of every forward pass the models receive. For the lean
+    passes that is the padded layout attention runs in (the per-token work runs on real tokens
+    only, counted in tests/test_padding_free.py)."""
     widths = []
     if trainer.args.lean_forward:
         call, scoring = LeanForward.__call__, LeanForward.completion_logits
