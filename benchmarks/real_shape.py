@@ -11,8 +11,8 @@ cppo CPPO, repeated --repeats times (interleaved: every system sees the same mac
 first step of each process is a warm-up and is not counted. Reported per executed step: the phase
 times (generate / score / log-probs / update; TRL: the whole step), generation and update tokens/s
 against this machine's measured matmul throughput at the same dtype (the compute bound), the
-padding share of the passes' tokens before and after trimming, peak resident memory, and the CPU
-capability.
+padding share of the passes' tokens before and after trimming and of the tokens the (packed) passes
+compute on, peak resident memory, and the CPU capability.
 
     python benchmarks/real_shape.py                 # full: ~0.1B params, G = 16, 192 new tokens
     python benchmarks/real_shape.py --quick         # small: same vocabulary, 4 layers, G = 8, 64 tokens
@@ -212,11 +212,27 @@ def run_cppo(system, folder, rows, shape, device, dtype, steps) -> dict:
                         "kept_width": batch.completion_ids.shape[1]})
         return batch
     trainer.build_batch = counted_build
+    from cppo.models.lean import LeanForward
+    work = {"computed": 0.0, "needed": 0}    # tokens the packed passes' projections see / need
+    qkv, scoring = LeanForward._qkv_packed, LeanForward.completion_logits
+
+    def counted_qkv(self, w, h, rope):
+        work["computed"] += h.shape[0] / len(self.model.model.layers)
+        return qkv(self, w, h, rope)
+
+    def counted_scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask, **kw):
+        # each distinct prompt's real tokens, each completion's real tokens but its last
+        work["needed"] += int(prompt_mask.sum() + (completion_mask.sum(1) - 1).clamp(min=0).sum())
+        return scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask, **kw)
+    LeanForward._qkv_packed, LeanForward.completion_logits = counted_qkv, counted_scoring
     records = []
     for i in range(steps):
+        work.update(computed=0.0, needed=0)
         start = time.perf_counter()
         metrics = trainer.training_round()
         took = time.perf_counter() - start
+        if padding and work["computed"]:   # share of the tokens the passes compute on that are padding
+            padding[-1]["packed"] = 1 - work["needed"] / work["computed"]
         phases = trainer.timer.pop_last()
         records.append({"seconds": took, **phases, "skipped": bool(metrics.get("cppo/skipped")),
                         "completions": metrics["cppo/completions_scored"],
@@ -299,6 +315,8 @@ def summarise(runs: dict[str, list[dict]], shape: dict, bound: dict) -> dict:
             pads = [s["padding"] for s in steps if s.get("padding")]
             row["padding_before"] = statistics.mean(p["before"] for p in pads)
             row["padding_after"] = statistics.mean(p["after"] for p in pads)
+            packed = [p["packed"] for p in pads if "packed" in p]
+            row["padding_packed"] = statistics.mean(packed) if packed else None
             update_tokens = statistics.median(
                 s["kept"] * (shape["prompt_words"] * 2 + s["tokens_generated"] / s["completions"])
                 for s in steps)
@@ -339,7 +357,7 @@ def write_report(result: dict, out: Path) -> None:
              f"(decode), {f(bound['decode_small'], 1)} GFLOP/s at {shape['group']} rows.", "",
              "| system | executed steps | s/step (median, range) | questions/step | s/question | "
              "generate | score | log-probs | update | gen tok/s (% of bound) | update tok/s (% of bound) | "
-             "padding before -> after trim | peak RSS MB |", "|" + "---|" * 13]
+             "padding before -> after trim -> computed (packed) | peak RSS MB |", "|" + "---|" * 13]
     for name in SYSTEMS:
         r = s.get(name, {})
         if "seconds_per_step" not in r:
@@ -353,7 +371,9 @@ def write_report(result: dict, out: Path) -> None:
                f"{f(r['generation_tokens_per_s'], 0)} ({100 * r['generation_share_of_bound']:.0f} %, batch "
                f"{r['generation_batch']:.0f}) | {f(r['update_tokens_per_s'], 0)} "
                f"({100 * r['update_share_of_bound']:.0f} %) | {100 * r['padding_before']:.0f} % -> "
-               f"{100 * r['padding_after']:.0f} % | " if cppo else "whole step | | | | | | | ")
+               f"{100 * r['padding_after']:.0f} % -> "
+               + ("n/a" if r.get("padding_packed") is None else f"{100 * r['padding_packed']:.0f} %")
+               + " | " if cppo else "whole step | | | | | | | ")
             + f"{r['peak_rss_mb']:.0f} |")
     g = s.get("goals")
     if g:

@@ -29,11 +29,11 @@ def count_rows(trainer, log, monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "embedding", counted)
     scoring = LeanForward.completion_logits
 
-    def counted_scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask):
+    def counted_scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask, **kw):
         name = weights.get(id(self.model.get_input_embeddings().weight), "other")
         log.append((name, completion_ids.shape[0], prompt_ids.shape[1] + completion_ids.shape[1],
                     generating[0]))
-        return scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask)
+        return scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask, **kw)
     monkeypatch.setattr(LeanForward, "completion_logits", counted_scoring)
     original = trainer.backend.generate
 

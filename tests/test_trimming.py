@@ -59,7 +59,9 @@ def step_inputs(trainer):
 
 
 def record_widths(trainer, monkeypatch):
-    """Columns (prompt + completion) of every forward pass the models receive."""
+    """Columns (prompt + completion) of every forward pass the models receive. For the lean
+    passes that is the padded layout attention runs in (the per-token work runs on real tokens
+    only, counted in tests/test_padding_free.py)."""
     widths = []
     if trainer.args.lean_forward:
         call, scoring = LeanForward.__call__, LeanForward.completion_logits
@@ -68,9 +70,9 @@ def record_widths(trainer, monkeypatch):
             widths.append(ids.shape[1])
             return call(self, ids, *args, **kwargs)
 
-        def counted_scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask):
+        def counted_scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask, **kw):
             widths.append(prompt_ids.shape[1] + completion_ids.shape[1])
-            return scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask)
+            return scoring(self, prompt_ids, prompt_mask, question, completion_ids, completion_mask, **kw)
         monkeypatch.setattr(LeanForward, "__call__", counted_call)
         monkeypatch.setattr(LeanForward, "completion_logits", counted_scoring)
     else:

@@ -287,54 +287,62 @@ def _completions(ids: Tensor, eos: Tensor) -> Completions:
     return Completions(ids=ids, mask=(~after_eos).long(), truncated=~is_eos.any(1))
 
 
+LOGITS_CHUNK = 1024   # half-precision rows upcast to float32 at a time
+
+
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
-    """log_softmax(logits)[..., index] without materialising the full (N, T, V) log-probs."""
+    """log_softmax(logits)[..., index] (shape of index) without materialising the full
+    log-probs: logits (..., V), e.g. (N, T, V) or packed (M, V)."""
     if logits.dtype in (torch.float32, torch.float64):
         return logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    rows = [F.log_softmax(lg.float(), -1).gather(-1, ix.unsqueeze(-1)).squeeze(-1)
-            for lg, ix in zip(logits, index)]
-    return torch.stack(rows)
+    flat, flat_index = logits.reshape(-1, logits.shape[-1]), index.reshape(-1, 1)
+    rows = [F.log_softmax(lg.float(), -1).gather(-1, ix).squeeze(-1)
+            for lg, ix in zip(flat.split(LOGITS_CHUNK), flat_index.split(LOGITS_CHUNK))]
+    return torch.cat(rows).view(index.shape) if rows else flat.new_zeros(index.shape, dtype=torch.float32)
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, *, temperature: float = 1.0,
                         batch_size: int | None = None, lean: bool = True,
-                        entropies: list | None = None) -> Tensor:
+                        entropies: list | None = None, packed: bool = True) -> Tensor:
     """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp).
 
     Logits are divided by the sampling temperature, as TRL does. Runs with grad if enabled.
-    lean: use cppo.models.lean's forward when it supports the model; when a micro-batch has at
-    least two completions per distinct prompt on average, it also runs each distinct prompt once
-    instead of once per completion (same values)."""
+    lean: use cppo.models.lean's forward when it supports the model: each distinct prompt of a
+    micro-batch is run once, and with `packed` (the default) every pass but attention, the head
+    and the log-softmax run on real tokens only (log-probs and entropies are 0 where
+    completion_mask is 0, which must be 1 on a prefix of each row). packed=False: the padded
+    layout (for comparison). Without the lean forward, the model's own forward on padded rows."""
     n, t = completion_ids.shape
     step = n if batch_size is None else batch_size
     lean_forward = lean_forward_for(model)[0] if lean else None
     out = []
     for s in range(0, n, step):
         rows = slice(s, s + step)
-        prompts = None
+        ids = completion_ids[rows]
         if lean_forward is not None:
             prompts, question = torch.unique(torch.cat([prompt_ids[rows], prompt_mask[rows]], dim=1),
                                              dim=0, return_inverse=True)
-        if prompts is not None and 2 * len(prompts) <= len(question):
-            # at least two completions per distinct prompt on average: run each prompt once
             width = prompt_ids.shape[1]
             logits = lean_forward.completion_logits(prompts[:, :width], prompts[:, width:], question,
-                                                    completion_ids[rows], completion_mask[rows])
-        elif lean_forward is not None:   # (nearly) all prompts distinct: one pass per sequence
-            ids = torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1)
-            mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = lean_forward(ids, positions, mask.bool(), logits_to_keep=t + 1)[0][:, :-1]
+                                                    ids, completion_mask[rows], packed=packed)
         else:
-            ids = torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1)
+            ids_full = torch.cat([prompt_ids[rows], ids], dim=1)
             mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+            logits = model(input_ids=ids_full, attention_mask=mask, position_ids=positions,
                            use_cache=False, logits_to_keep=t + 1).logits[:, :-1]
         if temperature != 1.0:
             logits = logits / temperature
-        out.append(selective_log_softmax(logits, completion_ids[rows]))
+        if lean_forward is not None and packed:   # logits (M, V) of the real tokens
+            real = completion_mask[rows].bool()
+            logps = selective_log_softmax(logits, ids[real])
+            out.append(logps.new_zeros(ids.shape).masked_scatter(real, logps))
+            if entropies is not None:
+                entropy = token_entropy(logits.detach())
+                entropies.append(entropy.new_zeros(ids.shape).masked_scatter(real, entropy))
+            continue
+        out.append(selective_log_softmax(logits, ids))
         if entropies is not None:   # TRL's entropy metric: (rows, T) of the same logits
             entropies.append(token_entropy(logits.detach()))
     return torch.cat(out)
@@ -342,9 +350,11 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
 
 @torch.no_grad()
 def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy (N, T) of the distributions of logits (N, T, V), one row at a time."""
+    """Entropy (...) of the distributions of logits (..., V), e.g. (N, T, V) or packed (M, V),
+    LOGITS_CHUNK rows at a time."""
+    flat = logits.reshape(-1, logits.shape[-1])
     rows = []
-    for lg in logits:
+    for lg in flat.split(LOGITS_CHUNK):
         lg = lg.float()
         rows.append(torch.logsumexp(lg, -1) - (lg.softmax(-1) * lg).sum(-1))
-    return torch.stack(rows)
+    return torch.cat(rows).view(logits.shape[:-1]) if rows else flat.new_zeros(logits.shape[:-1], dtype=torch.float32)

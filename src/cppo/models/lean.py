@@ -338,15 +338,86 @@ class LeanForward:
         return self._logits(weights, h[:, -logits_to_keep:] if logits_to_keep else h), cache
 
     def completion_logits(self, prompt_ids: Tensor, prompt_mask: Tensor, question: Tensor,
-                          completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
-        """Logits (N, T, V) predicting each completion token, with each distinct prompt run once.
+                          completion_ids: Tensor, completion_mask: Tensor, *, packed: bool = True) -> Tensor:
+        """Logits predicting each real completion token, with each distinct prompt run once.
 
         prompt_ids, prompt_mask (Q, Lp): the distinct left-padded prompts; question (N,): the
-        prompt of each completion; completion_ids, completion_mask (N, T). The same function as
-        one forward over [prompt, completion] per row, but the prompt's projections and MLPs are
-        computed once per prompt, not once per completion (G completions of a question share it).
-        The per-token work (norms, projections, MLP) runs on the prompt and completion tokens
-        together, as one flat batch of Q*Lp + N*T tokens; only attention is done per part."""
+        prompt of each completion; completion_ids, completion_mask (N, T), the mask 1 on a prefix
+        of each row. The same function as one forward over [prompt, completion] per row, but the
+        prompt's projections and MLPs are computed once per prompt, not once per completion.
+
+        packed (default): padding-free. Embedding, norms, projections, MLPs and the head run on the
+        real tokens only (the prompts' real tokens and each completion's real tokens but its last,
+        which predicts nothing), as one flat batch; attention runs per part in padded layout, with
+        q/k/v scattered there and its output gathered back. Returns (M, V) for the M real
+        completion tokens (completion_mask's True entries, row-major).
+        packed=False: the padded layout throughout; returns (N, T, V)."""
+        if not packed:
+            return self._completion_logits_padded(prompt_ids, prompt_mask, question,
+                                                  completion_ids, completion_mask)
+        weights = self._current_weights()
+        prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
+        (num_prompts, q_len), (n, t_len) = prompt_ids.shape, completion_ids.shape
+        if num_prompts and not bool(prompt_mask[:, -1].all()):
+            raise ValueError("completion_logits needs left-padded prompts of at least one token "
+                             "(prompt_mask's last column all 1)")
+        inputs = completion_mask[:, 1:]    # (N, T-1): token t is an input iff token t+1 is real
+        prompt_slots = prompt_mask.flatten().nonzero().squeeze(1)         # (Mp,) in (Q*Lp)
+        completion_slots = inputs.flatten().nonzero().squeeze(1)          # (Mc,) in (N*(T-1))
+        num_prompt_tokens = len(prompt_slots)
+        prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+        completion_positions = (prompt_positions[question, -1:] + 1
+                                + torch.arange(t_len - 1, device=completion_ids.device))
+        ids = torch.cat([prompt_ids.flatten()[prompt_slots],
+                         completion_ids[:, :-1].flatten()[completion_slots]])
+        positions = torch.cat([prompt_positions.flatten()[prompt_slots],
+                               completion_positions.flatten()[completion_slots]])
+        h = F.embedding(ids, weights.embed, weights.padding_idx)          # (M_in, d)
+        cos, sin = self._rope(positions[None], h.dtype)
+        rope = (cos[0], sin[0], self._rotate_half(h))                     # (M_in, 1, D)
+        allowed_prompt = self._allowed(prompt_mask, torch.arange(q_len, device=h.device))
+        allowed = self._allowed(torch.cat([prompt_mask[question], inputs], dim=1),
+                                q_len + torch.arange(t_len - 1, device=h.device))
+        for w in weights.layers:
+            qkv = self._qkv_packed(w, h, rope)                           # (M_in, H + 2 H_kv, D)
+            qp, kp, vp = self._unpack(qkv[:num_prompt_tokens], prompt_slots, num_prompts, q_len)
+            attended = [self._attend(qp, kp, vp, allowed_prompt).flatten(0, 1)[prompt_slots]]
+            if len(completion_slots):
+                qc, kc, vc = self._unpack(qkv[num_prompt_tokens:], completion_slots, n, t_len - 1)
+                attended.append(self._attend(qc, torch.cat([kp[question], kc], dim=2),
+                                             torch.cat([vp[question], vc], dim=2),
+                                             allowed).flatten(0, 1)[completion_slots])
+            h = self._finish(w, h, torch.cat(attended))
+        # the packed row predicting each completion token (N, T): token 0 the prompt's last
+        # position, token t the completion's input t-1
+        prompt_rows = prompt_mask.flatten().long().cumsum(0) - 1
+        completion_rows = num_prompt_tokens + inputs.flatten().long().cumsum(0) - 1
+        source = torch.cat([prompt_rows.view(num_prompts, q_len)[question, -1:],
+                            completion_rows.view(n, t_len - 1)], dim=1)
+        return self._logits(weights, h[source[completion_mask]])
+
+    def _qkv_packed(self, w: "LayerWeights", h: Tensor, rope: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        """Rotated queries and keys, and values, of packed tokens h (M, d): (M, H + 2*H_kv, D)."""
+        rotated = self.num_heads + self.num_kv_heads
+        qkv = F.linear(self._norm(h, w.input_norm), w.qkv, w.qkv_bias)
+        qkv = qkv.view(h.shape[0], rotated + self.num_kv_heads, self.head_dim)
+        cos, sin, rotate_half = rope
+        qk = qkv[:, :rotated]
+        return torch.cat([qk * cos + (qk @ rotate_half) * sin, qkv[:, rotated:]], dim=1)
+
+    def _unpack(self, packed: Tensor, slots: Tensor, rows: int, length: int):
+        """q (rows, H, L, D), k and v (rows, H_kv, L, D) in padded layout (zeros at padding) from
+        packed (M, H + 2*H_kv, D) whose token i sits at flat slot slots[i] of (rows * L)."""
+        padded = packed.new_zeros((rows * length, *packed.shape[1:])).index_copy(0, slots, packed)
+        padded = padded.view(rows, length, -1, self.head_dim).transpose(1, 2)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        return padded[:, :heads], padded[:, heads:heads + kv_heads], padded[:, heads + kv_heads:]
+
+    def _completion_logits_padded(self, prompt_ids: Tensor, prompt_mask: Tensor, question: Tensor,
+                                  completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
+        """completion_logits in padded layout: logits (N, T, V), padding included. The per-token
+        work runs on the prompt and completion tokens together, as one flat batch of Q*Lp + N*T
+        tokens; only attention is done per part."""
         weights = self._current_weights()
         prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
         (num_prompts, q_len), (n, t_len) = prompt_ids.shape, completion_ids.shape
