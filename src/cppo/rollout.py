@@ -312,7 +312,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     micro-batch is run once, and with `packed` (the default) every pass but attention, the head
     and the log-softmax run on real tokens only (log-probs and entropies are 0 where
     completion_mask is 0, which must be 1 on a prefix of each row). packed=False: the padded
-    layout (for comparison). Without the lean forward, the model's own forward on padded rows."""
+    layout (for comparison). Without the lean forward, the model's own forward on padded rows
+    (log-probs and entropies are 0 at padding there too)."""
     n, t = completion_ids.shape
     step = n if batch_size is None else batch_size
     lean_forward = lean_forward_for(model)[0] if lean else None
@@ -342,9 +343,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                 entropy = token_entropy(logits.detach())
                 entropies.append(entropy.new_zeros(ids.shape).masked_scatter(real, entropy))
             continue
-        out.append(selective_log_softmax(logits, ids))
+        real = completion_mask[rows].to(logits.dtype)   # 0 at padding, as on the packed path
+        out.append(selective_log_softmax(logits, ids) * real)
         if entropies is not None:   # TRL's entropy metric: (rows, T) of the same logits
-            entropies.append(token_entropy(logits.detach()))
+            entropies.append(token_entropy(logits.detach()) * real)
     return torch.cat(out)
 
 
