@@ -18,6 +18,7 @@ compute on, peak resident memory, and the CPU capability.
     python benchmarks/real_shape.py --quick         # small: same vocabulary, 4 layers, G = 8, 64 tokens
     python benchmarks/real_shape.py --emulate-avx2  # torch held to AVX2 code paths
     python benchmarks/real_shape.py --device cuda --dtype bfloat16
+    python benchmarks/real_shape.py --quick --profile  # where cppo's sampling time goes -> profile.md
 
 Writes benchmarks/results/real_shape/results.md and results.json.
 """
@@ -114,7 +115,7 @@ def calibrate_eos(model, tok, mean_length: float) -> None:
 
 def shorter_is_better(prompts, completions, completion_ids=None, **kw):
     """Reward in [0, 1]: 1 - characters / 2048 of the completion text (continuous, so groups
-    have variance). Measured on the text: cppo passes completion_ids padded to the step's width."""
+    have variance; the same for both trainers, which give it the same text)."""
     return [1.0 - min(len(text), 2048) / 2048 for text in completions]
 
 
@@ -399,6 +400,51 @@ def write_report(result: dict, out: Path) -> None:
     print("\n".join(lines))
 
 
+# ----------------------------------------------------------------- profile --------------------
+def profile_generation(folder: Path, shape: dict, device: str, dtype: str, out: Path,
+                       argv: str, shared: bool) -> None:
+    """cProfile of one cppo sampling call of the CPPO step's batch (after a warm-up call):
+    the functions that take the time, written to profile.md."""
+    import cProfile
+    import pstats
+    import torch
+    from cppo import hardware
+    from cppo.models import load_model, load_tokenizer
+    from cppo.rollout import encode_prompts, sample_completions
+    model = load_model(str(folder), torch_dtype=dtype).to(device).eval()
+    tok = load_tokenizer(str(folder))
+    rows = json.loads((folder / "prompts.json").read_text())
+    questions = round(1 / (1 - CPPO_PRUNING))
+    prompts = encode_prompts(tok, [r["prompt"] for r in rows[:questions]])
+    kw = dict(num_generations=shape["group"], max_new_tokens=shape["max_new"],
+              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    sample_completions(model, prompts, generator=torch.Generator(device).manual_seed(0), **kw)
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    done = sample_completions(model, prompts, generator=torch.Generator(device).manual_seed(1), **kw)
+    profiler.disable()
+    total = time.perf_counter() - start
+    stats = pstats.Stats(profiler).stats   # (file, line, name) -> (calls, prim, tottime, cumtime, callers)
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
+    m = hardware.describe(device)
+    lines = ["# Where cppo's sampling time goes (real-shape model, the CPPO step's batch)", "",
+             f"Command: `python benchmarks/real_shape.py {argv}`  ",
+             f"Machine: {m['cpu']}, torch {m['torch']}, CPU capability **{m['cpu_capability']}**, "
+             f"AVX512-BF16 flag {m['avx512_bf16']}, {torch.get_num_threads()} threads, device {device}, "
+             f"dtype {dtype}; shared machine: {shared}.  ",
+             f"One `cppo.rollout.sample_completions` call: {questions} questions x G = {shape['group']} = "
+             f"{questions * shape['group']} completions, up to {shape['max_new']} new tokens "
+             f"(mean length {float(done.lengths.float().mean()):.1f}), {total:.2f} s under cProfile.", "",
+             "| function | calls | seconds (own) | share of the call |", "|---|---|---|---|"]
+    for (file, line, name), (calls, _, own, _, _) in top:
+        where = name if file == "~" else f"{Path(file).name}:{line} {name}"
+        lines.append(f"| `{where}` | {calls} | {own:.3f} | {100 * own / total:.0f} % |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -413,6 +459,8 @@ def main() -> None:
     parser.add_argument("--assets", default=None, help="model folder (default: a cache under /tmp)")
     parser.add_argument("--output", default="benchmarks/results/real_shape")
     parser.add_argument("--from-json", help="only re-render results.md from this results.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="only profile cppo's sampling of the CPPO step's batch -> profile.md")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -439,6 +487,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
     build_assets(folder, {k: v for k, v in shape.items() if k not in ("steps", "repeats")})
+    if args.profile:
+        profile_generation(folder, shape, args.device, args.dtype, Path(args.output),
+                           " ".join(sys.argv[1:]), args.shared)
+        return
     rows_decode = 64 if args.quick else 128
     bound = {"update": matmul_gflops(2048, shape["hidden"], shape["ffn"], args.dtype, args.device),
              "decode": matmul_gflops(rows_decode, shape["hidden"], shape["ffn"], args.dtype, args.device),

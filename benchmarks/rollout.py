@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 
 from cppo.data import arithmetic
 from cppo.models import load_model, load_tokenizer
+from cppo import hardware
 from cppo.rollout import completion_logprobs, encode_prompts, sample_completions
 
 
@@ -62,7 +62,9 @@ def main() -> None:
     model, tok = load_model(args.model).eval(), load_tokenizer(args.model)
     rows = [p.to_row() for p in arithmetic.generate(3, "train", n=max(args.questions), seed=0)]
     gen = torch.Generator().manual_seed(0)
-    lines = [f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+    m = hardware.describe()
+    lines = [f"Machine: {m['cpu']} ({m['machine']}), {os.cpu_count()} CPU cores, torch {m['torch']}, "
+             f"CPU capability **{m['cpu_capability']}**, AVX512-BF16 flag {m['avx512_bf16']}, "
              f"{torch.get_num_threads()} threads; model {args.model}; G = {args.num_generations}, "
              f"max_new_tokens = {args.max_new_tokens}; median of {args.repeats} interleaved runs.",
              "", "Rollouts (seconds; speed-up = transformers generate / row):", "",

@@ -142,7 +142,7 @@ def write_outputs(args, result: dict, numbers: dict) -> list[Path]:
     plt.close(fig)
     lines = ["# Soak test", "", f"`python benchmarks/soak.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
              "", f"{time.strftime('%Y-%m-%d')}, torch threads {args.threads}, "
-             f"{os.cpu_count()} CPUs (shared machine: step times carry other users' load). "
+             f"{os.cpu_count()} CPUs, {_machine()} (shared machine: step times carry other users' load). "
              f"Memory sampled every {args.every} steps; checkpoints and held-out evals every "
              f"{max(1, args.steps // 4)} steps.", "", "| measure | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in numbers.items()]
@@ -163,5 +163,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def _machine() -> str:
+    from cppo import hardware
+    m = hardware.describe()
+    return f"{m['cpu']}, torch {m['torch']}, CPU capability {m['cpu_capability']}, AVX512-BF16 flag {m['avx512_bf16']}"
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -18,6 +18,8 @@ def machine() -> dict:
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
+    from cppo import hardware
+    info["hardware"] = hardware.describe()   # CPU model, torch's CPU capability, bf16 flags
     try:
         import transformers
         info["transformers"] = transformers.__version__
@@ -41,7 +43,9 @@ def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
              "", f"Command: `{raw['command']}`  ",
              f"Machine: {raw['machine']['platform']}, {raw['machine']['cpu_count']} CPUs "
              f"({raw['machine']['torch_threads']} torch threads), torch {raw['machine']['torch']}, "
-             f"transformers {raw['machine'].get('transformers', '?')}, Python {raw['machine']['python']}  ",
+             f"transformers {raw['machine'].get('transformers', '?')}, Python {raw['machine']['python']}"
+             + (f", CPU capability {raw['machine']['hardware']['cpu_capability']}"
+                if "hardware" in raw["machine"] else ", CPU capability not recorded") + "  ",
              f"Started {raw['started']}; total wall time {fmt_num(raw.get('total_seconds', 0) / 60, 1)} min "
              f"(estimate before starting: {fmt_num(raw.get('estimate_seconds', 0) / 60, 1)} min)  ",
              f"Recipe: embedded model and task (2x2-digit multiplication), N = {settings['train_questions']} "

@@ -269,13 +269,17 @@ class LeanForward:
         return a.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
     def _attend_bmm(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
-        """_attend for H_kv == H with an additive mask bias (N*H, L, S) made once per call: for
-        decode steps (L = 1) two batched GEMMs beat the fused kernel's per-call set-up."""
-        n, heads, length, dim = q.shape
-        scores = torch.baddbmm(bias, q.reshape(n * heads, length, dim),
-                               k.reshape(n * heads, -1, dim).transpose(1, 2), alpha=self.scale)
-        out = torch.bmm(scores.softmax(-1), v.reshape(n * heads, -1, dim))
-        return out.view(n, heads, length, dim).transpose(1, 2).reshape(n, length, heads * dim)
+        """_attend for one query position (L = 1) with an additive mask bias (N*H_kv, 1, S) made
+        once per call: for decode steps two batched GEMMs beat the fused kernel's per-call set-up.
+        With grouped-query attention the H / H_kv query heads that share a key/value head are the
+        rows of one GEMM, so keys and values are read once, not repeated per query head."""
+        n, heads, _, dim = q.shape
+        kv_heads = k.shape[1]
+        group = heads // kv_heads
+        scores = torch.baddbmm(bias, q.reshape(n * kv_heads, group, dim),
+                               k.reshape(n * kv_heads, -1, dim).transpose(1, 2), alpha=self.scale)
+        out = torch.bmm(scores.softmax(-1), v.reshape(n * kv_heads, -1, dim))
+        return out.reshape(n, 1, heads * dim)
 
     def _finish(self, w: "LayerWeights", h: Tensor, attended: Tensor) -> Tensor:
         """The residual stream after a layer's output projection and MLP."""
@@ -322,9 +326,9 @@ class LeanForward:
             key_mask = key_mask[:, :capacity]
         allowed = self._allowed(key_mask, slots)
         bias = None
-        if length == 1 and self.num_kv_heads == self.num_heads and not torch.is_grad_enabled():
+        if length == 1 and not torch.is_grad_enabled():
             bias = h.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-            bias = bias.expand(n, self.num_heads, 1, -1).reshape(n * self.num_heads, 1, -1)
+            bias = bias.expand(n, self.num_kv_heads, 1, -1).reshape(n * self.num_kv_heads, 1, -1)
         for index, w in enumerate(weights.layers):
             q, k, v = self._qkv(w, h, rope)
             if cache is not None:
