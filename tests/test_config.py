@@ -9,8 +9,8 @@ from cppo.config import ConfigError, CPPOConfig
 def test_defaults_are_the_embedded_cppo_recipe():
     cfg = CPPOConfig()
     assert cfg.model == "embedded" and cfg.dataset_name == "embedded"
-    assert cfg.pruning_rate == 0.875 and cfg.allocation is True
-    assert cfg.num_generations == 16 and cfg.loss_type == "dapo" and cfg.beta == 0.0
+    assert cfg.pruning_rate == 0.75 and cfg.allocation is True and cfg.max_steps == 600
+    assert cfg.num_generations == 8 and cfg.loss_type == "dapo" and cfg.beta == 0.0
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -45,7 +45,7 @@ def test_command_line_lists_parse():
     ({"num_generations": 1}, "pruning needs >= 2 completions per question"),
     ({"pruning_rate": 0, "per_device_train_batch_size": 20},
      "per_device_train_batch_size x gradient_accumulation_steps = 20 x 1 = 20 completions, "
-     "num_generations = 16"),
+     "num_generations = 8"),
     ({"loss_type": "ppo"}, "'loss_type' is 'ppo'; allowed: grpo, bnpo, dr_grpo, dapo"),
     ({"scale_rewards": "yes"}, "'scale_rewards' is 'yes'"),
     ({"selection_rule": "best"}, "'selection_rule' is 'best'"),
@@ -91,7 +91,7 @@ def test_help_documents_every_field(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for fld in dataclasses.fields(CPPOConfig):
         assert f"--{fld.name}" in text
-    assert "(default: 0.875)" in text
+    assert "(default: 0.75)" in text
 
 
 # ---------------------------------------------------------------- one source of truth

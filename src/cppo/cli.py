@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train = sub.add_parser("train", allow_abbrev=False, help="GRPO/CPPO training (no arguments: the embedded default)",
                            description="Train with GRPO + completion pruning. With no arguments: "
-                           "CPPO P=0.875 with allocation on the shipped tiny model and task.")
+                           "CPPO (G=8, P=0.75) with allocation on the shipped tiny model and task.")
     train.add_argument("--config", default=None, help="YAML file of field: value (overridden by "
                        "command-line options).")
     _add_fields(train, CPPOConfig)

@@ -1,6 +1,6 @@
 """One configuration dataclass: TRL GRPOConfig names plus the CPPO fields.
 
-Defaults are the embedded recipe (`cppo train` with no arguments): CPPO with P = 0.875 and
+Defaults are the embedded recipe (`cppo train` with no arguments): CPPO with G = 8, P = 0.75 and
 dynamic completion allocation on the shipped tiny model and the embedded arithmetic task.
 A config comes from defaults, then a YAML file (`--config run.yaml`), then `--name value`
 overrides; every value is checked where it enters and a bad one raises `ConfigError` naming the
@@ -90,7 +90,7 @@ class CPPOConfig:
                                                "(None: all 1.0).")
 
     # --- generation ------------------------------------------------------------------------
-    num_generations: int = option(16, "G: completions sampled per question.")
+    num_generations: int = option(8, "G: completions sampled per question.")
     max_prompt_length: Optional[int] = option(512, "Prompts longer than this are left-truncated.")
     max_completion_length: int = option(5, "Maximum new tokens per completion (the embedded task's "
                                     "answers are 4 digits + EOS; use 256-1024 for real reasoning "
@@ -139,7 +139,7 @@ class CPPOConfig:
     mask_truncated_completions: bool = option(False, "Exclude completions without EOS from the loss.")
 
     # --- CPPO ------------------------------------------------------------------------------
-    pruning_rate: float = option(0.875, "P: fraction of completions pruned (smallest |A| first) "
+    pruning_rate: float = option(0.75, "P: fraction of completions pruned (smallest |A| first) "
                              "before any forward pass. 0: plain GRPO.")
     allocation: bool = option(True, "Dynamic completion allocation: sample more questions so that "
                           "kept completions fill the update batch.")
@@ -160,7 +160,7 @@ class CPPOConfig:
     adam_beta2: float = option(0.99, "AdamW beta2.")
     max_grad_norm: float = option(1.0, "Gradient clipping norm (0: off).")
     num_train_epochs: float = option(1.0, "Passes over the training questions.")
-    max_steps: int = option(450, "Optimizer steps (-1: derived from num_train_epochs).")
+    max_steps: int = option(600, "Optimizer steps (-1: derived from num_train_epochs).")
     seed: int = option(42, "Random seed (data order, sampling, selection).")
 
     # --- several processes (torchrun / accelerate launch) -----------------------------------
