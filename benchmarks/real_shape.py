@@ -59,7 +59,8 @@ def build_assets(folder: Path, shape: dict) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     marker = folder / "shape.json"
-    if marker.exists() and json.loads(marker.read_text()) == shape:
+    if marker.exists() and {k: v for k, v in json.loads(marker.read_text()).items()
+                            if k != "expected_mean_length"} == {**shape, "calibration": 2}:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
@@ -81,36 +82,53 @@ def build_assets(folder: Path, shape: dict) -> Path:
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                          bos_token_id=None)
     model = Qwen2ForCausalLM(config)
-    calibrate_eos(model, tok, mean_length=shape["max_new"] / 2)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
     prompts = [{"prompt": "Repeat shortly: " + " ".join(words(rng, shape["prompt_words"])) + "\n"}
                for _ in range(512)]
+    expected = calibrate_eos(model, tok, [p["prompt"] for p in prompts],
+                             mean_length=shape["max_new"] * 2 / 3, max_new=shape["max_new"])
+    tok.padding_side = "right"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
     (folder / "prompts.json").write_text(json.dumps(prompts))
-    marker.write_text(json.dumps(shape))
+    marker.write_text(json.dumps({**shape, "calibration": 2, "expected_mean_length": expected}))
     return folder
 
 
-def calibrate_eos(model, tok, mean_length: float) -> None:
-    """Give every token embedding the same value in channel 0 (so the final hidden states share
-    that channel) and point the EOS row of the output head along it, scaled so that on the kind
-    of text a random model samples (uniform random tokens) the median position gives EOS about
-    1/mean_length of the probability; it varies with the position, so lengths vary."""
+def calibrate_eos(model, tok, prompts: list[str], mean_length: float, max_new: int) -> float:
+    """Point the EOS row of the output head along channel 0 (which every token embedding shares),
+    scaled so that completions sampled from this random model have about `mean_length` tokens on
+    average (at most max_new), with lengths that vary. The scale is solved on sampled text: 16
+    completions are sampled with EOS held back, and for a candidate scale the probability of EOS
+    at each of their positions gives the expected (capped) length exactly, since holding EOS back
+    does not change the distribution of the other tokens. Returns that expected mean length."""
     import torch
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 1.0
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, model.config.vocab_size, (16, 96), generator=gen)
-        hidden = model.model(input_ids=ids).last_hidden_state[:, 16:].flatten(0, 1)  # (tokens, d)
         head = model.lm_head.weight
-        target = 1.0 / mean_length
-        lo, hi = 0.0, 100.0
-        for _ in range(50):
+        head[tok.eos_token_id] = 0.0
+        tok.padding_side = "left"
+        batch = tok(prompts[:16], return_tensors="pt", padding=True)
+        torch.manual_seed(0)
+        ids = model.generate(**batch, do_sample=True, max_new_tokens=max_new, min_new_tokens=max_new,
+                             pad_token_id=tok.pad_token_id, top_k=0, top_p=1.0)
+        mask = torch.cat([batch["attention_mask"], torch.ones_like(ids[:, batch["input_ids"].shape[1]:])], 1)
+        hidden = model.model(input_ids=ids, attention_mask=mask,
+                             position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+        hidden = hidden[:, batch["input_ids"].shape[1] - 1:-1]      # the states predicting each new token
+        logits = model.lm_head(hidden)
+        logits[..., tok.eos_token_id] = float("-inf")
+        others, channel = torch.logsumexp(logits, -1), hidden[..., 0]
+
+        def expected_length(scale: float) -> float:
+            stop = torch.sigmoid(scale * channel - others)            # P(EOS) at each position
+            survive = torch.cumprod(1 - stop, dim=1)[:, :-1]
+            return float((1 + survive.sum(1)).mean())
+        lo, hi = 0.0, 1000.0                                        # longer at lo, shorter at hi
+        for _ in range(60):
             scale = (lo + hi) / 2
-            head[tok.eos_token_id] = 0.0
-            head[tok.eos_token_id, 0] = scale
-            p = torch.softmax(hidden @ head.T, -1)[:, tok.eos_token_id].median()
-            lo, hi = (scale, hi) if p < target else (lo, scale)
+            lo, hi = (scale, hi) if expected_length(scale) > mean_length else (lo, scale)
+        head[tok.eos_token_id, 0] = scale
+        return expected_length(scale)
 
 
 def shorter_is_better(prompts, completions, completion_ids=None, **kw):
@@ -239,7 +257,8 @@ def run_cppo(system, folder, rows, shape, device, dtype, steps) -> dict:
                         "completions": metrics["cppo/completions_scored"],
                         "questions": metrics["cppo/questions_per_step"],
                         "tokens_generated": metrics["completions/mean_length"] * metrics["cppo/completions_scored"],
-                        "kept": metrics["cppo/completions_kept"], "padding": padding[-1] if padding else None})
+                        "kept": metrics["cppo/completions_kept"], "padding": padding[-1] if padding else None,
+                        "update_tokens": work["computed"]})
     return {"steps": records[1:], "warmup": records[:1],
             "parameters": sum(p.numel() for p in trainer.policy.parameters())}
 
@@ -306,7 +325,7 @@ def summarise(runs: dict[str, list[dict]], shape: dict, bound: dict) -> dict:
             for k in ("generate", "score", "logprobs", "update"):
                 row[k] = med(k)
             ctx = shape["prompt_words"] * 2 + shape["max_new"] // 2
-            gen_tps = row["tokens_generated_per_step"] / row["generate"]
+            gen_tps = sum(s["tokens_generated"] for s in steps) / sum(s["generate"] for s in steps)
             row["generation_tokens_per_s"] = gen_tps
             row["generation_gflops"] = gen_tps * flops_per_token(shape, ctx) / 1e9
             row["generation_batch"] = row["completions_per_step"]
@@ -318,10 +337,8 @@ def summarise(runs: dict[str, list[dict]], shape: dict, bound: dict) -> dict:
             row["padding_after"] = statistics.mean(p["after"] for p in pads)
             packed = [p["packed"] for p in pads if "packed" in p]
             row["padding_packed"] = statistics.mean(packed) if packed else None
-            update_tokens = statistics.median(
-                s["kept"] * (shape["prompt_words"] * 2 + s["tokens_generated"] / s["completions"])
-                for s in steps)
-            row["update_tokens_per_s"] = update_tokens / row["update"]
+            # the tokens the packed update pass computes on (each distinct prompt once, no padding)
+            row["update_tokens_per_s"] = sum(s["update_tokens"] for s in steps) / sum(s["update"] for s in steps)
             row["update_gflops"] = row["update_tokens_per_s"] * 3 * flops_per_token(shape, ctx) / 1e9
             row["update_share_of_bound"] = row["update_gflops"] / bound["update"]
         out[system] = row
@@ -373,7 +390,7 @@ def write_report(result: dict, out: Path) -> None:
                f"{r['generation_batch']:.0f}) | {f(r['update_tokens_per_s'], 0)} "
                f"({100 * r['update_share_of_bound']:.0f} %) | {100 * r['padding_before']:.0f} % -> "
                f"{100 * r['padding_after']:.0f} % -> "
-               + ("n/a" if r.get("padding_packed") is None else f"{100 * r['padding_packed']:.0f} %")
+               + ("n/a" if r.get("padding_packed") is None else f"{abs(100 * r['padding_packed']):.0f} %")
                + " | " if cppo else "whole step | | | | | | | ")
             + f"{r['peak_rss_mb']:.0f} |")
     g = s.get("goals")
