@@ -18,7 +18,7 @@ compute on, peak resident memory, and the CPU capability.
     python benchmarks/real_shape.py --quick         # small: same vocabulary, 4 layers, G = 8, 64 tokens
     python benchmarks/real_shape.py --emulate-avx2  # torch held to AVX2 code paths
     python benchmarks/real_shape.py --device cuda --dtype bfloat16
-    python benchmarks/real_shape.py --quick --profile  # where cppo's sampling time goes -> profile.md
+    python benchmarks/real_shape.py --profile          # where cppo's time goes -> profile.md
 
 Writes benchmarks/results/real_shape/results.md and results.json.
 """
@@ -424,43 +424,70 @@ def write_report(result: dict, out: Path) -> None:
 # ----------------------------------------------------------------- profile --------------------
 def profile_generation(folder: Path, shape: dict, device: str, dtype: str, out: Path,
                        argv: str, shared: bool) -> None:
-    """cProfile of one cppo sampling call of the CPPO step's batch (after a warm-up call):
-    the functions that take the time, written to profile.md."""
-    import cProfile
-    import pstats
+    """torch.profiler tables of cppo's sampling for the CPPO step (1/(1-P) questions x G) and the
+    GRPO step (1 question x G), and of the update pass (forward + backward of the packed log-probs
+    of G completions): the operators that take the time, written to profile.md. Each is run once
+    before it is profiled."""
     import torch
+    from torch.profiler import ProfilerActivity, profile
     from cppo import hardware
     from cppo.models import load_model, load_tokenizer
-    from cppo.rollout import encode_prompts, sample_completions
+    from cppo.rollout import completion_logprobs, encode_prompts, sample_completions
     model = load_model(str(folder), torch_dtype=dtype).to(device).eval()
     tok = load_tokenizer(str(folder))
     rows = json.loads((folder / "prompts.json").read_text())
-    questions = round(1 / (1 - CPPO_PRUNING))
-    prompts = encode_prompts(tok, [r["prompt"] for r in rows[:questions]])
+    cppo_questions = round(1 / (1 - CPPO_PRUNING))
     kw = dict(num_generations=shape["group"], max_new_tokens=shape["max_new"],
               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    sample_completions(model, prompts, generator=torch.Generator(device).manual_seed(0), **kw)
-    profiler = cProfile.Profile()
-    start = time.perf_counter()
-    profiler.enable()
-    done = sample_completions(model, prompts, generator=torch.Generator(device).manual_seed(1), **kw)
-    profiler.disable()
-    total = time.perf_counter() - start
-    stats = pstats.Stats(profiler).stats   # (file, line, name) -> (calls, prim, tottime, cumtime, callers)
-    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
     m = hardware.describe(device)
-    lines = ["# Where cppo's sampling time goes (real-shape model, the CPPO step's batch)", "",
+    lines = ["# Where cppo's time goes at real shape", "",
              f"Command: `python benchmarks/real_shape.py {argv}`  ",
              f"Machine: {m['cpu']}, torch {m['torch']}, CPU capability **{m['cpu_capability']}**, "
              f"AVX512-BF16 flag {m['avx512_bf16']}, {torch.get_num_threads()} threads, device {device}, "
              f"dtype {dtype}; shared machine: {shared}.  ",
-             f"One `cppo.rollout.sample_completions` call: {questions} questions x G = {shape['group']} = "
-             f"{questions * shape['group']} completions, up to {shape['max_new']} new tokens "
-             f"(mean length {float(done.lengths.float().mean()):.1f}), {total:.2f} s under cProfile.", "",
-             "| function | calls | seconds (own) | share of the call |", "|---|---|---|---|"]
-    for (file, line, name), (calls, _, own, _, _) in top:
-        where = name if file == "~" else f"{Path(file).name}:{line} {name}"
-        lines.append(f"| `{where}` | {calls} | {own:.3f} | {100 * own / total:.0f} % |")
+             f"Model: hidden {shape['hidden']}, {shape['layers']} layers, vocabulary {shape['vocab']}; "
+             f"G = {shape['group']}, up to {shape['max_new']} new tokens. Operators by their own time "
+             f"(torch.profiler, CPU), as a share of the profiled call's wall time.", ""]
+
+    def profiled(title: str, run) -> None:
+        run()
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            note = run()
+        wall = time.perf_counter() - start
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
+        lines.extend([f"## {title}", "", f"{note}; {wall:.2f} s under the profiler.", "",
+                      "| operator | calls | seconds (own) | share |", "|---|---|---|---|"])
+        for e in ops:
+            own = e.self_cpu_time_total / 1e6
+            lines.append(f"| `{e.key}` | {e.count} | {own:.3f} | {100 * own / wall:.0f} % |")
+        lines.append("")
+
+    def sampler(questions: int):
+        prompts = encode_prompts(tok, [r["prompt"] for r in rows[:questions]])
+
+        def run() -> str:
+            done = sample_completions(model, prompts, generator=torch.Generator(device).manual_seed(1), **kw)
+            return (f"{questions} question(s) x G = {shape['group']} = {len(done.ids)} completions, "
+                    f"mean length {float(done.lengths.float().mean()):.1f}")
+        return run, prompts
+
+    cppo_sampling, _ = sampler(cppo_questions)
+    profiled("Sampling, the CPPO step's batch", cppo_sampling)
+    grpo_sampling, prompts = sampler(1)
+    profiled("Sampling, the GRPO step's batch", grpo_sampling)
+    done = sample_completions(model, prompts, generator=torch.Generator(device).manual_seed(2), **kw)
+    batch = (prompts.ids.repeat_interleave(shape["group"], 0), prompts.mask.repeat_interleave(shape["group"], 0),
+             done.ids, done.mask)
+    model.train()
+
+    def update() -> str:
+        logps = completion_logprobs(model, *batch)
+        (logps * done.mask).sum().backward()
+        model.zero_grad(set_to_none=True)
+        return (f"forward + backward of the packed log-probs of {len(done.ids)} completions "
+                f"({int(done.mask.sum())} completion tokens)")
+    profiled("Update pass (policy forward + backward), G completions", update)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -481,7 +508,7 @@ def main() -> None:
     parser.add_argument("--output", default="benchmarks/results/real_shape")
     parser.add_argument("--from-json", help="only re-render results.md from this results.json")
     parser.add_argument("--profile", action="store_true",
-                        help="only profile cppo's sampling of the CPPO step's batch -> profile.md")
+                        help="only profile cppo's sampling and update pass -> profile.md")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
