@@ -6,6 +6,7 @@ CPPOTrainer(train_dataset=...) with ConfigError.
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,12 @@ class Payload:
 
 # (id, extra `cppo train` arguments ({name} = a file of the env fixture), message fragment)
 CASES = [
+    ("memory_budget_too_small", ["--memory_budget_gib", "0.0001"],
+     "the memory budget of 0.00 GiB per device is too small for one training sequence"),
+    ("vllm_missing", ["--use_vllm", "true"],
+     "'use_vllm' is true but vLLM is not installed: pip install 'cppo[vllm]'"),
+    ("generation_chunk_size", ["--generation_chunk_size", "0"],
+     "'generation_chunk_size' is 0; must be >= 1 or None"),
     ("unknown_option", ["--learnign_rate", "1"], "unknown option --learnign_rate; did you mean --learning_rate"),
     ("option_prefix", ["--learning_rat", "1"], "unknown option --learning_rat; did you mean --learning_rate"),
     ("wrong_type", ["--num_generations", "four"], "'num_generations' expects int, got 'four'"),
@@ -141,6 +148,7 @@ def test_cli_error(env, tmp_path, capsys, monkeypatch, extra, message):
     import cppo.trainer
     monkeypatch.setattr(cppo.trainer.CPPOTrainer, "training_round",
                         lambda self: started.append(1) or pytest.fail("a training step started"))
+    monkeypatch.setitem(sys.modules, "vllm", None)   # as where vLLM is not installed
     args = base_args(env, tmp_path) + [a.format(**env) for a in extra]
     assert main(args) == 2
     err = capsys.readouterr().err
