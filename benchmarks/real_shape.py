@@ -422,7 +422,7 @@ def write_report(result: dict, out: Path) -> None:
 
 
 # ----------------------------------------------------------------- profile --------------------
-def profile_generation(folder: Path, shape: dict, device: str, dtype: str, out: Path,
+def profile_phases(folder: Path, shape: dict, device: str, dtype: str, out: Path,
                        argv: str, shared: bool) -> None:
     """torch.profiler tables of cppo's sampling for the CPPO step (1/(1-P) questions x G) and the
     GRPO step (1 question x G), and of the update pass (forward + backward of the packed log-probs
@@ -536,7 +536,7 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     build_assets(folder, {k: v for k, v in shape.items() if k not in ("steps", "repeats")})
     if args.profile:
-        profile_generation(folder, shape, args.device, args.dtype, Path(args.output),
+        profile_phases(folder, shape, args.device, args.dtype, Path(args.output),
                            " ".join(sys.argv[1:]), args.shared)
         return
     rows_decode = 64 if args.quick else 128
