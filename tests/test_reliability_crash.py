@@ -23,7 +23,9 @@ from cppo.cli import main
 from helpers import (PARK_ENV, load_weights, single_thread, start_train, step_records, train_args,
                      wait_until, write_jsonl)
 
-PAUSES = {"mid_write": "weights:4", "after_rename": "renamed:4", "mid_step": None, "ctrl_c": None}
+PAUSES = {"mid_write": "weights:4", "after_rename": "renamed:4", "mid_step": None, "ctrl_c": None,
+          "sigterm": None}
+STOPS = {"ctrl_c": (signal.SIGINT, 0), "sigterm": (signal.SIGTERM, 143)}   # signal, exit code
 COUNTERS = ("questions_seen", "completions_scored", "completions_trained", "tokens_generated",
             "skipped_steps", "nonfinite_steps")
 
@@ -42,19 +44,20 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed(data, tiny_model_dir):
-    """Start the children at once, SIGKILL each at its point (SIGINT for ctrl_c); {name: dir}."""
+    """Start the children at once, SIGKILL each at its point (SIGINT for ctrl_c, SIGTERM for
+    sigterm); {name: dir}."""
     root, rows = data
     children = {}
     for name, pause in PAUSES.items():
         env = {ckpt.PAUSE_ENV: pause} if pause else {}
-        if name == "ctrl_c":             # parks inside step 4 until signalled (helpers.park_in_training)
+        if name in STOPS:             # parks inside step 4 until signalled (helpers.park_in_training)
             env = {PARK_ENV: str(root / name)}
         log = root / f"{name}.log"
         children[name] = (root / name, start_train(train_args(tiny_model_dir, rows, root / name),
                                                    log, **env), log, pause)
 
     def at_kill_point(out, log, pause):
-        if out.name == "ctrl_c":
+        if out.name in STOPS:
             return Path(f"{out}.parked").exists()
         if pause is None:              # somewhere in step 4 or later (or a checkpoint write)
             return len(step_records(out)) >= 3
@@ -68,10 +71,10 @@ def killed(data, tiny_model_dir):
                 raise AssertionError(f"{name}: child exited ({proc.returncode}) before its kill "
                                      f"point:\n{log.read_text()[-3000:]}")
             if at_kill_point(out, log, pause):
-                if name == "ctrl_c":   # SIGINT in step 4: finish it, save, exit (waited for below)
-                    os.kill(proc.pid, signal.SIGINT)
+                if name in STOPS:   # a signal in step 4: finish it, save, exit (waited for below)
+                    os.kill(proc.pid, STOPS[name][0])
                     Path(f"{out}.go").touch()
-                    interrupted.append((proc, log))
+                    interrupted.append((proc, log, STOPS[name][1]))
                 else:
                     os.kill(proc.pid, signal.SIGKILL)
                     assert proc.wait() == -signal.SIGKILL
@@ -83,10 +86,10 @@ def killed(data, tiny_model_dir):
         while not kill_those_at_their_point():   # all three together: the mid-step one won't wait
             assert time.monotonic() < deadline, f"timed out before the kill points of {list(pending)}"
             time.sleep(0.05)
-        for proc, log in interrupted:
-            assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+        for proc, log, code in interrupted:
+            assert proc.wait(timeout=120) == code, log.read_text()[-3000:]
     finally:
-        for proc in [c[1] for c in pending.values()] + [p for p, _ in interrupted]:
+        for proc in [c[1] for c in pending.values()] + [p for p, *_ in interrupted]:
             if proc.poll() is None:   # a failure above: leave no child behind
                 proc.kill()
                 proc.wait()
@@ -119,12 +122,13 @@ def test_kill_mid_checkpoint_write_leaves_the_previous_one_loadable(killed, tiny
     assert ckpt.load_trainer_state(out / "checkpoint-2")["step"] == 2
 
 
-def test_ctrl_c_finishes_the_step_and_saves(killed):
-    """SIGINT during step 4 of 6 (exit code 0: the fixture): the step finishes, is saved, and
-    the run stops there."""
-    out = killed["ctrl_c"]
+@pytest.mark.parametrize("name, status", [("ctrl_c", "interrupted"), ("sigterm", "terminated")])
+def test_ctrl_c_and_sigterm_finish_the_step_and_save(killed, name, status):
+    """SIGINT / SIGTERM during step 4 of 6 (exit code 0 / 143: the fixture): the step finishes,
+    is saved, and the run stops there."""
+    out = killed[name]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and summary["steps"] == 4
+    assert summary["status"] == status and summary["steps"] == 4
     assert [r["step"] for r in step_records(out)] == [1, 2, 3, 4]
     assert ckpt.latest_checkpoint(out) == out / "checkpoint-4"
 

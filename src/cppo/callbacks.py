@@ -23,7 +23,8 @@ class CallbackError(RuntimeError):
 class Callbacks:
     """Holds the callbacks, the TrainerState and the TrainerControl, and calls the events."""
 
-    def __init__(self, callbacks: Iterable | None, args, *, max_steps: int, is_main: bool) -> None:
+    def __init__(self, callbacks: Iterable | None, args, *, max_steps: int, is_main: bool,
+                 is_local_main: bool) -> None:
         from transformers import TrainerCallback, TrainerControl, TrainerState
         self.callbacks = []
         for cb in callbacks or []:
@@ -37,7 +38,8 @@ class Callbacks:
                                   eval_steps=args.eval_steps, save_steps=args.save_steps,
                                   train_batch_size=args.per_device_train_batch_size,
                                   num_train_epochs=args.num_train_epochs,
-                                  is_local_process_zero=is_main, is_world_process_zero=is_main)
+                                  is_local_process_zero=is_local_main,
+                                  is_world_process_zero=is_main)
         self.control = TrainerControl()
         self.failed = False   # after a callback raised, no more events (the run is stopping)
         self.objects: dict = {}

@@ -144,9 +144,9 @@ def train_config(args) -> CPPOConfig:
 
 def cmd_train(args) -> int:
     cfg = train_config(args)
-    from cppo.trainer import train
+    from cppo.trainer import EXIT_CODES, train
     summary = train(cfg)
-    return 0 if summary.get("status") in ("completed", "interrupted", "stopped_by_callback") else 1
+    return EXIT_CODES.get(summary.get("status"), 1)
 
 
 def cmd_eval(args) -> int:

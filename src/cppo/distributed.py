@@ -8,10 +8,16 @@ questions as 1 process x Q. The collectives here are CPPO's own: rewards gathere
 `scale_rewards=batch` and for `selection_scope=global` (the math lives in cppo.algorithm),
 sequence and token counts summed for the loss normalisers, metrics, the stop flag. Gradients are
 reduced by torch's engines (cppo.parallel: DDP or FSDP2), not here.
+
+Ending: a process group this module started is destroyed by `close()` (the trainer's `close`),
+or at the latest by an exit handler while the interpreter is still whole. A gloo group left to
+interpreter shutdown can abort the process after a run that finished: its worker threads still
+hold finished work whose tensors have Python owners, and releasing them needs the interpreter.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass, field
 
@@ -32,6 +38,7 @@ class Distributed:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    owns_group: bool = False   # this object started the process group, so it ends it
 
     @classmethod
     def from_environment(cls) -> "Distributed":
@@ -43,14 +50,31 @@ class Distributed:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return cls(device=device)
-        if not dist.is_initialized():
+        owns = not dist.is_initialized()   # a group the caller started stays the caller's
+        if owns:
             dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                   device=device)
+        out = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                  device=device, owns_group=owns)
+        if owns:
+            atexit.register(out.close)
+        return out
+
+    def close(self) -> None:
+        """Destroy the process group this object started (idempotent; a no-op otherwise). After
+        it, no collective runs: call it last, once every process is done with the others."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
 
     @property
     def is_main(self) -> bool:
+        """Global rank 0: the one writer of the run directory (shared by all nodes)."""
         return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """Local rank 0: the first process on this machine (node)."""
+        return self.local_rank == 0
 
     @property
     def active(self) -> bool:
@@ -80,6 +104,14 @@ class Distributed:
     def any(self, flag: bool) -> bool:
         """True on every process when the flag is true on at least one."""
         return bool(self.sum(int(bool(flag))) > 0)
+
+    def max(self, value: int) -> int:
+        """The largest of the processes' values, on every process."""
+        if not self.active:
+            return value
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def all_zero(self, advantages: torch.Tensor) -> bool:
         """True when every process's kept advantages are all zero (all must agree to skip)."""
@@ -123,3 +155,9 @@ class Distributed:
         out = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
+
+
+def launcher_restarts(environ=os.environ) -> int:
+    """How many times torchrun (or `accelerate launch`) has restarted this worker group
+    (`--max-restarts`): 0 on the first start."""
+    return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)

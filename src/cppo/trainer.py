@@ -32,7 +32,7 @@ from cppo.callbacks import CallbackError, Callbacks
 from cppo.completions_log import CompletionsLog
 from cppo.config import ConfigError, CPPOConfig
 from cppo.data.sources import TaskData, check_rows, load_task
-from cppo.distributed import Distributed
+from cppo.distributed import Distributed, launcher_restarts
 from cppo.evaluate import evaluate
 from cppo.generation import chunk_seed, make_backend
 from cppo.hardware import warn_slow_precision
@@ -171,7 +171,7 @@ class CPPOTrainer:
                                               args.num_completions_to_print) \
             if args.log_completions and self.dist.is_main else None
         self.callbacks = Callbacks(callbacks, args, max_steps=self.total_steps,
-                                   is_main=self.dist.is_main)
+                                   is_main=self.dist.is_main, is_local_main=self.dist.is_local_main)
         self.callbacks.bind(model=self.policy, processing_class=self.tokenizer,
                             optimizer=self.optimizer, lr_scheduler=self.scheduler)
         self.callbacks.event("on_init_end")
@@ -492,15 +492,18 @@ class CPPOTrainer:
         if not self.history:
             with self.engine.gathered():   # fsdp: every process gathers, rank 0 evaluates
                 self._evaluate(log, start_wall, label="before")
-        # Ctrl-C from here to the end only asks to stop: the loop finishes its step, and the
-        # final checkpoint, evaluation and summary always complete (a second Ctrl-C aborts)
-        previous_handler = signal.signal(signal.SIGINT, self._request_stop) \
-            if _in_main_thread() else None
+        # Ctrl-C (SIGINT) or a scheduler's SIGTERM from here to the end only asks to stop: the
+        # loop finishes its step, and the final checkpoint, evaluation and summary always
+        # complete (a second signal aborts)
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS} \
+            if _in_main_thread() else {}
         try:
             return self._train_loop(log, resumed_from, start_wall)
         finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGINT, previous_handler)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if log is not None:
+                log.close()   # also on an error: tracker writers flushed and stopped
 
     def _train_loop(self, log, resumed_from, start_wall: float) -> dict:
         args = self.args
@@ -532,8 +535,9 @@ class CPPOTrainer:
                 if (args.eval_steps and self._crossed(args.eval_steps)) or asked_eval:
                     with self.engine.gathered():
                         self._evaluate(log, start_wall, label=f"step {self.step}")
-                if self.dist.any(self.stop_requested):
-                    status = "interrupted"
+                stop = self.dist.max(int(self.stop_requested))   # all processes stop together
+                if stop:
+                    status = "terminated" if stop == signal.SIGTERM else "interrupted"
                     break
                 if self.dist.any(self.callbacks.control.should_training_stop):
                     status = "stopped_by_callback"
@@ -543,8 +547,6 @@ class CPPOTrainer:
                     self.save(start_wall)
         except CallbackError:   # a callback raised: keep this step's parameters, then report it
             self.save(start_wall)
-            if log is not None:
-                log.close()
             raise
         finally:
             bar.close()
@@ -553,10 +555,7 @@ class CPPOTrainer:
             with self.engine.gathered():
                 self._evaluate(log, start_wall, label="after")
         self.callbacks.event("on_train_end")
-        summary = self._summary(status, start_wall, resumed_from, log)
-        if log is not None:
-            log.close()
-        return summary
+        return self._summary(status, start_wall, resumed_from, log)
 
     def _crossed(self, every: int) -> bool:
         """True when the last round crossed a multiple of `every` optimizer steps."""
@@ -564,11 +563,15 @@ class CPPOTrainer:
         return self.step // every > before // every
 
     def _request_stop(self, signum, frame) -> None:
-        if self.stop_requested:  # second Ctrl-C: stop now
+        """SIGINT / SIGTERM handler: remember the signal; the loop stops after this step."""
+        if self.stop_requested:  # a second signal: stop now, without saving
+            if signum == signal.SIGTERM:
+                raise SystemExit(EXIT_CODES["terminated"])
             raise KeyboardInterrupt
-        self.stop_requested = True
-        print("\nCtrl-C: finishing this step, saving a checkpoint and exiting "
-              "(press again to abort without saving)")
+        self.stop_requested = signum
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\n{what}: finishing this step, saving a checkpoint and exiting "
+              f"(a second {what} aborts without saving)", flush=True)
 
     def _postfix(self, metrics: dict) -> dict:
         post = {"reward": f"{metrics.get('reward', 0):.3f}",
@@ -662,9 +665,32 @@ class CPPOTrainer:
         self.dist.barrier()
         return target if self.dist.is_main else None
 
+    def close(self) -> None:
+        """End what the trainer started, in order: the generation engine, the reward workers,
+        then the process group (no collective runs after this). `cppo train` calls it; a
+        script may too, or use `with CPPOTrainer(...) as trainer:` (an exit handler ends the
+        process group anyway)."""
+        for part in (self.backend, self.rewards):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
+        self.dist.close()
+
+    def __enter__(self) -> "CPPOTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _maybe_resume(self, log) -> str | None:
-        if not self.args.resume:
+        """--resume, or a restart by the launcher (torchrun --max-restarts): continue from the
+        newest complete checkpoint in output_dir, if there is one."""
+        restarts = launcher_restarts()
+        if not (self.args.resume or restarts):
             return None
+        if restarts and not self.args.resume:
+            print(f"restart {restarts} by the launcher: resuming from the newest checkpoint in "
+                  f"{self.output_dir}")
         # rank 0 looks (and clears leftovers of killed writes); every process loads the same one
         latest = self.dist.broadcast_object(
             ckpt.latest_checkpoint(self.output_dir) if self.dist.is_main else None)
@@ -747,7 +773,18 @@ def format_summary(summary: dict, plots: Sequence[Path] = ()) -> str:
         lines.append(f"data rows skipped while loading: {summary['skipped_data_rows']}")
     lines.append(f"run directory: {summary['output_dir']} (metrics.jsonl, summary.json"
                  + "".join(f", {p.name}" for p in plots) + ", checkpoints)")
+    if summary["status"] in ("interrupted", "terminated"):
+        lines.append(f"stopped at step {summary['steps']} with a checkpoint: continue with "
+                     f"--output_dir {summary['output_dir']} --resume")
     return "\n".join(lines)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+# `cppo train`'s exit code for each end of a run (summary["status"]); 143 = 128 + SIGTERM, the
+# shell's code for a terminated process, so a scheduler sees a preempted run as not finished
+EXIT_CODES = {"completed": 0, "interrupted": 0, "stopped_by_callback": 0,
+              "stopped_nonfinite": 1, "terminated": 143}
 
 
 def _in_main_thread() -> bool:
@@ -756,5 +793,6 @@ def _in_main_thread() -> bool:
 
 
 def train(cfg: CPPOConfig) -> dict:
-    """`cppo train`: build the trainer from a config and run it."""
-    return CPPOTrainer(args=cfg).train()
+    """`cppo train`: build the trainer from a config, run it and end it."""
+    with CPPOTrainer(args=cfg) as trainer:
+        return trainer.train()

@@ -2,25 +2,54 @@
 
     python -m torch.distributed.run --nproc_per_node 2 tests/helpers/dist_worker.py spec.json
 
-spec.json: {"config": {...CPPOConfig fields...}, "rows": [...], "model": dir}. Each process writes
-to <output_dir>: questions-rank<r>.json (the questions it drew), summary-rank<r>.json (train()'s
-summary), bytes-rank<r>.json (the parameter, gradient and optimizer bytes it holds at the end)
-pid-rank<r> (its process id, written before training) and reductions-rank<r>.json (how many
-gradient reductions the engine ran, and how many optimizer steps), lean-rank<r>.json (why the
-lean forward cannot run on the model, None when it can: inside and outside `Engine.gathered`);
-rank 0 also writes
-logits.pt, the trained model's logits on a fixed input (through the sharded model under fsdp).
+spec.json: {"config": {...CPPOConfig fields...}, "rows": [...], "model": dir, "post_run": bool
+(default true: the collectives after train() below), "raise_at_step": [rank, step] (that rank
+raises a RuntimeError in the round that starts at that step), "park_at_step": [rank, step] (that
+rank's first reward call at that step writes parked-rank<r> and waits, up to 300 s, for a stop
+signal or stop-rank<r>; only on a launcher's first start)}. Each process writes to <output_dir>:
+questions-rank<r>.json (the questions it drew), summary-rank<r>.json (train()'s summary),
+bytes-rank<r>.json (the parameter, gradient and optimizer bytes it holds at the end), pid-rank<r>
+(its process id, written before training), reductions-rank<r>.json (how many gradient reductions
+the engine ran, and how many optimizer steps), roles-rank<r>.json (its global and local rank and
+the callbacks' is_world/local_process_zero), lean-rank<r>.json (why the lean forward cannot run on
+the model, None when it can: inside and outside `Engine.gathered`), exit-rank<r> (the exit code
+it is about to return). Under torchrun each process also records, in writes-rank<r>.json, every
+file under <output_dir> it opened for writing or renamed into place (an audit hook), so a test
+can check that each file has one writer. Rank 0 also writes logits.pt, the trained model's logits
+on a fixed input (through the sharded model under fsdp).
 """
 
 import json
 import os
+import re
 import sys
+import time
 
 import torch
 
+WORKER_FILES = re.compile(r"(questions|summary|bytes|reductions|roles|lean|writes|pid|exit|parked"
+                          r"|stop)-rank\d+(\.json)?|logits\.pt")   # this helper's, not the trainer's
+TRAINER = None   # the running trainer (the park hook reads its stop flag)
+PARK: dict = {}
+
 
 def length_reward(prompts, completions, completion_ids=None, **kw):
+    park()
     return [float(len(c) % 2) + 0.1 * (len(c) % 3) for c in completions]
+
+
+def park() -> None:
+    rank, step = PARK.get("at", (None, None))
+    if TRAINER is None or TRAINER.dist.rank != rank or TRAINER.step != step or PARK.get("done"):
+        return
+    PARK["done"] = True
+    out = TRAINER.args.output_dir
+    with open(os.path.join(out, f"parked-rank{rank}"), "w") as fh:
+        fh.write(str(step))
+    deadline = time.monotonic() + 300
+    while not (TRAINER.stop_requested or os.path.exists(os.path.join(out, f"stop-rank{rank}"))) \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def count_reductions(trainer) -> dict:
@@ -45,48 +74,106 @@ def count_reductions(trainer) -> dict:
     return counts
 
 
+def record_writes(output_dir: str) -> list:
+    """An audit hook that lists the files under output_dir this process opens for writing
+    (Python's open, torch.save, torch.distributed.checkpoint) or renames / replaces into place."""
+    root = os.path.realpath(output_dir) + os.sep
+    writes: list = []
+
+    def hook(event, args):
+        if event == "open":
+            path, mode, flags = args
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
+                (isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        elif event in ("os.rename", "os.replace"):
+            path, writing = args[1], True
+        else:
+            return
+        if writing and isinstance(path, (str, bytes, os.PathLike)):
+            full = os.path.realpath(os.fsdecode(path))
+            if full.startswith(root):
+                writes.append(full[len(root):])
+    sys.addaudithook(hook)
+    return writes
+
+
 def run(spec: dict) -> dict:
+    global TRAINER
     from cppo.config import CPPOConfig
     from cppo.parallel import local_bytes
     from cppo.trainer import CPPOTrainer
     out = spec["config"]["output_dir"]
-    trainer = CPPOTrainer(model=spec["model"], reward_funcs=[length_reward],
-                          args=CPPOConfig(**spec["config"]), train_dataset=spec["rows"])
+    trainer = TRAINER = CPPOTrainer(model=spec["model"], reward_funcs=[length_reward],
+                                    args=CPPOConfig(**spec["config"]), train_dataset=spec["rows"])
     rank = trainer.dist.rank
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"pid-rank{rank}"), "w") as fh:
         fh.write(str(os.getpid()))
+    first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    PARK.clear()
+    if spec.get("park_at_step") and first_start:
+        PARK["at"] = tuple(spec["park_at_step"])
     reductions = count_reductions(trainer)
     drawn = []
     take = trainer.take_questions
+    round_ = trainer.training_round
 
     def record():
         rows = take()
         drawn.append([r["prompt"] for r in rows])
         return rows
+
+    def maybe_raise():
+        if spec.get("raise_at_step") == [rank, trainer.step]:
+            raise RuntimeError(f"deliberate failure on rank {rank} at step {trainer.step}")
+        return round_()
     trainer.take_questions = record
+    trainer.training_round = maybe_raise
     summary = trainer.train()
     reductions["optimizer_steps"] = summary["steps"] - summary["skipped_steps"]
+    roles = {"rank": rank, "local_rank": trainer.dist.local_rank,
+             "is_world_process_zero": trainer.callbacks.state.is_world_process_zero,
+             "is_local_process_zero": trainer.callbacks.state.is_local_process_zero}
     for name, value in (("questions", drawn), ("summary", summary), ("reductions", reductions),
-                        ("bytes", local_bytes(trainer.policy, trainer.optimizer))):
+                        ("bytes", local_bytes(trainer.policy, trainer.optimizer)),
+                        ("roles", roles)):
         with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
             json.dump(value, fh)
-    from cppo.models.lean import lean_forward_for
-    with trainer.engine.gathered():   # what generation runs on: the lean forward if it can
-        lean = {"gathered": lean_forward_for(trainer.policy)[1],
-                "gathered_dtype": str(trainer.policy.get_input_embeddings().weight.dtype)}
-    lean["outside"] = lean_forward_for(trainer.policy)[1]
-    with open(os.path.join(out, f"lean-rank{rank}.json"), "w") as fh:
-        json.dump(lean, fh)
-    with torch.no_grad():   # every process joins (the sharded forward gathers each block)
-        ids = torch.arange(3, 15).view(2, 6) % trainer.policy.config.vocab_size
-        logits = trainer.policy(input_ids=ids).logits.float()
-    if rank == 0:
-        torch.save({"input_ids": ids, "logits": logits}, os.path.join(out, "logits.pt"))
+    if spec.get("post_run", True):
+        from cppo.models.lean import lean_forward_for
+        with trainer.engine.gathered():   # what generation runs on: the lean forward if it can
+            lean = {"gathered": lean_forward_for(trainer.policy)[1],
+                    "gathered_dtype": str(trainer.policy.get_input_embeddings().weight.dtype)}
+        lean["outside"] = lean_forward_for(trainer.policy)[1]
+        with open(os.path.join(out, f"lean-rank{rank}.json"), "w") as fh:
+            json.dump(lean, fh)
+        with torch.no_grad():   # every process joins (the sharded forward gathers each block)
+            ids = torch.arange(3, 15).view(2, 6) % trainer.policy.config.vocab_size
+            logits = trainer.policy(input_ids=ids).logits.float()
+        if rank == 0:
+            torch.save({"input_ids": ids, "logits": logits}, os.path.join(out, "logits.pt"))
     return summary
 
 
-if __name__ == "__main__":
+def main(path: str) -> int:
+    """Under torchrun: one run, then the exit code `cppo train` would give. The process group
+    is left to the trainer's exit handler, as a script that never calls close() leaves it."""
+    from cppo.trainer import EXIT_CODES
     torch.set_num_threads(1)
-    with open(sys.argv[1]) as fh:
-        run(json.load(fh))
+    with open(path) as fh:
+        spec = json.load(fh)
+    out = spec["config"]["output_dir"]
+    os.makedirs(out, exist_ok=True)
+    writes = record_writes(out)
+    summary = run(spec)
+    rank = TRAINER.dist.rank
+    code = EXIT_CODES[summary["status"]]
+    with open(os.path.join(out, f"writes-rank{rank}.json"), "w") as fh:
+        json.dump([w for w in writes if not WORKER_FILES.fullmatch(w)], fh)
+    with open(os.path.join(out, f"exit-rank{rank}"), "w") as fh:
+        fh.write(str(code))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,208 @@
+"""Exit-code soak: launch a 2-process CPPO run under torchrun many times and count how it ends.
+
+    python benchmarks/exit_codes.py                  # 8 launches per variant, 2 busy loops
+    python benchmarks/exit_codes.py --launches 4 --load 0
+
+Each launch is `torchrun --nproc_per_node 2` of this file in worker mode: a 4-step CPPO run
+(tiny random Llama, gloo, 1 thread per process) that ends as a user's script does, by returning
+from `train()` (and, with post-run collectives, a gathered forward afterwards, as the tests do).
+Variants: ddp and fsdp, with and without the post-run collectives, each with cppo's teardown
+(the process group ended while the interpreter is whole) and without it (the exit handler taken
+out: what a run did before the teardown existed). A control runs the same number of launches of
+a bare gloo script (all-reduces, then exit) with and without `destroy_process_group`.
+`--load N` runs N busy loops meanwhile: the abort at exit shows when the machine is busy.
+
+Writes benchmarks/results/exit_codes/results.md and results.json: per variant, the launches,
+torchrun's exit codes, the workers that died by SIGABRT ("terminate called without an active
+exception") and the median launch time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "exit_codes"
+ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
+BARE_GLOO = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1000)
+for _ in range(50):
+    dist.all_reduce(t)
+out = [None] * dist.get_world_size()
+dist.all_gather_object(out, {"rank": dist.get_rank()})
+if os.environ.get("DESTROY") == "1":
+    dist.destroy_process_group()
+"""
+
+
+def length_reward(prompts, completions, completion_ids=None, **kw):
+    return [float(len(c) % 2) + 0.1 * (len(c) % 3) for c in completions]
+
+
+def worker(spec_path: str) -> int:
+    """One process of a launch (under torchrun)."""
+    import atexit
+
+    import torch
+    from cppo.config import CPPOConfig
+    from cppo.trainer import EXIT_CODES, CPPOTrainer
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    trainer = CPPOTrainer(model=spec["model"], reward_funcs=[length_reward],
+                          args=CPPOConfig(**spec["config"]), train_dataset=ROWS)
+    if not spec["teardown"]:   # as before the teardown existed: nobody ends the process group
+        atexit.unregister(trainer.dist.close)
+    summary = trainer.train()
+    if spec["post_run"]:
+        with trainer.engine.gathered(), torch.no_grad():
+            trainer.policy(input_ids=torch.arange(3, 15).view(2, 6))
+    return EXIT_CODES[summary["status"]]
+
+
+def tiny_model(path: Path) -> str:
+    import torch
+    from transformers import LlamaForCausalLM
+    from cppo.models.loading import tiny_model_config
+    from cppo.models.tokenizer import build_tokenizer
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    model = LlamaForCausalLM(tiny_model_config(len(tok), bos_token_id=tok.bos_token_id,
+                                               eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id, hidden_size=32,
+                                               num_layers=2, num_heads=2, intermediate_size=64))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: list[str], env: dict, log: Path) -> tuple[int, int, float]:
+    """(torchrun's exit code, workers killed by SIGABRT, seconds)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + script
+    began = time.perf_counter()
+    with open(log, "w") as fh:
+        code = subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                               stdout=fh, stderr=subprocess.STDOUT, timeout=600)
+    text = log.read_text()
+    return code, text.count("exitcode  : -6"), time.perf_counter() - began
+
+
+def variants(model: str, root: Path) -> list[tuple[str, list[str], dict]]:
+    out = []
+    bare = root / "bare_gloo.py"
+    bare.write_text(BARE_GLOO)
+    for destroy in (True, False):
+        out.append((f"bare gloo script, {'with' if destroy else 'without'} destroy_process_group",
+                    [str(bare)], {"DESTROY": "1" if destroy else "0"}))
+    for teardown in (True, False):
+        for strategy in ("ddp", "fsdp"):
+            for post_run in (False, True):
+                name = (f"cppo {strategy}, {'with' if post_run else 'no'} post-run collectives, "
+                        f"{'teardown' if teardown else 'NO teardown (before the fix)'}")
+                config = dict(output_dir=str(root / "run"), per_device_train_batch_size=2,
+                              gradient_accumulation_steps=2, num_generations=4, pruning_rate=0.5,
+                              selection_scope="global", beta=0.04, num_iterations=2, max_steps=4,
+                              generation_chunk_size=8, max_completion_length=5, learning_rate=1e-3,
+                              eval_steps=0, save_steps=2, progress_bar=False, seed=3,
+                              distributed=strategy)
+                spec = root / f"spec-{len(out)}.json"
+                spec.write_text(json.dumps({"config": config, "model": model, "post_run": post_run,
+                                            "teardown": teardown}))
+                out.append((name, [__file__, "--worker", str(spec)], {}))
+    return out
+
+
+def machine() -> dict:
+    import torch
+    return {"cpu": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "threads_per_process": 1, "backend": "gloo"}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--launches", type=int, default=8, help="launches per variant")
+    parser.add_argument("--load", type=int, default=2, help="busy loops running meanwhile")
+    parser.add_argument("--only", default="", help="run only variants whose name contains this")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="cppo-exit-codes-") as tmp:
+            root = Path(tmp)
+            model = tiny_model(root / "model")
+            for name, script, env in variants(model, root):
+                if args.only not in name:
+                    continue
+                codes, aborts, seconds = collections.Counter(), 0, []
+                for i in range(args.launches):   # one variant at a time: same load for its runs
+                    code, aborted, took = launch(script, env, root / "launch.log")
+                    codes[code] += 1
+                    aborts += aborted
+                    seconds.append(took)
+                    if code != 0 and not (root / f"failed-{len(rows)}.log").exists():
+                        (root / f"failed-{len(rows)}.log").write_text((root / "launch.log").read_text())
+                row = {"variant": name, "launches": args.launches,
+                       "exit codes": dict(sorted(codes.items())), "workers aborted (SIGABRT)": aborts,
+                       "launch seconds (median)": round(statistics.median(seconds), 1)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    write_results(args, rows)
+    return 0
+
+
+def write_results(args, rows: list[dict]) -> None:
+    args.output.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    (args.output / "results.json").write_text(json.dumps(
+        {"machine": info, "launches_per_variant": args.launches, "busy_loops": args.load,
+         "rows": rows}, indent=2))
+    lines = ["# benchmarks/exit_codes.py", "",
+             f"Machine: {json.dumps(info)}; {args.load} busy loops ran during the launches "
+             f"(`python benchmarks/exit_codes.py --launches {args.launches} --load {args.load}`).",
+             "", "| variant | launches | torchrun exit codes (code: count) | workers aborted (SIGABRT) "
+             "| launch s (median) |", "|---|---|---|---|---|"]
+    for r in rows:
+        codes = ", ".join(f"{k}: {v}" for k, v in r["exit codes"].items())
+        lines.append(f"| {r['variant']} | {r['launches']} | {codes} | "
+                     f"{r['workers aborted (SIGABRT)']} | {r['launch seconds (median)']} |")
+    lines += ["", "A worker aborted by SIGABRT printed `terminate called without an active "
+              "exception` after its run had finished; torchrun then exits 1. The cause: a gloo "
+              "process group nobody destroyed lives into interpreter shutdown, and its worker "
+              "threads still hold finished collectives whose tensors have Python owners; "
+              "releasing one there needs the interpreter, which is going away, and the thread is "
+              "ended inside C++ code that cannot be unwound. cppo's trainer ends the group it "
+              "started (`CPPOTrainer.close()`, or an exit handler while the interpreter is whole)."]
+    (args.output / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
