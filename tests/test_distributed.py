@@ -46,8 +46,9 @@ def spec(model_dir, output_dir, *, batch: int, scope: str, strategy: str = "ddp"
                   max_steps=STEPS, generation_chunk_size=8, max_completion_length=5,
                   learning_rate=1e-3, eval_steps=0, save_steps=2, progress_bar=False, seed=3,
                   distributed=strategy)
+    hooks = {k: extra.pop(k) for k in ("raise_at_step", "park_at_step", "post_run") if k in extra}
     config.update(extra)
-    return {"config": config, "rows": ROWS, "model": model_dir}
+    return {"config": config, "rows": ROWS, "model": model_dir, **hooks}
 
 
 STARTED: list[subprocess.Popen] = []
@@ -63,14 +64,21 @@ def _no_process_left_behind():
             proc.wait()
 
 
-def torchrun(spec_dict: dict, spec_file: Path, *, env: dict | None = None, wait: bool = True):
+def torchrun(spec_dict: dict, spec_file: Path, *, env: dict | None = None, wait: bool = True,
+             launcher: tuple = ("--nproc_per_node", "2", "--nnodes", "1"), log: Path | None = None):
+    """Launch dist_worker under torchrun (2 processes on one node unless `launcher` says
+    otherwise); with wait, assert it exits 0: a finished run ends cleanly."""
     spec_file.write_text(json.dumps(spec_dict))
-    environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               # the launcher's grace between its SIGTERM and SIGKILL (default 30 s): room for
+               # a step on a loaded machine
+               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120", **(env or {})}
     environ.pop("WORLD_SIZE", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+    rendezvous = [] if "--rdzv_backend" in launcher else \
+        ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher, *rendezvous,
                str(Path(_dist_worker.__file__)), str(spec_file)]
-    log = spec_file.with_suffix(".log")
+    log = log or spec_file.with_suffix(".log")
     proc = subprocess.Popen(command, env=environ, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)   # its own process group: killed as a whole
     STARTED.append(proc)
@@ -78,6 +86,53 @@ def torchrun(spec_dict: dict, spec_file: Path, *, env: dict | None = None, wait:
         return proc, log
     assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
     return proc, log
+
+
+def two_nodes(spec_dict: dict, root: Path, name: str, wait: bool = True):
+    """The same run as 2 "nodes" of 1 process each, as a cluster launches it: one torchrun per
+    node, a c10d rendezvous on 127.0.0.1 (rank order is the order the nodes join)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [torchrun(spec_dict, root / f"{name}-node{n}.json", wait=False,
+                      log=root / f"{name}-node{n}.log",
+                      launcher=("--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(n),
+                                "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint,
+                                "--rdzv_id", name))
+             for n in (0, 1)]
+    if wait:
+        for proc, log in nodes:
+            assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    return nodes
+
+
+def wait_for(path: Path, procs: list, logs: list, timeout_s: float = 240) -> None:
+    deadline = time.time() + timeout_s
+    while not path.exists():
+        for proc, log in zip(procs, logs):
+            assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.time() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.1)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def assert_same_run(run: Path, reference: Path) -> None:
+    """The same logged steps and bit-identical final weights as the reference run."""
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in records(run)] == \
+        [(r["step"], r["loss"], r["grad_norm"]) for r in records(reference)]
+    expected, got = final_weights(reference), final_weights(run)
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -238,11 +293,7 @@ def test_sigkill_mid_run_then_resume_ends_identical(runs, tiny_model_dir, tmp_pa
     config["config"]["resume"] = True
     _, log = torchrun(config, tmp_path / "resume.json")
     assert "resumed from" in log.read_text()
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in records(run)] == \
-        [(r["step"], r["loss"], r["grad_norm"]) for r in records(runs["fsdp"])]
-    reference, resumed = final_weights(runs["fsdp"]), final_weights(run)
-    for name, value in reference.items():
-        assert torch.equal(resumed[name], value), name
+    assert_same_run(run, runs["fsdp"])
 
 
 def test_ctrl_c_on_one_process_stops_both_with_a_checkpoint(tiny_model_dir, tmp_path):
@@ -262,6 +313,109 @@ def test_ctrl_c_on_one_process_stops_both_with_a_checkpoint(tiny_model_dir, tmp_
     assert summaries[1]["steps"] == steps and 0 < steps < 400
     assert ckpt.latest_checkpoint(run) == run / f"checkpoint-{steps}"
     assert (run / f"checkpoint-{steps}" / "sharded").is_dir()
+
+
+# --- ending: exit codes, SIGTERM, nodes, restarts -------------------------------------------------
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_each_file_has_one_writer_and_the_ranks_know_their_roles(runs, strategy):
+    writes = [json.loads((runs[strategy] / f"writes-rank{r}.json").read_text()) for r in (0, 1)]
+    assert "metrics.jsonl" in writes[0] and any(w.endswith("COMPLETE") for w in writes[0])
+    assert not set(writes[0]) & set(writes[1])
+    # rank 1 writes only its own shards (fsdp), nothing under ddp
+    assert all(w.endswith("/sharded/__1_0.distcp") for w in writes[1]), writes[1]
+    assert bool(writes[1]) == (strategy == "fsdp")
+    roles = [json.loads((runs[strategy] / f"roles-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["local_rank"], r["is_world_process_zero"], r["is_local_process_zero"])
+            for r in roles] == [(0, True, True), (1, False, False)]
+    assert [int((runs[strategy] / f"exit-rank{r}").read_text()) for r in (0, 1)] == [0, 0]
+    # the trainer ended its process group before interpreter shutdown (an exit handler: the
+    # worker never calls close()), so no gloo thread is left to abort the process at exit
+    assert [(runs[strategy] / f"group-rank{r}").read_text() for r in (0, 1)] == ["ended"] * 2
+
+
+def test_a_raising_rank_ends_every_rank_with_a_non_zero_code(tiny_model_dir, tmp_path):
+    run = tmp_path / "raising"
+    config = spec(tiny_model_dir, run, batch=2, scope="global", strategy="fsdp",
+                  raise_at_step=[1, 2])    # rank 1 fails after checkpoint-2, rank 0 does not
+    proc, log = torchrun(config, tmp_path / "raising.json", wait=False)
+    code = proc.wait(timeout=240)          # never a hang: rank 0 is not left waiting
+    text = log.read_text()
+    assert code != 0 and "deliberate failure on rank 1 at step 2" in text, text[-3000:]
+    assert all(gone(int((run / f"pid-rank{r}").read_text())) for r in (0, 1))
+    assert not (run / "summary.json").exists()
+    assert ckpt.latest_checkpoint(run) == run / "checkpoint-2"
+
+
+@pytest.mark.parametrize("target", ["rank", "agent"])
+def test_sigterm_stops_both_ranks_after_the_step_then_resume_is_identical(runs, tiny_model_dir,
+                                                                          tmp_path, target):
+    """SIGTERM to rank 1 while it is inside step 1 (parked in its reward call), or to the
+    torchrun agent (which sends it on to both): both finish the step, save checkpoint-2 and exit
+    143; --resume then ends exactly as the uninterrupted run."""
+    run = tmp_path / "terminated"
+    config = spec(tiny_model_dir, run, batch=2, scope="global", strategy="fsdp",
+                  park_at_step=[1, 0])
+    proc, log = torchrun(config, tmp_path / "sigterm.json", wait=False)
+    wait_for(run / "parked-rank1", [proc], [log])
+    os.kill(proc.pid if target == "agent" else int((run / "pid-rank1").read_text()),
+            signal.SIGTERM)
+    assert proc.wait(timeout=240) != 0, log.read_text()[-3000:]   # workers exited 143: not done
+    summaries = [json.loads((run / f"summary-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(s["status"], s["steps"]) for s in summaries] == [("terminated", 2)] * 2
+    assert [int((run / f"exit-rank{r}").read_text()) for r in (0, 1)] == [143, 143]
+    assert ckpt.latest_checkpoint(run) == run / "checkpoint-2"
+    config["config"]["resume"], config["park_at_step"] = True, None
+    torchrun(config, tmp_path / "resume.json")
+    assert_same_run(run, runs["fsdp"])
+
+
+def test_two_nodes_train_like_one_node_and_write_each_file_once(runs, tiny_model_dir, tmp_path):
+    run = tmp_path / "nodes"
+    two_nodes(spec(tiny_model_dir, run, batch=2, scope="global", strategy="fsdp"), tmp_path, "nodes")
+    assert_same_run(run, runs["fsdp"])
+    roles = sorted((json.loads((run / f"roles-rank{r}.json").read_text()) for r in (0, 1)),
+                   key=lambda r: r["rank"])
+    assert [(r["local_rank"], r["is_world_process_zero"], r["is_local_process_zero"])
+            for r in roles] == [(0, True, True), (0, False, True)]   # each node's first process
+    writes = [json.loads((run / f"writes-rank{r}.json").read_text()) for r in (0, 1)]
+    assert not set(writes[0]) & set(writes[1])
+    assert writes[1] and all(w.endswith("/sharded/__1_0.distcp") for w in writes[1]), writes[1]
+
+
+def test_a_killed_node_then_resume_ends_identical(runs, tiny_model_dir, tmp_path):
+    run = tmp_path / "node_killed"
+    config = spec(tiny_model_dir, run, batch=2, scope="global", strategy="fsdp",
+                  park_at_step=[1, 2])    # rank 1 waits inside step 3, after checkpoint-2
+    nodes = two_nodes(config, tmp_path, "killed", wait=False)
+    wait_for(run / "parked-rank1", *zip(*nodes))
+    worker = int((run / "pid-rank1").read_text())
+    agent = parent_pid(worker)   # the node that holds rank 1: its agent and its worker die
+    assert agent in [proc.pid for proc, _ in nodes]
+    os.killpg(agent, signal.SIGKILL)
+    os.kill(worker, signal.SIGKILL)
+    for proc, log in nodes:
+        assert proc.wait(timeout=240) != 0
+    assert gone(int((run / "pid-rank0").read_text()))
+    assert ckpt.latest_checkpoint(run) == run / "checkpoint-2"
+    config["config"]["resume"], config["park_at_step"] = True, None
+    two_nodes(config, tmp_path, "resumed")
+    assert_same_run(run, runs["fsdp"])
+
+
+def test_a_restart_by_torchrun_resumes_and_ends_identical(runs, tiny_model_dir, tmp_path):
+    """torchrun --max-restarts 1: rank 1 is SIGKILLed inside step 3; the launcher restarts
+    both, they resume from checkpoint-2 without --resume, and the run completes (exit 0)."""
+    run = tmp_path / "restarted"
+    config = spec(tiny_model_dir, run, batch=2, scope="global", strategy="fsdp",
+                  park_at_step=[1, 2])
+    proc, log = torchrun(config, tmp_path / "restart.json", wait=False,
+                         launcher=("--nproc_per_node", "2", "--nnodes", "1", "--max-restarts", "1"))
+    wait_for(run / "parked-rank1", [proc], [log])
+    os.kill(int((run / "pid-rank1").read_text()), signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    assert "restart 1 by the launcher: resuming" in log.read_text()
+    assert json.loads((run / "summary.json").read_text())["resumed_from"].endswith("checkpoint-2")
+    assert_same_run(run, runs["fsdp"])
 
 
 # --- bad input: clear errors before training ----------------------------------------------------

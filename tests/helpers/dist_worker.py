@@ -13,12 +13,14 @@ bytes-rank<r>.json (the parameter, gradient and optimizer bytes it holds at the 
 the engine ran, and how many optimizer steps), roles-rank<r>.json (its global and local rank and
 the callbacks' is_world/local_process_zero), lean-rank<r>.json (why the lean forward cannot run on
 the model, None when it can: inside and outside `Engine.gathered`), exit-rank<r> (the exit code
-it is about to return). Under torchrun each process also records, in writes-rank<r>.json, every
+it is about to return), group-rank<r> ("ended" when the process group was destroyed by
+the time the interpreter ran its exit handlers, else "alive"). Under torchrun each process also records, in writes-rank<r>.json, every
 file under <output_dir> it opened for writing or renamed into place (an audit hook), so a test
 can check that each file has one writer. Rank 0 also writes logits.pt, the trained model's logits
 on a fixed input (through the sharded model under fsdp).
 """
 
+import atexit
 import json
 import os
 import re
@@ -28,7 +30,7 @@ import time
 import torch
 
 WORKER_FILES = re.compile(r"(questions|summary|bytes|reductions|roles|lean|writes|pid|exit|parked"
-                          r"|stop)-rank\d+(\.json)?|logits\.pt")   # this helper's, not the trainer's
+                          r"|stop|group)-rank\d+(\.json)?|logits\.pt")   # this helper's, not the trainer's
 TRAINER = None   # the running trainer (the park hook reads its stop flag)
 PARK: dict = {}
 
@@ -155,6 +157,13 @@ def run(spec: dict) -> dict:
     return summary
 
 
+def record_group_state(out: str) -> None:
+    """At exit, after the trainer's handler: is the process group still up? (group-rank<r>)"""
+    import torch.distributed as dist
+    with open(os.path.join(out, f"group-rank{TRAINER.dist.rank}"), "w") as fh:
+        fh.write("alive" if dist.is_initialized() else "ended")
+
+
 def main(path: str) -> int:
     """Under torchrun: one run, then the exit code `cppo train` would give. The process group
     is left to the trainer's exit handler, as a script that never calls close() leaves it."""
@@ -165,6 +174,7 @@ def main(path: str) -> int:
     out = spec["config"]["output_dir"]
     os.makedirs(out, exist_ok=True)
     writes = record_writes(out)
+    atexit.register(record_group_state, out)   # runs after the trainer's own exit handler
     summary = run(spec)
     rank = TRAINER.dist.rank
     code = EXIT_CODES[summary["status"]]
