@@ -116,6 +116,17 @@ def test_interrupted_and_resumed_run_ends_with_the_same_parameters(tiny_model_di
     assert straight.counters == resumed.counters
 
 
+def test_close_ends_the_engine_the_reward_workers_then_the_process_group(tiny_model_dir, tmp_path):
+    order = []
+    with make_trainer(tiny_model_dir, tmp_path / "run", max_steps=1) as trainer:
+        trainer.backend.close = lambda: order.append("generation engine")
+        trainer.rewards.close = lambda: order.append("reward workers")
+        trainer.dist.close = lambda: order.append("process group")
+        trainer.train()
+        assert order == []     # train() leaves them up: a script may still use them
+    assert order == ["generation engine", "reward workers", "process group"]
+
+
 def test_update_changes_parameters_and_logs_trl_metrics(tiny_model_dir, tmp_path):
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, eval_steps=1)
     before = [p.detach().clone() for p in trainer.policy.parameters()]
