@@ -12,9 +12,14 @@ out: what a run did before the teardown existed). A control runs the same number
 a bare gloo script (all-reduces, then exit) with and without `destroy_process_group`.
 `--load N` runs N busy loops meanwhile: the abort at exit shows when the machine is busy.
 
+Then, `--stop-repeats` times each: seconds from SIGTERM to exit, for `cppo train` (the embedded
+default, one process, signalled after its first logged steps) and for the 2-process fsdp run
+under torchrun (the agent signalled mid-run; it sends SIGTERM on to both workers): the time a
+scheduler's grace period must cover here.
+
 Writes benchmarks/results/exit_codes/results.md and results.json: per variant, the launches,
 torchrun's exit codes, the workers that died by SIGABRT ("terminate called without an active
-exception") and the median launch time.
+exception") and the median launch time; the SIGTERM-to-exit seconds and exit codes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import collections
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -130,6 +136,72 @@ def variants(model: str, root: Path) -> list[tuple[str, list[str], dict]]:
     return out
 
 
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return sum('"reward"' in line for line in path.read_text().splitlines())
+
+
+def time_to_stop(command: list[str], run_dir: Path, log: Path, after_steps: int) -> dict:
+    """Start `command`, send SIGTERM once `after_steps` steps are logged, time the exit."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(command, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while logged_steps(run_dir) < after_steps:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{command[:4]} ended before the signal:\n{log.read_text()[-2000:]}")
+            time.sleep(0.05)
+        sent = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=600)
+        took = time.perf_counter() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"seconds": took, "exit code": code, "status": summary["status"], "steps": summary["steps"]}
+
+
+def stop_latency(model: str, root: Path, repeats: int) -> list[dict]:
+    rows = []
+    for name in ("cppo train (embedded default, 1 process)",
+                 "torchrun, 2 processes, fsdp (SIGTERM to the agent)"):
+        runs = []
+        for i in range(repeats):
+            run_dir = root / f"stop-{len(rows)}-{i}"
+            if name.startswith("cppo train"):
+                command = [sys.executable, "-m", "cppo.cli", "train", "--output_dir", str(run_dir),
+                           "--progress_bar", "false"]
+                after = 5
+            else:
+                config = dict(output_dir=str(run_dir), per_device_train_batch_size=2,
+                              gradient_accumulation_steps=2, num_generations=4, pruning_rate=0.5,
+                              selection_scope="global", beta=0.04, num_iterations=2, max_steps=400,
+                              generation_chunk_size=8, max_completion_length=5, learning_rate=1e-3,
+                              eval_steps=0, save_steps=0, progress_bar=False, seed=3,
+                              distributed="fsdp")
+                spec = root / f"stop-spec-{i}.json"
+                spec.write_text(json.dumps({"config": config, "model": model, "post_run": False,
+                                            "teardown": True}))
+                command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                           __file__, "--worker", str(spec)]
+                after = 2
+            runs.append(time_to_stop(command, run_dir, root / "stop.log", after))
+        seconds = [r["seconds"] for r in runs]
+        row = {"run": name, "repeats": repeats, "seconds (min-max)": [round(min(seconds), 2),
+                                                                    round(max(seconds), 2)],
+               "exit codes": sorted({r["exit code"] for r in runs}),
+               "statuses": sorted({r["status"] for r in runs})}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def machine() -> dict:
     import torch
     return {"cpu": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -143,6 +215,8 @@ def main(argv=None) -> int:
     parser.add_argument("--launches", type=int, default=8, help="launches per variant")
     parser.add_argument("--load", type=int, default=2, help="busy loops running meanwhile")
     parser.add_argument("--only", default="", help="run only variants whose name contains this")
+    parser.add_argument("--stop-repeats", type=int, default=3,
+                        help="SIGTERM-to-exit measurements per run kind (0: none)")
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -155,7 +229,7 @@ def main(argv=None) -> int:
             root = Path(tmp)
             model = tiny_model(root / "model")
             for name, script, env in variants(model, root):
-                if args.only not in name:
+                if args.only not in name or not args.launches:
                     continue
                 codes, aborts, seconds = collections.Counter(), 0, []
                 for i in range(args.launches):   # one variant at a time: same load for its runs
@@ -165,33 +239,42 @@ def main(argv=None) -> int:
                     seconds.append(took)
                     if code != 0 and not (root / f"failed-{len(rows)}.log").exists():
                         (root / f"failed-{len(rows)}.log").write_text((root / "launch.log").read_text())
-                row = {"variant": name, "launches": args.launches,
+                row = {"variant": name, "launches": args.launches, "busy loops": args.load,
                        "exit codes": dict(sorted(codes.items())), "workers aborted (SIGABRT)": aborts,
                        "launch seconds (median)": round(statistics.median(seconds), 1)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            stops = stop_latency(model, root, args.stop_repeats) if args.stop_repeats else []
     finally:
         for proc in busy:
             proc.kill()
             proc.wait()
-    write_results(args, rows)
+    write_results(args, rows, stops)
     return 0
 
 
-def write_results(args, rows: list[dict]) -> None:
+def write_results(args, rows: list[dict], stops: list[dict]) -> None:
+    """results.json and results.md; rows of variants (and the SIGTERM table) this invocation did
+    not measure (`--only`, `--launches 0`, `--stop-repeats 0`) are kept from results.json."""
     args.output.mkdir(parents=True, exist_ok=True)
     info = machine()
+    earlier = json.loads((args.output / "results.json").read_text()) \
+        if (args.output / "results.json").is_file() else {}
+    for r in earlier.get("rows", []):   # files written before rows carried their own load
+        r.setdefault("busy loops", earlier.get("busy_loops"))
+    measured = {r["variant"] for r in rows}
+    rows = [r for r in earlier.get("rows", []) if r["variant"] not in measured] + rows
+    stops = stops or earlier.get("sigterm_to_exit", [])
     (args.output / "results.json").write_text(json.dumps(
-        {"machine": info, "launches_per_variant": args.launches, "busy_loops": args.load,
-         "rows": rows}, indent=2))
+        {"machine": info, "rows": rows, "sigterm_to_exit": stops}, indent=2))
     lines = ["# benchmarks/exit_codes.py", "",
-             f"Machine: {json.dumps(info)}; {args.load} busy loops ran during the launches "
-             f"(`python benchmarks/exit_codes.py --launches {args.launches} --load {args.load}`).",
-             "", "| variant | launches | torchrun exit codes (code: count) | workers aborted (SIGABRT) "
-             "| launch s (median) |", "|---|---|---|---|---|"]
+             f"Machine: {json.dumps(info)}. Command: `python benchmarks/exit_codes.py --launches "
+             f"N --load L` (each row says its N and L: busy loops running during its launches).",
+             "", "| variant | launches | busy loops | torchrun exit codes (code: count) | workers "
+             "aborted (SIGABRT) | launch s (median) |", "|---|---|---|---|---|---|"]
     for r in rows:
         codes = ", ".join(f"{k}: {v}" for k, v in r["exit codes"].items())
-        lines.append(f"| {r['variant']} | {r['launches']} | {codes} | "
+        lines.append(f"| {r['variant']} | {r['launches']} | {r.get('busy loops', '')} | {codes} | "
                      f"{r['workers aborted (SIGABRT)']} | {r['launch seconds (median)']} |")
     lines += ["", "A worker aborted by SIGABRT printed `terminate called without an active "
               "exception` after its run had finished; torchrun then exits 1. The cause: a gloo "
@@ -200,6 +283,14 @@ def write_results(args, rows: list[dict]) -> None:
               "releasing one there needs the interpreter, which is going away, and the thread is "
               "ended inside C++ code that cannot be unwound. cppo's trainer ends the group it "
               "started (`CPPOTrainer.close()`, or an exit handler while the interpreter is whole)."]
+    if stops:
+        lines += ["", "SIGTERM to exit (the step in progress finishes, a checkpoint is written; "
+                  "the same busy loops running):", "",
+                  "| run | repeats | seconds (min-max) | exit codes | status |", "|---|---|---|---|---|"]
+        for r in stops:
+            low, high = r["seconds (min-max)"]
+            lines.append(f"| {r['run']} | {r['repeats']} | {low}-{high} | "
+                         f"{', '.join(map(str, r['exit codes']))} | {', '.join(r['statuses'])} |")
     (args.output / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -241,3 +241,15 @@ def test_registry_errors_name_the_problem():
         get_reward_function("cppo.rewards.math_rewards:missing")
     with pytest.raises(TypeError, match="not callable"):
         get_reward_function("cppo.rewards.math_rewards:DEFAULT_TIMEOUT_S")
+
+
+def test_the_reward_runner_s_close_stops_the_math_verify_workers():
+    from cppo.rewards import math_rewards
+    from cppo.rewards_runner import RewardRunner
+    verifier = math_rewards.default_verifier()
+    assert verifier.check("1", "1") == 1.0            # starts a worker process
+    workers = [w for w in list(verifier._idle.queue) if w is not None]
+    assert workers and all(w.alive() for w in workers)
+    RewardRunner(["math"]).close()                    # what CPPOTrainer.close() calls
+    assert not any(w.alive() for w in workers)
+    assert verifier.check("2", "3") == 0.0            # and it starts again when used

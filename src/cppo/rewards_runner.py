@@ -63,6 +63,11 @@ class RewardRunner:
             raise ValueError(f"{len(weights)} reward_weights for {len(self.funcs)} reward functions")
         self.weights = torch.tensor(weights if weights is not None else [1.0] * len(self.funcs))
 
+    def close(self) -> None:
+        """Stop the worker processes rewards started in this process (math-verify's pool)."""
+        from cppo.rewards import math_rewards
+        math_rewards.close_default_verifier()
+
     def __call__(self, rows: list[dict], texts: list[str], completion_ids: list[list[int]] | None,
                  num_generations: int, conversational: bool = False) -> torch.Tensor:
         """Rewards (N, F), N = len(rows) * num_generations, NaN where a function returned None.

@@ -283,6 +283,14 @@ def default_verifier() -> MathVerifier:
         return _default
 
 
+def close_default_verifier() -> None:
+    """Stop the process-wide verifier's workers, if it has started any (it starts them again on
+    its next use)."""
+    with _default_lock:
+        if _default is not None:
+            _default.close()
+
+
 _WORKER_CMD = "from cppo.rewards.math_rewards import _serve; _serve({soft})"
 
 
