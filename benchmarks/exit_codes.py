@@ -254,16 +254,18 @@ def main(argv=None) -> int:
 
 
 def write_results(args, rows: list[dict], stops: list[dict]) -> None:
-    """results.json and results.md; rows of variants (and the SIGTERM table) this invocation did
-    not measure (`--only`, `--launches 0`, `--stop-repeats 0`) are kept from results.json."""
+    """results.json and results.md; rows of variants and loads (and the SIGTERM table) this
+    invocation did not measure (`--only`, `--load`, `--launches 0`, `--stop-repeats 0`) are kept
+    from results.json."""
     args.output.mkdir(parents=True, exist_ok=True)
     info = machine()
     earlier = json.loads((args.output / "results.json").read_text()) \
         if (args.output / "results.json").is_file() else {}
     for r in earlier.get("rows", []):   # files written before rows carried their own load
         r.setdefault("busy loops", earlier.get("busy_loops"))
-    measured = {r["variant"] for r in rows}
-    rows = [r for r in earlier.get("rows", []) if r["variant"] not in measured] + rows
+    measured = {(r["variant"], r["busy loops"]) for r in rows}   # one row per variant and load
+    rows = [r for r in earlier.get("rows", []) if (r["variant"], r["busy loops"]) not in measured] \
+        + rows
     stops = stops or earlier.get("sigterm_to_exit", [])
     (args.output / "results.json").write_text(json.dumps(
         {"machine": info, "rows": rows, "sigterm_to_exit": stops}, indent=2))

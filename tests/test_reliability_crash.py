@@ -25,7 +25,8 @@ from helpers import (PARK_ENV, load_weights, single_thread, start_train, step_re
 
 PAUSES = {"mid_write": "weights:4", "after_rename": "renamed:4", "mid_step": None, "ctrl_c": None,
           "sigterm": None}
-STOPS = {"ctrl_c": (signal.SIGINT, 0), "sigterm": (signal.SIGTERM, 143)}   # signal, exit code
+# signal, how many times it is sent, exit code: SIGTERM twice, as SLURM and then torchrun send it
+STOPS = {"ctrl_c": (signal.SIGINT, 1, 0), "sigterm": (signal.SIGTERM, 2, 143)}
 COUNTERS = ("questions_seen", "completions_scored", "completions_trained", "tokens_generated",
             "skipped_steps", "nonfinite_steps")
 
@@ -72,9 +73,12 @@ def killed(data, tiny_model_dir):
                                      f"point:\n{log.read_text()[-3000:]}")
             if at_kill_point(out, log, pause):
                 if name in STOPS:   # a signal in step 4: finish it, save, exit (waited for below)
-                    os.kill(proc.pid, STOPS[name][0])
+                    sig, times, code = STOPS[name]
+                    for _ in range(times):
+                        os.kill(proc.pid, sig)
+                        time.sleep(0.2)
                     Path(f"{out}.go").touch()
-                    interrupted.append((proc, log, STOPS[name][1]))
+                    interrupted.append((proc, log, code))
                 else:
                     os.kill(proc.pid, signal.SIGKILL)
                     assert proc.wait() == -signal.SIGKILL
@@ -124,8 +128,8 @@ def test_kill_mid_checkpoint_write_leaves_the_previous_one_loadable(killed, tiny
 
 @pytest.mark.parametrize("name, status", [("ctrl_c", "interrupted"), ("sigterm", "terminated")])
 def test_ctrl_c_and_sigterm_finish_the_step_and_save(killed, name, status):
-    """SIGINT / SIGTERM during step 4 of 6 (exit code 0 / 143: the fixture): the step finishes,
-    is saved, and the run stops there."""
+    """SIGINT / SIGTERM (sent twice) during step 4 of 6 (exit code 0 / 143: the fixture): the
+    step finishes, is saved, and the run stops there."""
     out = killed[name]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == status and summary["steps"] == 4

@@ -563,15 +563,20 @@ class CPPOTrainer:
         return self.step // every > before // every
 
     def _request_stop(self, signum, frame) -> None:
-        """SIGINT / SIGTERM handler: remember the signal; the loop stops after this step."""
-        if self.stop_requested:  # a second signal: stop now, without saving
-            if signum == signal.SIGTERM:
-                raise SystemExit(EXIT_CODES["terminated"])
-            raise KeyboardInterrupt
+        """SIGINT / SIGTERM handler: remember the signal; the loop stops after this step. A
+        second Ctrl-C stops at once, without saving; a repeated SIGTERM changes nothing (SLURM
+        signals every process of a job step, and torchrun passes its own SIGTERM on again)."""
+        if self.stop_requested:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
         self.stop_requested = signum
-        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(f"\n{what}: finishing this step, saving a checkpoint and exiting "
-              f"(a second {what} aborts without saving)", flush=True)
+        if signum == signal.SIGINT:
+            print("\nCtrl-C: finishing this step, saving a checkpoint and exiting "
+                  "(press again to abort without saving)", flush=True)
+        else:
+            print("\nSIGTERM: finishing this step, saving a checkpoint and exiting with code "
+                  f"{EXIT_CODES['terminated']}", flush=True)
 
     def _postfix(self, metrics: dict) -> dict:
         post = {"reward": f"{metrics.get('reward', 0):.3f}",
