@@ -212,10 +212,12 @@ def test_ctrl_c_after_the_last_step_still_completes_cleanly(tiny_model_dir, tmp_
         os.kill(os.getpid(), signal.SIGINT)
         return original(*args, **kwargs)
     monkeypatch.setattr(trainer_module, "write_plots", interrupted_plots)
+    # what was there before (Python's default, or SIG_IGN when started in a shell's background)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     summary = trainer.train()
     assert summary["status"] == "completed" and summary["steps"] == 2
     assert (tmp_path / "run" / "checkpoint-2").is_dir()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handler restored
+    assert {sig: signal.getsignal(sig) for sig in before} == before   # handlers restored
 
 
 def test_importance_weights_scale_the_loss_and_its_gradient(tiny_model_dir, tmp_path):
