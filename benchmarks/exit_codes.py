@@ -166,7 +166,7 @@ def time_to_stop(command: list[str], run_dir: Path, log: Path, after_steps: int)
     return {"seconds": took, "exit code": code, "status": summary["status"], "steps": summary["steps"]}
 
 
-def stop_latency(model: str, root: Path, repeats: int) -> list[dict]:
+def stop_latency(model: str, root: Path, repeats: int, load: int) -> list[dict]:
     rows = []
     for name in ("cppo train (embedded default, 1 process)",
                  "torchrun, 2 processes, fsdp (SIGTERM to the agent)"):
@@ -193,7 +193,8 @@ def stop_latency(model: str, root: Path, repeats: int) -> list[dict]:
                 after = 2
             runs.append(time_to_stop(command, run_dir, root / "stop.log", after))
         seconds = [r["seconds"] for r in runs]
-        row = {"run": name, "repeats": repeats, "seconds (min-max)": [round(min(seconds), 2),
+        row = {"run": name, "repeats": repeats, "busy loops": load,
+               "seconds (min-max)": [round(min(seconds), 2),
                                                                     round(max(seconds), 2)],
                "exit codes": sorted({r["exit code"] for r in runs}),
                "statuses": sorted({r["status"] for r in runs})}
@@ -244,7 +245,7 @@ def main(argv=None) -> int:
                        "launch seconds (median)": round(statistics.median(seconds), 1)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            stops = stop_latency(model, root, args.stop_repeats) if args.stop_repeats else []
+            stops = stop_latency(model, root, args.stop_repeats, args.load) if args.stop_repeats else []
     finally:
         for proc in busy:
             proc.kill()
@@ -286,12 +287,13 @@ def write_results(args, rows: list[dict], stops: list[dict]) -> None:
               "ended inside C++ code that cannot be unwound. cppo's trainer ends the group it "
               "started (`CPPOTrainer.close()`, or an exit handler while the interpreter is whole)."]
     if stops:
-        lines += ["", "SIGTERM to exit (the step in progress finishes, a checkpoint is written; "
-                  "the same busy loops running):", "",
-                  "| run | repeats | seconds (min-max) | exit codes | status |", "|---|---|---|---|---|"]
+        lines += ["", "SIGTERM to exit (the step in progress finishes, a checkpoint is written, "
+                  "the summary and plots are drawn):", "",
+                  "| run | repeats | busy loops | seconds (min-max) | exit codes | status |",
+                  "|---|---|---|---|---|---|"]
         for r in stops:
             low, high = r["seconds (min-max)"]
-            lines.append(f"| {r['run']} | {r['repeats']} | {low}-{high} | "
+            lines.append(f"| {r['run']} | {r['repeats']} | {r.get('busy loops', '')} | {low}-{high} | "
                          f"{', '.join(map(str, r['exit codes']))} | {', '.join(r['statuses'])} |")
     (args.output / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
