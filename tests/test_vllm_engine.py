@@ -215,7 +215,7 @@ def test_cppo_train_with_vllm_three_steps_then_resume(tmp_path):
     generating, as a user runs it (no environment variable set); a smaller step batch."""
     out = tmp_path / "run"
     common = ["train", "--use_vllm", "true", "--output_dir", str(out), "--eval_num_questions", "8",
-              "--per_device_train_batch_size", "32", "--progress_bar", "false"]
+              "--per_device_train_batch_size", "16", "--progress_bar", "false"]
     first = run_cli([*common, "--max_steps", "3"])
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.count("vllm_enable_sleep_mode: vLLM has no sleep mode on cpu") == 1
@@ -223,6 +223,8 @@ def test_cppo_train_with_vllm_three_steps_then_resume(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    # the loss is corrected with vLLM's own log-probs (importance_sampling_correction's default)
+    assert all("sampling/importance_sampling_ratio/mean" in r for r in steps)
     assert (out / "checkpoint-3").is_dir()
     second = run_cli([*common, "--max_steps", "4", "--resume"])
     assert second.returncode == 0, second.stderr[-3000:]
