@@ -260,9 +260,9 @@ def test_cpu_kv_cache_fits_one_round_within_the_ram_fraction(tiny_model_dir):
     config = load_model(tiny_model_dir).config
     args = small_args(per_device_train_batch_size=8, pruning_rate=0.5)   # 8 questions x 2
     per_token = 2 * 2 * 2 * 16 * 4   # key + value, 2 layers x 2 heads x 16 dims, float32
-    size = cpu_kv_cache_bytes(args, config, torch.float32, 20, ram_bytes=2**40)
-    assert size == int(16 * 32 * per_token * 1.1)   # 16 completions, 20 tokens -> 2 blocks of 16
-    assert cpu_kv_cache_bytes(args, config, torch.float32, 20, ram_bytes=10**4) == 32 * per_token
+    size = cpu_kv_cache_bytes(args, config, torch.float32, 200, ram_bytes=2**40)
+    assert size == int(16 * 256 * per_token * 1.1)   # 16 completions of 200 -> 2 blocks of 128
+    assert cpu_kv_cache_bytes(args, config, torch.float32, 200, ram_bytes=10**5) == 256 * per_token
 
 
 def test_vllm_not_installed_fails_at_the_config(monkeypatch):

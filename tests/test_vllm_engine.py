@@ -23,6 +23,8 @@ G = 4
 # weights (measured here: at most ~1e-5)
 LOGPROB_TOLERANCE = 1e-4
 PROMPTS = ["12*34=", "5*6=", "77*88+12=", "9+9="]
+# over one of the 128-token KV blocks of vLLM's CPU build: the prefix cache keeps it across calls
+LONG_PROMPTS = ["12*34+" * 23 + "5=", "98*7+6" * 23 + "5="]
 
 
 def save_tiny_model(path, tokenizer, *, tied: bool, extra_eos: int | None = None) -> str:
@@ -34,7 +36,7 @@ def save_tiny_model(path, tokenizer, *, tied: bool, extra_eos: int | None = None
     config = tiny_model_config(len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                eos_token_id=tokenizer.eos_token_id,
                                pad_token_id=tokenizer.pad_token_id, hidden_size=128, num_layers=2,
-                               num_heads=4, intermediate_size=128)
+                               num_heads=4, intermediate_size=128, max_positions=256)
     config.num_key_value_heads = 2
     config.tie_word_embeddings = tied
     model = LlamaForCausalLM(config)
@@ -46,7 +48,7 @@ def save_tiny_model(path, tokenizer, *, tied: bool, extra_eos: int | None = None
 
 
 def engine_args(**kw):
-    values = dict(use_vllm=True, num_generations=G, max_completion_length=8, max_prompt_length=16,
+    values = dict(use_vllm=True, num_generations=G, max_completion_length=8, max_prompt_length=160,
                   seed=11, temperature=1.0)
     values.update(kw)
     return CPPOConfig(**values)
@@ -115,6 +117,13 @@ def test_engine_start_leaves_the_trainer_process_as_it_was(tied):
     assert torch.equal(tied.rng_kept[1], tied.rng_expected[1])
     assert tied.threads_after == 1
     assert tied.env_changed == {}
+    # the KV cache one round needs, not vllm_gpu_memory_utilization (a RAM fraction on CPU)
+    from cppo.generation import cpu_kv_cache_bytes
+    from cppo.memory import device_memory_bytes
+    cache = tied.backend.llm.llm_engine.vllm_config.cache_config
+    assert cache.kv_cache_memory_bytes == cpu_kv_cache_bytes(
+        tied.args, tied.model.config, torch.float32, tied.backend.max_model_len,
+        device_memory_bytes(torch.device("cpu"))) < 2**30
 
 
 def test_rows_logprobs_and_eos_flags(tied):
@@ -163,7 +172,8 @@ def test_same_seed_same_tokens_other_round_other_tokens(untied):
 @pytest.mark.parametrize("which", ["tied", "untied"])
 def test_after_an_optimizer_step_vllm_samples_the_updated_policy(which, request):
     engine = request.getfixturevalue(which)
-    prompts = engine.prompts()
+    prompts = engine.prompts(LONG_PROMPTS)
+    assert prompts.mask.sum(1).min() > 128
     before = engine.backend.generate(prompts, round_index=10)   # prompts now in the prefix cache
     optimizer = torch.optim.AdamW(engine.model.parameters(), lr=3e-2)
     logps = completion_logprobs(engine.model, prompts.ids.repeat_interleave(G, 0),
@@ -184,11 +194,11 @@ def test_bad_settings_fail_before_the_engine_starts(untied, monkeypatch):
     with pytest.raises(ConfigError, match="'temperature' is 2.5; vLLM samples with temperatures up to 2"):
         engine_args(temperature=2.5)
     with pytest.raises(ConfigError, match="'vllm_max_model_length' is 20, below max_prompt_length "
-                                          r"\+ max_completion_length = 24"):
+                                          r"\+ max_completion_length = 168"):
         engine_args(vllm_max_model_length=20)
-    with pytest.raises(ConfigError, match="'vllm_max_model_length' is 100, above the model's "
-                                          "max_position_embeddings = 64"):
-        VLLMBackend(untied.model, untied.tokenizer, engine_args(vllm_max_model_length=100))
+    with pytest.raises(ConfigError, match="'vllm_max_model_length' is 300, above the model's "
+                                          "max_position_embeddings = 256"):
+        VLLMBackend(untied.model, untied.tokenizer, engine_args(vllm_max_model_length=300))
     monkeypatch.setattr("cppo.config.installed_vllm_version", lambda: "0.22.1")
     with pytest.raises(ConfigError, match=r"vLLM 0.22.1 is installed; cppo supports vLLM >= 0.32, < 0.33"):
         engine_args()
@@ -196,8 +206,9 @@ def test_bad_settings_fail_before_the_engine_starts(untied, monkeypatch):
 
 def test_a_prompt_longer_than_the_engine_takes_is_a_clear_error(untied):
     from cppo.config import ConfigError
-    long = encode_prompts(untied.tokenizer, ["1+" * 40 + "1="])
-    with pytest.raises(ConfigError, match="exceeds vLLM's max_model_len 24: lower max_prompt_length"):
+    long = encode_prompts(untied.tokenizer, ["1+" * 100 + "1="])   # 203 tokens
+    with pytest.raises(ConfigError, match="a prompt of 203 tokens \\+ max_completion_length 8 exceeds "
+                                          "vLLM's max_model_len 168: lower max_prompt_length"):
         untied.backend.generate(long, round_index=0)
 
 

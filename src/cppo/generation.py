@@ -193,18 +193,20 @@ def kv_cache_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
+CPU_BLOCK_SIZE = 128   # tokens per KV-cache block in vLLM's CPU build (its default there)
+
+
 def cpu_kv_cache_bytes(args, model_config, dtype: torch.dtype, max_model_len: int,
                        ram_bytes: int, max_num_seqs: int = 256) -> int:
     """KV cache for vLLM's CPU build, whose gpu_memory_utilization is a fraction of the RAM that
     must be free at start-up beside the trainer: the cache one generation round needs (its
-    completions at max_model_len, rounded up to 16-token blocks, at most max_num_seqs at once),
-    at least one whole sequence, at most vllm_gpu_memory_utilization of the RAM."""
+    completions at max_model_len in whole blocks, at most max_num_seqs at once, plus 10 %), at
+    least one whole sequence, at most vllm_gpu_memory_utilization of the RAM."""
     rows = min(args.step_plan().questions_per_step * args.num_generations, max_num_seqs)
-    tokens = rows * -(-max_model_len // 16) * 16
+    sequence = -(-max_model_len // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE
     per_token = kv_cache_bytes_per_token(model_config, dtype)
-    need = int(tokens * per_token * 1.1)
-    return max(-(-max_model_len // 16) * 16 * per_token,
-               min(need, int(args.vllm_gpu_memory_utilization * ram_bytes)))
+    need = int(rows * sequence * per_token * 1.1)
+    return max(sequence * per_token, min(need, int(args.vllm_gpu_memory_utilization * ram_bytes)))
 
 
 def refresh_tied_head(model) -> None:
