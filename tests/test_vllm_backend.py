@@ -173,6 +173,7 @@ def test_sleep_mode_wakes_and_pushes_before_every_generation(fake_vllm, tiny_mod
     assert "kv_cache_memory_bytes" not in kw and "enforce_eager" not in kw   # CPU-only settings
     assert kw["distributed_executor_backend"] == "external_launcher"
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["max_model_len"] == 20
+    assert kw["model_impl"] == "vllm" and kw["tensor_parallel_size"] == 1
     prompts = encode_prompts(tok, ["12*34=", "5*6="])          # left-padded to one width
     out = backend.generate(prompts, round_index=3, question_offset=10)
     push = ["wake_up['weights']", "reload_weights", "apply_model:refresh_tied_head",
@@ -263,6 +264,20 @@ def test_cpu_kv_cache_fits_one_round_within_the_ram_fraction(tiny_model_dir):
     size = cpu_kv_cache_bytes(args, config, torch.float32, 200, ram_bytes=2**40)
     assert size == int(16 * 256 * per_token * 1.1)   # 16 completions of 200 -> 2 blocks of 128
     assert cpu_kv_cache_bytes(args, config, torch.float32, 200, ram_bytes=10**5) == 256 * per_token
+
+
+def test_trl_vllm_fields_are_honoured():
+    from cppo.trl_fields import translate
+    own = {f.name for f in dataclasses.fields(CPPOConfig)}
+    trl = {"vllm_model_impl": "transformers", "vllm_max_model_length": 300,
+           "vllm_enable_sleep_mode": False, "vllm_gpu_memory_utilization": 0.5,
+           "vllm_tensor_parallel_size": 1}
+    out, dropped = translate(trl, own)
+    assert out == trl and dropped == {}
+    with pytest.raises(Exception, match="'vllm_tensor_parallel_size' is 2; cppo's colocate mode runs "
+                                        "one vLLM engine per training process.*--tensor-parallel-size 2"):
+        small_args(vllm_tensor_parallel_size=2)
+    assert small_args(vllm_tensor_parallel_size=2, vllm_mode="server").vllm_tensor_parallel_size == 2
 
 
 def test_vllm_not_installed_fails_at_the_config(monkeypatch):

