@@ -212,13 +212,23 @@ def test_a_prompt_longer_than_the_engine_takes_is_a_clear_error(untied):
         untied.backend.generate(long, round_index=0)
 
 
-def run_cli(args, timeout=600):
+def run_cli(args, timeout=600, processes: int = 1):
+    """`cppo train ...` as a user runs it (torchrun for several processes), no variable set."""
     import subprocess
     import sys
+    from cppo.generation import free_port
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "cppo.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    launcher = [] if processes == 1 else [
+        "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--nnodes", "1",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    return subprocess.run([sys.executable, *launcher, "-m", "cppo.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def losses(run_dir) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
 
 
 def test_cppo_train_with_vllm_three_steps_then_resume(tmp_path):
@@ -242,3 +252,16 @@ def test_cppo_train_with_vllm_three_steps_then_resume(tmp_path):
     assert (out / "checkpoint-4").is_dir()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_cppo_train_with_vllm_under_torchrun_two_processes(tmp_path):
+    """ddp, 2 processes, each with its own engine; no environment variable set by hand."""
+    out = tmp_path / "run"
+    run = run_cli(["train", "--use_vllm", "true", "--output_dir", str(out), "--max_steps", "3",
+                   "--eval_num_questions", "8", "--per_device_train_batch_size", "16",
+                   "--progress_bar", "false"], processes=2)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert run.stdout.count("vllm_enable_sleep_mode: vLLM has no sleep mode on cpu") == 1
+    values = losses(out)
+    assert len(values) == 3 and all(torch.isfinite(torch.tensor(values)))
+    assert (out / "checkpoint-3").is_dir()

@@ -283,7 +283,8 @@ class VLLMBackend:
 
     colocate: a `vllm.LLM` inside this training process (`distributed_executor_backend=
     'external_launcher'`: the engine runs in-process, one per training process; a one-process
-    run gets the launcher variables it reads from `one_process_launcher`). Before the first
+    run gets the launcher variables it reads from `one_process_launcher`; under torchrun each
+    process holds its own engine, tensor parallel 1). Before the first
     generation of each round the policy's weights go through vLLM's in-place reload
     (`collective_rpc("reload_weights")`, checkpoint-format names, LoRA merged), the prefix cache
     is reset, and a short probe checks that vLLM's log-probs now equal the policy's. With
@@ -335,9 +336,10 @@ class VLLMBackend:
         platform = self._platform()
         if platform.is_sleep_mode_available():
             return True
-        print(f"vllm_enable_sleep_mode: vLLM has no sleep mode on {platform.device_type}; the "
-              f"engine stays awake (set vllm_enable_sleep_mode: false to drop this line)",
-              flush=True)
+        if os.environ.get("RANK", "0") == "0":   # one line per run, not per process
+            print(f"vllm_enable_sleep_mode: vLLM has no sleep mode on {platform.device_type}; the "
+                  f"engine stays awake (set vllm_enable_sleep_mode: false to drop this line)",
+                  flush=True)
         return False
 
     @property
