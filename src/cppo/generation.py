@@ -190,7 +190,7 @@ def kv_cache_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * (torch.finfo(dtype).bits // 8)
 
 
 CPU_BLOCK_SIZE = 128   # tokens per KV-cache block in vLLM's CPU build (its default there)
@@ -237,9 +237,8 @@ def one_process_launcher():
     if "RANK" in os.environ:
         yield
         return
-    added = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(free_port()))
-    added = {k: v for k, v in added.items() if k not in os.environ}
+    world_of_one = ("0", "0", "1", "127.0.0.1", str(free_port()))
+    added = {k: v for k, v in zip(LAUNCHER_ENV, world_of_one) if k not in os.environ}
     os.environ.update(added)
     try:
         yield
