@@ -265,3 +265,29 @@ def test_cppo_train_with_vllm_under_torchrun_two_processes(tmp_path):
     values = losses(out)
     assert len(values) == 3 and all(torch.isfinite(torch.tensor(values)))
     assert (out / "checkpoint-3").is_dir()
+
+
+def test_lora_push_matches_the_merged_model_and_leaves_the_base_alone(untied):
+    pytest.importorskip("peft")
+    import copy
+    from cppo.models.lora import wrap_with_lora
+    model = wrap_with_lora(load_model(untied.model.config._name_or_path),
+                           CPPOConfig(use_peft=True, lora_r=2))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)     # adapters that change q/k/v/o
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    backend = VLLMBackend(model, untied.tokenizer, engine_args(vllm_enable_sleep_mode=False))
+    prompts = untied.prompts()
+    out = backend.generate(prompts, round_index=0)
+    merged = copy.deepcopy(model).merge_and_unload()
+    with torch.no_grad():
+        ours = completion_logprobs(merged, prompts.ids.repeat_interleave(G, 0),
+                                   prompts.mask.repeat_interleave(G, 0), out.ids, out.mask)
+    assert float((ours - out.logprobs).abs().max()) <= LOGPROB_TOLERANCE
+    with torch.no_grad():
+        plain = completion_logprobs(load_model(untied.model.config._name_or_path),
+                                    prompts.ids.repeat_interleave(G, 0),
+                                    prompts.mask.repeat_interleave(G, 0), out.ids, out.mask)
+    assert float((plain - out.logprobs).abs().max()) > 1e-2   # the adapters did reach vLLM
+    assert all(torch.equal(base[n], p) for n, p in model.named_parameters() if "lora_" not in n)

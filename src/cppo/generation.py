@@ -110,19 +110,39 @@ def vllm_weight_name(name: str) -> str | None:
     return name
 
 
+def lora_delta(module) -> torch.Tensor | None:
+    """The weight change of a peft LoRA layer's active, unmerged adapters (None: not one)."""
+    if not hasattr(module, "get_delta_weight") or getattr(module, "disable_adapters", False):
+        return None
+    adapters = [a for a in module.active_adapters
+                if a in module.lora_A and a not in getattr(module, "merged_adapters", ())]
+    if any(getattr(module, "use_dora", {}).get(a, False) for a in adapters):
+        raise ConfigError("a DoRA adapter cannot be pushed to vLLM as a weight delta; use LoRA "
+                          "(use_dora: false) with use_vllm")
+    deltas = [module.get_delta_weight(a) for a in adapters]
+    return sum(deltas) if deltas else None
+
+
 @contextlib.contextmanager
 def vllm_weights(model):
-    """(vLLM name, tensor) of every weight, LoRA adapters merged in for the duration (the tensors
-    are the live parameters: push them before the context exits)."""
-    merge = hasattr(model, "merge_adapter")
-    if merge:
-        model.merge_adapter()
-    try:
-        named = ((vllm_weight_name(n), p.detach()) for n, p in model.named_parameters())
-        yield [(n, t) for n, t in named if n is not None]
-    finally:
-        if merge:
-            model.unmerge_adapter()
+    """(vLLM name, tensor) of every weight, produced one at a time: a LoRA layer's weight comes
+    with its adapters' delta added (W + scale * B @ A, a new tensor), so the base weights are
+    never touched (merging in place and unmerging would drift them by rounding). The other
+    tensors are the live parameters: push them before the context exits."""
+    def weights():
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                target = vllm_weight_name(name)
+                if target is None:
+                    continue
+                tensor = param.detach()
+                if name.endswith(".base_layer.weight"):
+                    layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
+                    delta = lora_delta(layer)
+                    if delta is not None:
+                        tensor = tensor + delta.to(tensor.dtype)
+                yield target, tensor
+    yield weights()
 
 
 def sampling_kwargs(args) -> dict:
