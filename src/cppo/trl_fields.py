@@ -27,6 +27,9 @@ DIST = "process setup comes from the launcher (torchrun / accelerate launch)"
 EVAL = "cppo's held-out evaluation is greedy accuracy on eval_dataset_split every eval_steps"
 ALGO = "a GRPO variant cppo does not implement; the run uses the clipped GRPO loss of loss_type"
 VLLM = "vLLM engine settings: cppo's vLLM backend uses vLLM's defaults"
+# honoured under their own names (CPPOConfig fields): vllm_mode, vllm_model_impl,
+# vllm_enable_sleep_mode, vllm_gpu_memory_utilization, vllm_max_model_length,
+# vllm_tensor_parallel_size
 SAMPLER = "cppo's sampler takes temperature, top_p and top_k only"
 PRECISION = "not supported; use bf16 (autocast) or torch_dtype"
 LOAD = "cppo loads models with torch_dtype and attn_implementation only"
@@ -285,17 +288,12 @@ TRL_FIELDS: dict[str, tuple] = {
     "transformers_continuous_batching_config": ignored("cppo's own sampler", None),
     "use_transformers_paged": ignored("cppo's own sampler", False),
     "max_tool_calling_iterations": ignored("tool calling is not supported", None),
-    "vllm_model_impl": ignored(VLLM, "vllm"),
-    "vllm_enable_sleep_mode": ignored(VLLM, False),
     "vllm_structured_outputs_regex": ignored(VLLM, None),
     "vllm_server_base_url": ignored(VLLM, None),
     "vllm_server_host": ignored(VLLM, "0.0.0.0"),
     "vllm_server_port": ignored(VLLM, 8000),
     "vllm_server_timeout": ignored(VLLM, 240.0),
     "vllm_group_port": ignored(VLLM, 51216),
-    "vllm_gpu_memory_utilization": ignored(VLLM, 0.3),
-    "vllm_max_model_length": ignored(VLLM, None),
-    "vllm_tensor_parallel_size": ignored(VLLM, 1),
     "vllm_importance_sampling_correction": rename("importance_sampling_correction"),
     "vllm_importance_sampling_mode": mapped(_importance_sampling_mode, "token_truncate only"),
     "vllm_importance_sampling_clip_max": rename("importance_sampling_clip_max"),

