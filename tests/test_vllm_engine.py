@@ -291,3 +291,31 @@ def test_lora_push_matches_the_merged_model_and_leaves_the_base_alone(untied):
                                     prompts.mask.repeat_interleave(G, 0), out.ids, out.mask)
     assert float((plain - out.logprobs).abs().max()) > 1e-2   # the adapters did reach vLLM
     assert all(torch.equal(base[n], p) for n, p in model.named_parameters() if "lora_" not in n)
+
+
+CLOSE_CHILD = """
+import sys, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_vllm_engine import Engine
+engine = Engine({model!r}, vllm_enable_sleep_mode=False)
+assert dist.is_initialized() and engine.backend.started_world_group
+engine.backend.close()
+assert engine.backend.llm is None and not dist.is_initialized()
+engine.backend.close()   # twice: nothing left to do
+print("closed")
+"""
+
+
+def test_close_ends_the_engine_and_the_group_vllm_started(tmp_path, tokenizer):
+    """A one-process run (a fresh process: this one's engines already started a group): vLLM
+    starts a world group of its own; the backend's close() (which CPPOTrainer.close() calls
+    first) shuts the engine down and ends that group, so none is left to interpreter shutdown."""
+    import subprocess
+    import sys
+    model = save_tiny_model(tmp_path, tokenizer, tied=False)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run([sys.executable, "-c", CLOSE_CHILD.format(tests=tests, model=model)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0 and "closed" in run.stdout, (run.stdout + run.stderr)[-3000:]

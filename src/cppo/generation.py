@@ -327,10 +327,14 @@ class VLLMBackend:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.max_model_len = vllm_max_model_len(args, model.config)
         self.sleep_mode = False
+        self.started_world_group = False
         if args.vllm_mode == "colocate" and client is None:
             self.sleep_mode = args.vllm_enable_sleep_mode and self._platform_has_sleep()
+            had_group = torch.distributed.is_initialized()
             with one_process_launcher(), process_state_kept():
                 self.llm = vllm.LLM(**self.engine_kwargs())
+            # a one-process run: vLLM started a world group of its own, which close() ends
+            self.started_world_group = not had_group and torch.distributed.is_initialized()
             if self.sleep_mode:
                 self.llm.sleep(level=2)   # the weights are pushed before the first round anyway
                 self.sleeping = True
@@ -346,6 +350,26 @@ class VLLMBackend:
             self.client = VLLMClient(host=os.environ.get("CPPO_VLLM_SERVER_HOST", "127.0.0.1"),
                                      server_port=int(os.environ.get("CPPO_VLLM_SERVER_PORT", "8000")))
             self.client.init_communicator()
+
+    def close(self) -> None:
+        """Shut the engine down and end the process groups vLLM set up (its model-parallel
+        groups; the world group too when vLLM started it, in a one-process run), so none is left
+        to interpreter shutdown. Idempotent; a no-op in server mode."""
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm, core
+        try:
+            from vllm.distributed import parallel_state
+        except ImportError:   # a stand-in engine (tests)
+            return
+        parallel_state.destroy_model_parallel()
+        if self.started_world_group:
+            parallel_state.destroy_distributed_environment()
+            self.started_world_group = False
 
     def _platform(self):
         from vllm.platforms import current_platform
