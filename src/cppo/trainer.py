@@ -24,9 +24,9 @@ import torch
 from tqdm.auto import tqdm
 
 from cppo import checkpoint as ckpt
-from cppo.algorithm import (combine_rewards, group_advantages, importance_weights,
-                            per_token_policy_loss, reduce_loss, reward_stats,
-                            select_completions, select_global)
+from cppo.algorithm import (combine_rewards, group_advantages, high_entropy_mask,
+                            importance_weights, off_policy_mask, per_token_policy_loss,
+                            reduce_loss, reward_stats, select_completions, select_global)
 from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
 from cppo.callbacks import CallbackError, Callbacks
 from cppo.completions_log import CompletionsLog
@@ -334,6 +334,22 @@ class CPPOTrainer:
                 with self.policy.disable_adapter():
                     batch.ref_logps = self.logprobs(self.policy, batch)
 
+    def policy_mask(self, micro: StepBatch, logps: torch.Tensor, entropies: list):
+        """The mask (K, T) or (K, 1) on the policy term: top_entropy_quantile (over this micro-batch's
+        tokens) and off_policy_mask_threshold (KL of the sampler: the recorded sampler log-probs,
+        else the old policy's); None when neither is on."""
+        args, mask = self.args, None
+        if args.top_entropy_quantile < 1.0:
+            mask = high_entropy_mask(torch.cat(entropies), micro.completion_mask,
+                                     args.top_entropy_quantile).float()
+        if args.off_policy_mask_threshold is not None:
+            sampler = next(t for t in (micro.sampler_logps, micro.old_logps, logps.detach())
+                           if t is not None)
+            keep = off_policy_mask(micro.advantages, logps, sampler, micro.completion_mask.float(),
+                                   args.off_policy_mask_threshold)
+            mask = keep if mask is None else mask * keep
+        return mask
+
     def update(self, batch: StepBatch) -> dict:
         """One optimizer step over the kept batch, in micro-batches (gradient accumulation)."""
         args = self.args
@@ -358,7 +374,8 @@ class CPPOTrainer:
             per_token, stats = per_token_policy_loss(   # IS weights on the policy term only (TRL)
                 logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
                 epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps,
-                sampling_weights=weights)
+                sampling_weights=weights, completion_mask=micro.completion_mask,
+                policy_mask=self.policy_mask(micro, logps.float(), entropies), **args.loss_options())
             loss = reduce_loss(per_token, micro.completion_mask, args.loss_type,
                                max_completion_length=args.max_completion_length,
                                total_sequences=total_sequences, total_tokens=total_tokens,
@@ -424,8 +441,9 @@ class CPPOTrainer:
             self.completions_log.capture_selection(rewards, advantages, keep_mask)
         metrics = self.step_metrics(rows, rewards, per_function_means, advantages, keep_mask,
                                     completions, prompts)
-        # every process must take part in the collectives, even one that kept nothing
-        nothing_to_learn = self.dist.all_zero(batch.advantages)
+        # every process must take part in the collectives, even one that kept nothing;
+        # (with beta > 0 the KL term still has a gradient: the step runs, as in TRL)
+        nothing_to_learn = args.beta == 0 and self.dist.all_zero(batch.advantages)
         iterations = min(args.num_iterations, self.total_steps - self.step)  # never past max_steps
         if nothing_to_learn:  # every kept advantage is 0: the policy gradient is 0; skip
             self.counters["skipped_steps"] += iterations

@@ -8,8 +8,11 @@ from cppo.algorithm.advantages import (
     reward_stats,
 )
 from cppo.algorithm.allocation import StepShape, plan_step
-from cppo.algorithm.loss import (LOSS_TYPES, importance_weights, masked_mean, per_token_policy_loss,
-                                 reduce_loss)
+from cppo.algorithm.loss import (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, POLICY_TERMS,
+                                 SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, gamma_weights,
+                                 importance_ratio, importance_weights, masked_mean,
+                                 per_token_policy_loss, reduce_loss)
+from cppo.algorithm.masks import high_entropy_mask, off_policy_mask
 from cppo.algorithm.selection import (
     RULE_TRAITS,
     SCOPES,
@@ -24,6 +27,14 @@ from cppo.algorithm.selection import (
 )
 
 __all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "POLICY_TERMS",
+    "SEQUENCE_LEVEL_LOSSES",
+    "TOKEN_SUM_LOSSES",
+    "gamma_weights",
+    "high_entropy_mask",
+    "importance_ratio",
+    "off_policy_mask",
     "LOSS_TYPES",
     "RULE_TRAITS",
     "RuleTraits",
