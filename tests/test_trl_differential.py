@@ -24,8 +24,8 @@ def run_both(model_dir, tmp_path, monkeypatch, *, steps, rounds=2, group_size=4,
              accumulation=1, rewards=None, **options):
     from cppo.models import load_tokenizer
     forced = make_rounds(load_tokenizer(model_dir), rounds, group_size=group_size, seed=seed)
-    if rewards is not None:
-        forced[0].rewards = rewards
+    for r, values in (rewards or {}).items():
+        forced[r].rewards = values
     kw = dict(max_steps=steps, accumulation=accumulation, learning_rate=LR, **options)
     trl = run_trl(model_dir, tmp_path, forced, monkeypatch, **kw)
     cppo = run_cppo(model_dir, tmp_path, forced, monkeypatch, **kw)
@@ -93,7 +93,17 @@ def test_equal_rewards_give_exact_zero_advantages_and_a_skipped_step(tiny_model_
     std + 1e-4 turns into advantages of ~3e-4, and TRL takes an optimizer step on them; cppo's
     advantages are exactly 0 and, with beta = 0, the step is skipped (no optimizer step)."""
     trl, cppo = run_both(tiny_model_dir, tmp_path, monkeypatch, steps=1, rounds=1, group_size=8,
-                         rewards=[0.3] * 8, loss_type="dapo", beta=0.0)
+                         rewards={0: [0.3] * 8}, loss_type="dapo", beta=0.0)
     assert 1e-5 < float(trl.advantages[0].abs().max()) < 1e-3
     assert torch.equal(cppo.advantages[0], torch.zeros(8))
     assert len(trl.grads) == 1 and not cppo.grads
+
+
+def test_a_round_of_zero_advantages_still_trains_the_kl_as_trl(tiny_model_dir, tmp_path,
+                                                               monkeypatch):
+    """Equal rewards in every group of the second round: every advantage is 0, but with beta > 0
+    the KL term still has a gradient, and cppo takes the step as TRL does."""
+    trl, cppo = run_both(tiny_model_dir, tmp_path, monkeypatch, steps=2, rewards={1: [1.0] * 8},
+                         loss_type="dapo", beta=0.04, num_iterations=1)
+    assert not cppo.advantages[1].any()
+    assert_same(trl, cppo, 2)

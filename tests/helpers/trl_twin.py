@@ -29,8 +29,9 @@ class Round:
 
 
 def make_rounds(tokenizer, num_rounds: int, group_size: int = 4, seed: int = 0) -> list[Round]:
-    """Completions of several shapes per round: EOS-only, short, truncated (no EOS), and rewards
-    that vary inside each group (one group of equal rewards 1.0 in the second round)."""
+    """Completions of several shapes per round: EOS-only, short, truncated (no EOS; the first
+    round only, so the second's longest completion is shorter than max_completion_length), and
+    rewards that vary inside each group (one group of equal rewards 1.0 in the second round)."""
     G, Q = group_size, COMPLETIONS // group_size
     g = torch.Generator().manual_seed(seed)
     eos, vocab = tokenizer.eos_token_id, len(tokenizer)
@@ -41,7 +42,7 @@ def make_rounds(tokenizer, num_rounds: int, group_size: int = 4, seed: int = 0) 
         prompts = PROMPTS[r * Q:(r + 1) * Q]
         completions = []
         for i, n in enumerate(lengths):
-            n = lengths[(i + r) % len(lengths)]
+            n = lengths[(i + r) % len(lengths)] if r == 0 else min(lengths[i], MAX_LEN - 1)
             body = [text_ids[int(t)] for t in torch.randint(len(text_ids), (n,), generator=g)]
             truncated = n == MAX_LEN and (i + r) % 2 == 0
             completions.append(body if truncated else body[:n - 1] + [eos])
