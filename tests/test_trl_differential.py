@@ -72,6 +72,8 @@ OPTIONS = {
     "vespo": dict(loss_type="vespo"),
     "top_entropy_quantile": dict(loss_type="dapo", top_entropy_quantile=0.2),
     "off_policy_mask": dict(loss_type="dapo", off_policy_mask_threshold=0.0),
+    "sync_ref_model": dict(loss_type="dapo", sync_ref_model=True, ref_model_sync_steps=1,
+                           ref_model_mixup_alpha=0.6, rounds=2),
     "bnpo_accumulation": dict(loss_type="bnpo", accumulation=2),
     "grpo_accumulation": dict(loss_type="grpo", accumulation=2),
 }
@@ -81,9 +83,11 @@ OPTIONS = {
 def test_objectives_match_trl(tiny_model_dir, tmp_path, monkeypatch, name):
     """Each of TRL's other objectives and options, with beta = 0.04 and mu = 2 (one round: the
     second step has ratios != 1, so clipping, gating and masking all act)."""
-    trl, cppo = run_both(tiny_model_dir, tmp_path, monkeypatch, steps=2, rounds=1, beta=0.04,
-                         num_iterations=2, **OPTIONS[name])
-    assert_same(trl, cppo, 2)
+    options = {"rounds": 1, **OPTIONS[name]}
+    steps = 2 * options["rounds"]
+    trl, cppo = run_both(tiny_model_dir, tmp_path, monkeypatch, steps=steps, beta=0.04,
+                         num_iterations=2, **options)
+    assert_same(trl, cppo, steps)
 
 
 # ---------------------------------------------------------------- differences on purpose ----

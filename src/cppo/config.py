@@ -153,6 +153,11 @@ class CPPOConfig:
     vespo_lambda_neg: float = option(2.0, "vespo: decay lambda for negative advantages.")
     top_entropy_quantile: float = option(1.0, "Train the policy term on the top quantile of "
                                          "tokens by entropy only (1.0: every token).")
+    sync_ref_model: bool = option(False, "Mix the policy into the reference model every "
+                                  "ref_model_sync_steps steps (TR-DPO; needs beta > 0, no LoRA).")
+    ref_model_mixup_alpha: float = option(0.6, "sync_ref_model: ref = alpha * policy + (1 - alpha)"
+                                          " * ref.")
+    ref_model_sync_steps: int = option(512, "sync_ref_model: optimizer steps between syncs.")
     off_policy_mask_threshold: Optional[float] = option(
         None, "Drop from the policy term a negative-advantage sequence whose mean KL(sampler || "
         "policy) exceeds this (DeepSeek-V3.2). None: off.")
@@ -407,6 +412,16 @@ def _check_objective(cfg: CPPOConfig) -> None:
            f"'top_entropy_quantile' is {cfg.top_entropy_quantile}; allowed: [0, 1] (1.0: off)")
     _check(cfg.off_policy_mask_threshold is None or cfg.off_policy_mask_threshold >= 0,
            f"'off_policy_mask_threshold' is {cfg.off_policy_mask_threshold}; must be >= 0 or None")
+    _check(not (cfg.sync_ref_model and cfg.beta == 0),
+           "'sync_ref_model' is true but 'beta' is 0, so there is no reference model to sync "
+           "(TRL refuses this too): set beta > 0 or sync_ref_model: false")
+    _check(not (cfg.sync_ref_model and cfg.use_peft),
+           "'sync_ref_model' is true with use_peft: the reference is the base model with the "
+           "adapters disabled, which cannot be synced (TRL refuses PEFT too)")
+    _check(0.0 <= cfg.ref_model_mixup_alpha <= 1.0,
+           f"'ref_model_mixup_alpha' is {cfg.ref_model_mixup_alpha}; allowed: [0, 1]")
+    _check(cfg.ref_model_sync_steps >= 1,
+           f"'ref_model_sync_steps' is {cfg.ref_model_sync_steps}; must be >= 1")
     for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
         _check(getattr(cfg, key) > 0, f"'{key}' is {getattr(cfg, key)}; must be > 0 (the gate "
                                       f"divides by it)")

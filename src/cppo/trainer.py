@@ -25,8 +25,9 @@ from tqdm.auto import tqdm
 
 from cppo import checkpoint as ckpt
 from cppo.algorithm import (combine_rewards, group_advantages, high_entropy_mask,
-                            importance_weights, off_policy_mask, per_token_policy_loss,
-                            reduce_loss, reward_stats, select_completions, select_global)
+                            importance_weights, mix_into_reference, off_policy_mask,
+                            per_token_policy_loss, reduce_loss, reward_stats, select_completions,
+                            select_global)
 from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
 from cppo.callbacks import CallbackError, Callbacks
 from cppo.completions_log import CompletionsLog
@@ -207,6 +208,9 @@ class CPPOTrainer:
 
     def _load_reference(self, model):
         """No reference when beta = 0; with LoRA the base (adapters disabled) is the reference."""
+        if self.args.sync_ref_model and self.use_lora:   # peft_config given to the trainer
+            raise ConfigError("'sync_ref_model' is true with a LoRA policy: the reference is the "
+                              "base model with the adapters disabled, which cannot be synced")
         if self.args.beta == 0 or self.use_lora:
             return None
         import copy
@@ -458,6 +462,9 @@ class CPPOTrainer:
             with timer("update"):
                 update = self.update(batch)
             self.step += 1
+            if args.sync_ref_model and self.step % args.ref_model_sync_steps == 0:
+                mix_into_reference(self.reference.parameters(), self.policy.parameters(),
+                                   args.ref_model_mixup_alpha)
             if update.pop("nonfinite", False):
                 self.counters["nonfinite_steps"] += 1
                 self.consecutive_nonfinite += 1

@@ -13,6 +13,7 @@ from cppo.algorithm.loss import (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, POLICY_
                                  importance_ratio, importance_weights, masked_mean,
                                  per_token_policy_loss, reduce_loss)
 from cppo.algorithm.masks import high_entropy_mask, off_policy_mask
+from cppo.algorithm.reference import mix_into_reference
 from cppo.algorithm.selection import (
     RULE_TRAITS,
     SCOPES,
@@ -34,6 +35,7 @@ __all__ = [
     "gamma_weights",
     "high_entropy_mask",
     "importance_ratio",
+    "mix_into_reference",
     "off_policy_mask",
     "LOSS_TYPES",
     "RULE_TRAITS",
