@@ -35,8 +35,8 @@ def test_a_kept_completions_sequence_ratio_and_weight_are_those_without_pruning(
 
 def test_the_entropy_quantile_is_over_the_kept_tokens():
     g = torch.Generator().manual_seed(1)
-    entropies = torch.rand(8, 6, generator=g)
     _, _, mask = batch()
+    entropies = torch.rand(8, 6, generator=g) * mask   # 0 at padding, as the trainer gives them
     keep = torch.tensor([1, 2, 4, 5])
     kept = high_entropy_mask(entropies[keep], mask[keep], 0.25)
     pool = entropies[keep][mask[keep]]
