@@ -74,6 +74,9 @@ OPTIONS = {
     "off_policy_mask": dict(loss_type="dapo", off_policy_mask_threshold=0.0),
     "sync_ref_model": dict(loss_type="dapo", sync_ref_model=True, ref_model_sync_steps=1,
                            ref_model_mixup_alpha=0.6, rounds=2),
+    "normalize_then_sum": dict(loss_type="dapo", two_rewards=True,
+                               multi_objective_aggregation="normalize_then_sum"),
+    "two_rewards_summed": dict(loss_type="dapo", two_rewards=True, reward_weights=[1.0, 0.5]),
     "bnpo_accumulation": dict(loss_type="bnpo", accumulation=2),
     "grpo_accumulation": dict(loss_type="grpo", accumulation=2),
 }

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import yaml
 
-from cppo.algorithm import (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS,
+from cppo.algorithm import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS,
                             SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES)
 from cppo.algorithm import SCOPES, SELECTION_RULES, StepShape, plan_step, rule_traits
 
@@ -162,6 +162,11 @@ class CPPOConfig:
         None, "Drop from the policy term a negative-advantage sequence whose mean KL(sampler || "
         "policy) exceeds this (DeepSeek-V3.2). None: off.")
     scale_rewards: str = option("group", "Advantage scaling by reward std.", SCALE_REWARDS)
+    multi_objective_aggregation: str = option(
+        "sum_then_normalize", "Several reward functions: sum them with reward_weights, then "
+        "normalise (scale_rewards); or normalise each within its group, sum, and normalise the "
+        "sums over the batch (normalize_then_sum, GDPO; scale_rewards is then not used).",
+        AGGREGATIONS)
     num_iterations: int = option(1, "mu: optimizer steps per generation batch.")
     mask_truncated_completions: bool = option(False, "Exclude completions without EOS from the loss.")
 

@@ -25,9 +25,9 @@ from tqdm.auto import tqdm
 
 from cppo import checkpoint as ckpt
 from cppo.algorithm import (combine_rewards, group_advantages, high_entropy_mask,
-                            importance_weights, mix_into_reference, off_policy_mask,
-                            per_token_policy_loss, reduce_loss, reward_stats, select_completions,
-                            select_global)
+                            importance_weights, mix_into_reference, normalized_reward_sum,
+                            off_policy_mask, per_token_policy_loss, reduce_loss, reward_stats,
+                            select_completions, select_global)
 from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
 from cppo.callbacks import CallbackError, Callbacks
 from cppo.completions_log import CompletionsLog
@@ -267,9 +267,20 @@ class CPPOTrainer:
                                     self.args.num_generations,
                                     conversational=not isinstance(rows[0]["prompt"], str))
         rewards = combine_rewards(per_function, self.rewards.weights)
+        self.rewards_per_function = per_function.view(len(rows), self.args.num_generations, -1)
         if self.completions_log is not None:
             self.completions_log.capture_scores(rows, texts, per_function)
         return rewards.view(len(rows), self.args.num_generations), self.rewards.means(per_function)
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """(Q, G): group-relative advantages of the summed rewards, or, with
+        multi_objective_aggregation normalize_then_sum, of the per-function normalised sums
+        (normalised over the whole batch, every process's)."""
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            summed = normalized_reward_sum(self.rewards_per_function, self.rewards.weights)
+            return group_advantages(summed, "batch", batch_rewards=self.dist.gather(summed))
+        return group_advantages(rewards, self.args.scale_rewards,
+                                batch_rewards=self.dist.gather(rewards))
 
     def selection_generator(self) -> torch.Generator:
         """For selection_rule=random: seeded per round; the same on all processes for the global
@@ -435,8 +446,7 @@ class CPPOTrainer:
             prompts, completions = self.generate(rows)
         with timer("score"):
             rewards, per_function_means = self.score(rows, completions)
-            advantages = group_advantages(rewards, args.scale_rewards,
-                                          batch_rewards=self.dist.gather(rewards))
+            advantages = self.advantages(rewards)
             keep_mask = self.select(advantages, rewards)
             if rule_traits(args.selection_rule).advantages_on_kept:  # question scope: local statistics
                 advantages = recompute_advantages_on_kept(rewards, keep_mask, args.scale_rewards)

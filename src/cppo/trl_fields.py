@@ -322,8 +322,6 @@ TRL_FIELDS: dict[str, tuple] = {
     "vllm_importance_sampling_clip_min": ignored("cppo's importance weights are only capped above",
                                                  None),
     # --- loss variants -------------------------------------------------------------------------
-    "multi_objective_aggregation": ignored("rewards are summed with reward_weights, then "
-                                           "normalised (TRL's default)", "sum_then_normalize"),
     "entropy_coef": ignored("no entropy bonus", 0.0),
     "use_adaptive_entropy": ignored("no entropy bonus", False),
     "entropy_coef_min": ignored("no entropy bonus", 0.0),

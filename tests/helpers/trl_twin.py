@@ -76,13 +76,20 @@ class _Feed:
     def reward(self, prompts, completions, completion_ids=None, **kw):
         return list(self.rounds[self.index].rewards)
 
+    def functions(self, two: bool) -> list:
+        return [self.reward, self.length_reward] if two else [self.reward]
+
+    def length_reward(self, prompts, completions, completion_ids=None, **kw):
+        """A second objective (for multi_objective_aggregation): the completion's length."""
+        return [float(len(ids)) for ids in completion_ids]
+
 
 def _grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
-            **options) -> Record:
+            two_rewards=False, **options) -> Record:
     import trl.trainer.grpo_trainer as grpo_module
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -114,7 +121,7 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
                       shuffle_dataset=False, seed=0, logging_steps=1, report_to="none",
                       save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, **options)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir),
-                          reward_funcs=[feed.reward], args=args, processing_class=tokenizer,
+                          reward_funcs=feed.functions(two_rewards), args=args, processing_class=tokenizer,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                           callbacks=[Grads()])
     trainer._generate = fake_generate
@@ -139,7 +146,7 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
 
 
 def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
-             **options) -> Record:
+             two_rewards=False, **options) -> Record:
     import cppo.trainer as trainer_module
     from cppo.config import CPPOConfig
     from cppo.models import load_model, load_tokenizer
@@ -156,9 +163,11 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
                       max_completion_length=MAX_LEN, lr_scheduler_type="constant",
                       adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=0.0,
                       seed=0, logging_steps=1, eval_steps=0, save_steps=0, progress_bar=False,
-                      **options)
+                      # CPPOConfig checks reward_weights against its reward_funcs' count, even
+                      # when the trainer is given the functions themselves
+                      reward_funcs=["arithmetic"] * len(feed.functions(two_rewards)), **options)
     trainer = trainer_module.CPPOTrainer(
-        model=load_model(model_dir), processing_class=tokenizer, reward_funcs=[feed.reward],
+        model=load_model(model_dir), processing_class=tokenizer, reward_funcs=feed.functions(two_rewards),
         args=args, train_dataset=[{"prompt": p} for p in PROMPTS])
     order = iter(range(len(PROMPTS)))
     trainer.take_questions = lambda: [{"prompt": PROMPTS[next(order)]} for _ in range(Q)]

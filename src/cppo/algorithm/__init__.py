@@ -1,10 +1,12 @@
 """The paper's ideas as pure functions over plain tensors: advantages, selection, allocation, loss."""
 
 from cppo.algorithm.advantages import (
+    AGGREGATIONS,
     SCALE_REWARDS,
     check_scale_rewards,
     combine_rewards,
     group_advantages,
+    normalized_reward_sum,
     reward_stats,
 )
 from cppo.algorithm.allocation import StepShape, plan_step
@@ -28,6 +30,8 @@ from cppo.algorithm.selection import (
 )
 
 __all__ = [
+    "AGGREGATIONS",
+    "normalized_reward_sum",
     "IMPORTANCE_SAMPLING_LEVELS",
     "POLICY_TERMS",
     "SEQUENCE_LEVEL_LOSSES",
