@@ -11,7 +11,6 @@ micro-step, and every parameter's gradient just before each optimizer step.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -102,8 +101,8 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
 
     def fake_generate(prompts):
         rnd = feed.next()
-        assert [p for p in prompts[::G]] == [tokenizer.decode(i, skip_special_tokens=True)
-                                             for i in rnd.prompt_ids]
+        assert prompts[::G] == [tokenizer.decode(i, skip_special_tokens=True)
+                                for i in rnd.prompt_ids]   # the same questions, in order
         prompt_ids = [ids for ids in rnd.prompt_ids for _ in range(G)]
         texts = tokenizer.batch_decode(rnd.completion_ids, skip_special_tokens=True)
         return prompt_ids, rnd.completion_ids, None, texts, None, {}, None, []
@@ -228,4 +227,4 @@ def masked_difference(a, b, mask) -> float:
 
 
 __all__ = ["COMPLETIONS", "MAX_LEN", "make_rounds", "run_trl", "run_cppo", "max_difference",
-           "masked_difference", "math"]
+           "masked_difference"]
