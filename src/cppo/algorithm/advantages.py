@@ -143,9 +143,8 @@ def normalized_reward_sum(per_function: Tensor, weights: Tensor | None = None,
     mean = values.sum(1, keepdim=True) / count.clamp(min=1)
     var = (torch.where(applies, per_function - mean, torch.zeros_like(values)) ** 2).sum(
         1, keepdim=True) / (count - 1).clamp(min=1)
-    normalized = (per_function - mean) / (var.sqrt() + eps)
-    usable = applies & (count >= 2)   # TRL: nanstd of fewer than 2 values is NaN, dropped by nansum
+    normalized = (per_function - mean) / (var.sqrt() + eps)   # 0 for a function's lone value
     if weights is None:
         weights = torch.ones(per_function.shape[2], dtype=per_function.dtype)
-    weighted = torch.where(usable, normalized * weights.to(per_function), torch.zeros_like(values))
+    weighted = torch.where(applies, normalized * weights.to(per_function), torch.zeros_like(values))
     return weighted.sum(2).masked_fill(~applies.any(2), float("nan"))
