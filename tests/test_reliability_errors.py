@@ -104,6 +104,8 @@ CASES = [
     ("delta_not_positive", ["--delta", "0"], "'delta' is 0.0; must be > 0 or None"),
     ("top_entropy_quantile", ["--top_entropy_quantile", "1.5"],
      "'top_entropy_quantile' is 1.5; allowed: [0, 1] (1.0: off)"),
+    ("entropy_coef_negative", ["--entropy_coef", "-0.1"],
+     "'entropy_coef' is -0.1; must be >= 0 (a bonus for entropy)"),
     ("sapo_temperature", ["--loss_type", "sapo", "--sapo_temperature_neg", "0"],
      "'sapo_temperature_neg' is 0.0; must be > 0"),
     ("sync_ref_model_without_beta", ["--sync_ref_model", "true", "--beta", "0"],

@@ -153,6 +153,8 @@ class CPPOConfig:
     vespo_lambda_neg: float = option(2.0, "vespo: decay lambda for negative advantages.")
     top_entropy_quantile: float = option(1.0, "Train the policy term on the top quantile of "
                                          "tokens by entropy only (1.0: every token).")
+    entropy_coef: float = option(0.0, "Entropy bonus: subtract entropy_coef x the mean token "
+                                 "entropy (over the tokens the policy term trains) from the loss.")
     sync_ref_model: bool = option(False, "Mix the policy into the reference model every "
                                   "ref_model_sync_steps steps (TR-DPO; needs beta > 0, no LoRA).")
     ref_model_mixup_alpha: float = option(0.6, "sync_ref_model: ref = alpha * policy + (1 - alpha)"
@@ -427,6 +429,8 @@ def _check_objective(cfg: CPPOConfig) -> None:
            f"'ref_model_mixup_alpha' is {cfg.ref_model_mixup_alpha}; allowed: [0, 1]")
     _check(cfg.ref_model_sync_steps >= 1,
            f"'ref_model_sync_steps' is {cfg.ref_model_sync_steps}; must be >= 1")
+    _check(cfg.entropy_coef >= 0, f"'entropy_coef' is {cfg.entropy_coef}; must be >= 0 (a "
+           f"bonus for entropy)")
     for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
         _check(getattr(cfg, key) > 0, f"'{key}' is {getattr(cfg, key)}; must be > 0 (the gate "
                                       f"divides by it)")

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from cppo import checkpoint as ckpt
-from cppo.algorithm import (combine_rewards, group_advantages, high_entropy_mask,
+from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, high_entropy_mask,
                             importance_weights, mix_into_reference, normalized_reward_sum,
                             off_policy_mask, per_token_policy_loss, reduce_loss, reward_stats,
                             select_completions, select_global)
@@ -324,7 +324,8 @@ class CPPOTrainer:
         return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                    batch.completion_mask, temperature=self.args.temperature,
                                    batch_size=self.args.per_device_train_batch_size,
-                                   lean=self.args.lean_forward, entropies=entropies)
+                                   lean=self.args.lean_forward, entropies=entropies,
+                                   entropy_grad=entropies is not None and self.args.entropy_coef > 0)
 
     def autocast(self):
         """The one precision of every pass of a step (old policy, reference, policy): bf16
@@ -386,15 +387,22 @@ class CPPOTrainer:
                 weights = importance_weights(old, micro.sampler_logps, args.importance_sampling_clip_max)
                 sums["is_ratio"] += float(weights[m].sum())
                 sums["logp_diff"] += float((old - micro.sampler_logps).abs()[m].sum())
+            policy_mask = self.policy_mask(micro, logps.float(), entropies)
             per_token, stats = per_token_policy_loss(   # IS weights on the policy term only (TRL)
                 logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
                 epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps,
                 sampling_weights=weights, completion_mask=micro.completion_mask,
-                policy_mask=self.policy_mask(micro, logps.float(), entropies), **args.loss_options())
+                policy_mask=policy_mask, **args.loss_options())
             loss = reduce_loss(per_token, micro.completion_mask, args.loss_type,
                                max_completion_length=args.max_completion_length,
                                total_sequences=total_sequences, total_tokens=total_tokens,
                                accumulation_steps=num_micro)
+            if args.entropy_coef > 0:   # on the tokens the policy term trains (TRL)
+                trained = micro.completion_mask if args.top_entropy_quantile >= 1.0 \
+                    else micro.completion_mask * high_entropy_mask(
+                        torch.cat(entropies).detach(), micro.completion_mask,
+                        args.top_entropy_quantile)
+                loss = loss - args.entropy_coef * entropy_bonus(torch.cat(entropies), trained, num_micro)
             loss = loss * self.dist.world_size   # the engines average gradients over processes
             loss.backward()
             sums["loss"] += loss.item() / self.dist.world_size
@@ -404,7 +412,7 @@ class CPPOTrainer:
             sums["region"] += float(stats["is_region_clipped"][m].sum())
             sums["tokens"] += int(m.sum())
             if entropies:
-                sums["entropy"] += float(torch.cat(entropies)[m].sum())
+                sums["entropy"] += float(torch.cat(entropies).detach()[m].sum())
         with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
                      if p.grad is not None]
         grad_norm = self.engine.clip_grad_norm(  # max_norm inf: measure, don't clip

@@ -34,6 +34,7 @@ SAMPLER = "cppo's sampler takes temperature, top_p and top_k only"
 PRECISION = "not supported; use bf16 (autocast) or torch_dtype"
 LOAD = "cppo loads models with torch_dtype and attn_implementation only"
 LORA = "cppo's LoRA takes lora_r, lora_alpha, lora_dropout and lora_target_modules"
+ADAPTIVE = "adaptive entropy control is not implemented; entropy_coef stays fixed"
 
 
 def ignored(reason: str, behaves_as: Any = _MISSING) -> tuple:
@@ -322,12 +323,11 @@ TRL_FIELDS: dict[str, tuple] = {
     "vllm_importance_sampling_clip_min": ignored("cppo's importance weights are only capped above",
                                                  None),
     # --- loss variants -------------------------------------------------------------------------
-    "entropy_coef": ignored("no entropy bonus", 0.0),
-    "use_adaptive_entropy": ignored("no entropy bonus", False),
-    "entropy_coef_min": ignored("no entropy bonus", 0.0),
-    "entropy_coef_max": ignored("no entropy bonus", 1.0),
-    "entropy_coef_delta": ignored("no entropy bonus", 0.005),
-    "entropy_target": ignored("no entropy bonus", 0.2),
+    "use_adaptive_entropy": ignored(ADAPTIVE, False),
+    "entropy_coef_min": ignored(ADAPTIVE, 0.0),
+    "entropy_coef_max": ignored(ADAPTIVE, 1.0),
+    "entropy_coef_delta": ignored(ADAPTIVE, 0.005),
+    "entropy_target": ignored(ADAPTIVE, 0.2),
 }
 
 

@@ -198,6 +198,13 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
         record.losses.append(loss.item())
         return loss
     monkeypatch.setattr(trainer_module, "reduce_loss", spy_reduce)
+    bonus = trainer_module.entropy_bonus
+
+    def spy_bonus(*a, **kw):   # the loss TRL returns includes the entropy bonus
+        value = bonus(*a, **kw)
+        record.losses[-1] -= args.entropy_coef * value.item()
+        return value
+    monkeypatch.setattr(trainer_module, "entropy_bonus", spy_bonus)
     step = trainer.optimizer.step
 
     def spy_step(*a, **kw):

@@ -11,7 +11,8 @@ from cppo.algorithm.advantages import (
 )
 from cppo.algorithm.allocation import StepShape, plan_step
 from cppo.algorithm.loss import (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, POLICY_TERMS,
-                                 SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, gamma_weights,
+                                 SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, entropy_bonus,
+                                 gamma_weights,
                                  importance_ratio, importance_weights, masked_mean,
                                  per_token_policy_loss, reduce_loss)
 from cppo.algorithm.masks import high_entropy_mask, off_policy_mask
@@ -36,6 +37,7 @@ __all__ = [
     "POLICY_TERMS",
     "SEQUENCE_LEVEL_LOSSES",
     "TOKEN_SUM_LOSSES",
+    "entropy_bonus",
     "gamma_weights",
     "high_entropy_mask",
     "importance_ratio",

@@ -246,3 +246,10 @@ def reduce_loss(
     else:
         tokens = torch.as_tensor(total_tokens, dtype=per_token.dtype, device=per_token.device)
     return masked_sum / tokens.clamp(min=1.0)
+
+
+def entropy_bonus(entropies: Tensor, mask: Tensor, accumulation_steps: int = 1) -> Tensor:
+    """The mean token entropy of one micro-batch, entropies (N, T) over mask (N, T), divided by
+    the accumulation steps (TRL's entropy bonus; the loss subtracts entropy_coef times it)."""
+    weights = mask.to(entropies.dtype)
+    return (entropies * weights).sum() / weights.sum().clamp(min=1.0) / accumulation_steps
