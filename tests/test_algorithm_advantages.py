@@ -138,3 +138,21 @@ def test_reward_stats_hand_computed():
     assert stats["reward_std"] == pytest.approx((0 + 1 + 0 + math.sqrt(3)) / 4)
     assert stats["frac_reward_zero_std"] == pytest.approx(0.5)
     assert set(stats) == {"reward", "reward_std", "frac_reward_zero_std"}
+
+
+def test_normalized_reward_sum_is_trls_normalize_then_sum():
+    """Against TRL 1.16's own lines (GRPOTrainer._generate_and_score_completions), NaN entries
+    included: a function that does not apply to a completion, or to all but one of a group."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    from cppo.algorithm import normalized_reward_sum
+    g = torch.Generator().manual_seed(0)
+    per_function = torch.randint(0, 4, (3, 4, 2), generator=g).float()
+    per_function[0, 1, 0] = float("nan")
+    per_function[2, 1:, 1] = float("nan")
+    weights = torch.tensor([1.0, 0.5])
+    grouped = per_function
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = trl_utils.nanstd(grouped, dim=1, keepdim=True)
+    trl = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, 2)
+    trl = (trl * weights.unsqueeze(0)).nansum(dim=1).view(3, 4)
+    torch.testing.assert_close(normalized_reward_sum(per_function, weights), trl)

@@ -8,8 +8,9 @@ from cppo.algorithm import LOSS_TYPES, masked_mean, per_token_policy_loss, reduc
 # ---------------------------------------------------------------- independent references (plain Python)
 
 
-def reference_per_token(logps, old_logps, advantages, eps_low, eps_high, beta=0.0, ref_logps=None):
-    """Token-by-token loops with the math module."""
+def reference_per_token(logps, old_logps, advantages, eps_low, eps_high, beta=0.0, ref_logps=None,
+                        bias_correction=True):
+    """Token-by-token loops with the math module (bias_correction: the KL times the ratio)."""
     rows = []
     for i, (row, old_row) in enumerate(zip(logps, old_logps)):
         out = []
@@ -19,7 +20,7 @@ def reference_per_token(logps, old_logps, advantages, eps_low, eps_high, beta=0.
             loss = -min(ratio * advantages[i], clipped * advantages[i])
             if beta:
                 diff = ref_logps[i][t] - logp
-                loss += beta * (math.exp(diff) - diff - 1)
+                loss += beta * (math.exp(diff) - diff - 1) * (ratio if bias_correction else 1.0)
             out.append(loss)
         rows.append(out)
     return rows
@@ -39,14 +40,16 @@ def reference_reduce(per_token, mask, loss_type, max_len, total_sequences=None, 
         sequence_tokens.append(count)
     sequences = total_sequences if total_sequences is not None else len(per_token)
     tokens = total_tokens if total_tokens is not None else sum(sequence_tokens)
-    if loss_type == "grpo":
+    if loss_type == "luspo":
+        return sum(sequence_sums) / sequences
+    if loss_type in ("grpo", "sapo"):
         means = [s / n if n else 0.0 for s, n in zip(sequence_sums, sequence_tokens)]
         return sum(means) / sequences
     if loss_type == "dr_grpo":
         return sum(sequence_sums) / (sequences * max_len)
     if loss_type == "bnpo":  # TRL: always this micro-batch's own tokens
         return sum(sequence_sums) / max(sum(sequence_tokens), 1)
-    return sum(sequence_sums) / max(tokens, 1)  # dapo
+    return sum(sequence_sums) / max(tokens, 1)  # dapo, cispo, vespo
 
 
 def make_batch(seed, num_sequences=6, max_len=7):
@@ -116,15 +119,20 @@ def test_kl_reported_without_penalty_when_ref_given():
     assert stats["kl"][0, 0].item() == pytest.approx(math.e - 2)
 
 
-def test_kl_gradient_pulls_towards_reference():
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_kl_gradient_pulls_towards_reference(bias_correction):
     logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref_logps = torch.tensor([[-0.5, -2.5]])
     loss, _ = per_token_policy_loss(
-        logps, logps.detach(), torch.zeros(1), epsilon_low=0.2, epsilon_high=0.2, beta=1.0, ref_logps=ref_logps
-    )
+        logps, logps.detach(), torch.zeros(1), epsilon_low=0.2, epsilon_high=0.2, beta=1.0,
+        ref_logps=ref_logps, use_bias_correction_kl=bias_correction)
     loss.sum().backward()
-    # d/dlogp [exp(ref - logp) - (ref - logp) - 1] = 1 - exp(ref - logp)
-    expected = 1 - torch.exp(ref_logps - logps.detach())
+    # d/dlogp [exp(ref - logp) - (ref - logp) - 1] = 1 - exp(ref - logp); with the ratio rho
+    # (= 1 here, d rho / d logp = 1), the KL itself is added: d/dlogp [KL rho] = dKL + KL
+    diff = ref_logps - logps.detach()
+    expected = 1 - torch.exp(diff)
+    if bias_correction:
+        expected = expected + torch.exp(diff) - diff - 1
     torch.testing.assert_close(logps.grad, expected)
     assert logps.grad[0, 0] < 0 < logps.grad[0, 1]  # descent raises logp below ref, lowers it above
 
@@ -269,7 +277,7 @@ def test_empty_micro_batch_is_zero():
 
 def test_reduce_errors():
     per_token, mask = make_batch(seed=5)
-    with pytest.raises(ValueError, match=r"loss_type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\), got 'sum'"):
+    with pytest.raises(ValueError, match=r"loss_type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo', 'cispo', 'sapo', 'vespo'\), got 'sum'"):
         reduce_loss(per_token, mask, "sum", max_completion_length=7)
     with pytest.raises(ValueError, match=r"per_token and completion_mask must both be"):
         reduce_loss(per_token, mask[:, :3], "grpo", max_completion_length=7)

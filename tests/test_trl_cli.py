@@ -144,7 +144,9 @@ def test_a_trl_grpo_yaml_runs_and_names_what_it_ignores(tiny_model_dir, tmp_path
     path.write_text(TRL_YAML.format(model=tiny_model_dir, data=data, out=tmp_path / "run"))
     assert cli.main(["train", "--config", str(path), "--pruning_rate", "0"]) == 0
     err = capsys.readouterr().err
-    assert "3 TRL field(s) ignored" in err
+    assert "4 TRL field(s) ignored" in err
+    for name in ("push_to_hub", "hub_model_id", "dataloader_num_workers", "bf16"):  # bf16: null
+        assert name in err                                         # is on in TRL, off here
     for name in ("push_to_hub", "hub_model_id", "dataloader_num_workers"):
         assert name in err
     for name in ("use_liger_kernel", "logging_strategy", "model_name_or_path"):

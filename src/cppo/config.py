@@ -20,7 +20,9 @@ from typing import Any, Optional
 
 import yaml
 
-from cppo.algorithm import LOSS_TYPES, SCALE_REWARDS, SCOPES, SELECTION_RULES, StepShape, plan_step, rule_traits
+from cppo.algorithm import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS,
+                            SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES)
+from cppo.algorithm import SCOPES, SELECTION_RULES, StepShape, plan_step, rule_traits
 
 
 class ConfigError(ValueError):
@@ -147,8 +149,40 @@ class CPPOConfig:
     beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.")
     epsilon: float = option(0.2, "Lower clip range of the ratio.")
     epsilon_high: Optional[float] = option(None, "Upper clip range (None: same as epsilon).")
-    loss_type: str = option("dapo", "Loss normalisation.", LOSS_TYPES)
+    loss_type: str = option("dapo", "The objective and its normalisation (TRL's loss_type): grpo, "
+                            "bnpo, dr_grpo, dapo (clipped surrogate, normalised per sequence, per "
+                            "micro-batch token, by batch x max_completion_length, by the update's "
+                            "tokens), cispo, sapo, luspo, vespo (docs/configuration.md).", LOSS_TYPES)
+    importance_sampling_level: str = option("token", "Ratios pi/pi_old per token, or one per "
+                                            "sequence (sequence: GSPO).", IMPORTANCE_SAMPLING_LEVELS)
+    delta: Optional[float] = option(None, "Two-sided clipping: cap the unclipped ratio at delta "
+                                    "(INTELLECT-2; recommended > 1 + epsilon). None: off.")
+    use_bias_correction_kl: bool = option(True, "Multiply the KL term by the ratio pi/pi_old "
+                                          "(with its gradient), as TRL does by default.")
+    sapo_temperature_pos: float = option(1.0, "sapo: gate temperature for positive advantages.")
+    sapo_temperature_neg: float = option(1.05, "sapo: gate temperature for other advantages.")
+    vespo_k_pos: float = option(2.0, "vespo: power k for non-negative advantages.")
+    vespo_lambda_pos: float = option(3.0, "vespo: decay lambda for non-negative advantages.")
+    vespo_k_neg: float = option(3.0, "vespo: power k for negative advantages.")
+    vespo_lambda_neg: float = option(2.0, "vespo: decay lambda for negative advantages.")
+    top_entropy_quantile: float = option(1.0, "Train the policy term on the top quantile of "
+                                         "tokens by entropy only (1.0: every token).")
+    entropy_coef: float = option(0.0, "Entropy bonus: subtract entropy_coef x the mean token "
+                                 "entropy (over the tokens the policy term trains) from the loss.")
+    sync_ref_model: bool = option(False, "Mix the policy into the reference model every "
+                                  "ref_model_sync_steps steps (TR-DPO; needs beta > 0, no LoRA).")
+    ref_model_mixup_alpha: float = option(0.6, "sync_ref_model: ref = alpha * policy + (1 - alpha)"
+                                          " * ref.")
+    ref_model_sync_steps: int = option(512, "sync_ref_model: optimizer steps between syncs.")
+    off_policy_mask_threshold: Optional[float] = option(
+        None, "Drop from the policy term a negative-advantage sequence whose mean KL(sampler || "
+        "policy) exceeds this (DeepSeek-V3.2). None: off.")
     scale_rewards: str = option("group", "Advantage scaling by reward std.", SCALE_REWARDS)
+    multi_objective_aggregation: str = option(
+        "sum_then_normalize", "Several reward functions: sum them with reward_weights, then "
+        "normalise (scale_rewards); or normalise each within its group, sum, and normalise the "
+        "sums over the batch (normalize_then_sum, GDPO; scale_rewards is then not used).",
+        AGGREGATIONS)
     num_iterations: int = option(1, "mu: optimizer steps per generation batch.")
     mask_truncated_completions: bool = option(False, "Exclude completions without EOS from the loss.")
 
@@ -220,6 +254,15 @@ class CPPOConfig:
     @property
     def completions_per_update(self) -> int:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    def loss_options(self) -> dict[str, Any]:
+        """The objective's keyword arguments of cppo.algorithm.per_token_policy_loss."""
+        return dict(loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+                    delta=self.delta, use_bias_correction_kl=self.use_bias_correction_kl,
+                    sapo_temperature_pos=self.sapo_temperature_pos,
+                    sapo_temperature_neg=self.sapo_temperature_neg,
+                    vespo=dict(k_pos=self.vespo_k_pos, lambda_pos=self.vespo_lambda_pos,
+                               k_neg=self.vespo_k_neg, lambda_neg=self.vespo_lambda_neg))
 
     def step_plan(self) -> StepShape:
         """Questions sampled, completions scored and kept per optimizer step (algorithm/allocation)."""
@@ -382,6 +425,45 @@ def check_fields(cfg) -> None:
                    f"'{fld.name}' must be a finite number, got {value!r}")
 
 
+def _check_objective(cfg: CPPOConfig) -> None:
+    """The loss options TRL refuses or warns about, each named."""
+    _check(cfg.delta is None or cfg.delta > 0, f"'delta' is {cfg.delta}; must be > 0 or None "
+           f"(it caps the ratio; recommended > 1 + epsilon)")
+    _check(0.0 <= cfg.top_entropy_quantile <= 1.0,
+           f"'top_entropy_quantile' is {cfg.top_entropy_quantile}; allowed: [0, 1] (1.0: off)")
+    _check(cfg.off_policy_mask_threshold is None or cfg.off_policy_mask_threshold >= 0,
+           f"'off_policy_mask_threshold' is {cfg.off_policy_mask_threshold}; must be >= 0 or None")
+    _check(not (cfg.sync_ref_model and cfg.beta == 0),
+           "'sync_ref_model' is true but 'beta' is 0, so there is no reference model to sync "
+           "(TRL refuses this too): set beta > 0 or sync_ref_model: false")
+    _check(not (cfg.sync_ref_model and cfg.use_peft),
+           "'sync_ref_model' is true with use_peft: the reference is the base model with the "
+           "adapters disabled, which cannot be synced (TRL refuses PEFT too)")
+    _check(0.0 <= cfg.ref_model_mixup_alpha <= 1.0,
+           f"'ref_model_mixup_alpha' is {cfg.ref_model_mixup_alpha}; allowed: [0, 1]")
+    _check(cfg.ref_model_sync_steps >= 1,
+           f"'ref_model_sync_steps' is {cfg.ref_model_sync_steps}; must be >= 1")
+    _check(cfg.entropy_coef >= 0, f"'entropy_coef' is {cfg.entropy_coef}; must be >= 0 (a "
+           f"bonus for entropy)")
+    for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        _check(getattr(cfg, key) > 0, f"'{key}' is {getattr(cfg, key)}; must be > 0 (the gate "
+                                      f"divides by it)")
+    import warnings
+    level = cfg.importance_sampling_level
+    if cfg.loss_type in SEQUENCE_LEVEL_LOSSES and level != "sequence":
+        warnings.warn(f"'loss_type' {cfg.loss_type} is a sequence-level loss; set "
+                      f"importance_sampling_level: sequence to mirror its paper (TRL warns too)",
+                      UserWarning, stacklevel=4)
+    if cfg.loss_type == "vespo" and level != "token":
+        warnings.warn("'loss_type' vespo computes sequence-level weights itself; "
+                      "importance_sampling_level should be token (TRL warns too)", UserWarning,
+                      stacklevel=4)
+    if level == "sequence" and cfg.loss_type in TOKEN_SUM_LOSSES:
+        warnings.warn(f"importance_sampling_level: sequence with 'loss_type' {cfg.loss_type} sums "
+                      f"token losses, weighting each sequence by its length; GSPO uses "
+                      f"loss_type: grpo (TRL warns too)", UserWarning, stacklevel=4)
+
+
 def validate(cfg: CPPOConfig) -> None:
     """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
     check_fields(cfg)
@@ -402,6 +484,7 @@ def validate(cfg: CPPOConfig) -> None:
     _check(cfg.epsilon > 0, f"'epsilon' is {cfg.epsilon}; must be > 0")
     _check(cfg.epsilon_high is None or cfg.epsilon_high > 0,
            f"'epsilon_high' is {cfg.epsilon_high}; must be > 0 or None")
+    _check_objective(cfg)
     _check(cfg.num_iterations >= 1, f"'num_iterations' is {cfg.num_iterations}; must be >= 1")
     _check(cfg.temperature > 0, f"'temperature' is {cfg.temperature}; must be > 0")
     _check(0 < cfg.top_p <= 1, f"'top_p' is {cfg.top_p}; allowed: 0 < top_p <= 1")

@@ -304,7 +304,8 @@ def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, *, temperature: float = 1.0,
                         batch_size: int | None = None, lean: bool = True,
-                        entropies: list | None = None, packed: bool = True) -> Tensor:
+                        entropies: list | None = None, packed: bool = True,
+                        entropy_grad: bool = False) -> Tensor:
     """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp).
 
     Logits are divided by the sampling temperature, as TRL does. Runs with grad if enabled.
@@ -313,7 +314,9 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     and the log-softmax run on real tokens only (log-probs and entropies are 0 where
     completion_mask is 0, which must be 1 on a prefix of each row). packed=False: the padded
     layout (for comparison). Without the lean forward, the model's own forward on padded rows
-    (log-probs and entropies are 0 at padding there too)."""
+    (log-probs and entropies are 0 at padding there too). entropy_grad: the entropies carry the
+    gradient (an entropy bonus in the loss); else they are detached."""
+    entropy_of = differentiable_entropy if entropy_grad else (lambda lg: token_entropy(lg.detach()))
     n, t = completion_ids.shape
     step = n if batch_size is None else batch_size
     lean_forward = lean_forward_for(model)[0] if lean else None
@@ -340,14 +343,20 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
             logps = selective_log_softmax(logits, ids[real])
             out.append(logps.new_zeros(ids.shape).masked_scatter(real, logps))
             if entropies is not None:
-                entropy = token_entropy(logits.detach())
+                entropy = entropy_of(logits)
                 entropies.append(entropy.new_zeros(ids.shape).masked_scatter(real, entropy))
             continue
         real = completion_mask[rows].to(logits.dtype)   # 0 at padding, as on the packed path
         out.append(selective_log_softmax(logits, ids) * real)
         if entropies is not None:   # TRL's entropy metric: (rows, T) of the same logits
-            entropies.append(token_entropy(logits.detach()) * real)
+            entropies.append(entropy_of(logits) * real)
     return torch.cat(out)
+
+
+def differentiable_entropy(logits: Tensor) -> Tensor:
+    """Entropy (...) of the distributions of logits (..., V), with its gradient, in float32."""
+    lg = logits.float()
+    return torch.logsumexp(lg, -1) - (lg.softmax(-1) * lg).sum(-1)
 
 
 @torch.no_grad()

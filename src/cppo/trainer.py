@@ -24,8 +24,9 @@ import torch
 from tqdm.auto import tqdm
 
 from cppo import checkpoint as ckpt
-from cppo.algorithm import (combine_rewards, group_advantages, importance_weights,
-                            per_token_policy_loss, reduce_loss, reward_stats,
+from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, high_entropy_mask,
+                            importance_weights, mix_into_reference, normalized_reward_sum,
+                            off_policy_mask, per_token_policy_loss, reduce_loss, reward_stats,
                             select_completions, select_global)
 from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
 from cppo.callbacks import CallbackError, Callbacks
@@ -207,6 +208,9 @@ class CPPOTrainer:
 
     def _load_reference(self, model):
         """No reference when beta = 0; with LoRA the base (adapters disabled) is the reference."""
+        if self.args.sync_ref_model and self.use_lora:   # peft_config given to the trainer
+            raise ConfigError("'sync_ref_model' is true with a LoRA policy: the reference is the "
+                              "base model with the adapters disabled, which cannot be synced")
         if self.args.beta == 0 or self.use_lora:
             return None
         import copy
@@ -263,9 +267,20 @@ class CPPOTrainer:
                                     self.args.num_generations,
                                     conversational=not isinstance(rows[0]["prompt"], str))
         rewards = combine_rewards(per_function, self.rewards.weights)
+        self.rewards_per_function = per_function.view(len(rows), self.args.num_generations, -1)
         if self.completions_log is not None:
             self.completions_log.capture_scores(rows, texts, per_function)
         return rewards.view(len(rows), self.args.num_generations), self.rewards.means(per_function)
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """(Q, G): group-relative advantages of the summed rewards, or, with
+        multi_objective_aggregation normalize_then_sum, of the per-function normalised sums
+        (normalised over the whole batch, every process's)."""
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            summed = normalized_reward_sum(self.rewards_per_function, self.rewards.weights)
+            return group_advantages(summed, "batch", batch_rewards=self.dist.gather(summed))
+        return group_advantages(rewards, self.args.scale_rewards,
+                                batch_rewards=self.dist.gather(rewards))
 
     def selection_generator(self) -> torch.Generator:
         """For selection_rule=random: seeded per round; the same on all processes for the global
@@ -309,7 +324,8 @@ class CPPOTrainer:
         return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                    batch.completion_mask, temperature=self.args.temperature,
                                    batch_size=self.args.per_device_train_batch_size,
-                                   lean=self.args.lean_forward, entropies=entropies)
+                                   lean=self.args.lean_forward, entropies=entropies,
+                                   entropy_grad=entropies is not None and self.args.entropy_coef > 0)
 
     def autocast(self):
         """The one precision of every pass of a step (old policy, reference, policy): bf16
@@ -334,6 +350,22 @@ class CPPOTrainer:
                 with self.policy.disable_adapter():
                     batch.ref_logps = self.logprobs(self.policy, batch)
 
+    def policy_mask(self, micro: StepBatch, logps: torch.Tensor, entropies: list):
+        """The mask (K, T) or (K, 1) on the policy term: top_entropy_quantile (over this micro-batch's
+        tokens) and off_policy_mask_threshold (KL of the sampler: the recorded sampler log-probs,
+        else the old policy's); None when neither is on."""
+        args, mask = self.args, None
+        if args.top_entropy_quantile < 1.0:
+            mask = high_entropy_mask(torch.cat(entropies), micro.completion_mask,
+                                     args.top_entropy_quantile).float()
+        if args.off_policy_mask_threshold is not None:
+            sampler = next(t for t in (micro.sampler_logps, micro.old_logps, logps.detach())
+                           if t is not None)
+            keep = off_policy_mask(micro.advantages, logps, sampler, micro.completion_mask.float(),
+                                   args.off_policy_mask_threshold)
+            mask = keep if mask is None else mask * keep
+        return mask
+
     def update(self, batch: StepBatch) -> dict:
         """One optimizer step over the kept batch, in micro-batches (gradient accumulation)."""
         args = self.args
@@ -355,14 +387,22 @@ class CPPOTrainer:
                 weights = importance_weights(old, micro.sampler_logps, args.importance_sampling_clip_max)
                 sums["is_ratio"] += float(weights[m].sum())
                 sums["logp_diff"] += float((old - micro.sampler_logps).abs()[m].sum())
+            policy_mask = self.policy_mask(micro, logps.float(), entropies)
             per_token, stats = per_token_policy_loss(   # IS weights on the policy term only (TRL)
                 logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
                 epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps,
-                sampling_weights=weights)
+                sampling_weights=weights, completion_mask=micro.completion_mask,
+                policy_mask=policy_mask, **args.loss_options())
             loss = reduce_loss(per_token, micro.completion_mask, args.loss_type,
                                max_completion_length=args.max_completion_length,
                                total_sequences=total_sequences, total_tokens=total_tokens,
                                accumulation_steps=num_micro)
+            if args.entropy_coef > 0:   # on the tokens the policy term trains (TRL)
+                trained = micro.completion_mask if args.top_entropy_quantile >= 1.0 \
+                    else micro.completion_mask * high_entropy_mask(
+                        torch.cat(entropies).detach(), micro.completion_mask,
+                        args.top_entropy_quantile)
+                loss = loss - args.entropy_coef * entropy_bonus(torch.cat(entropies), trained, num_micro)
             loss = loss * self.dist.world_size   # the engines average gradients over processes
             loss.backward()
             sums["loss"] += loss.item() / self.dist.world_size
@@ -372,7 +412,7 @@ class CPPOTrainer:
             sums["region"] += float(stats["is_region_clipped"][m].sum())
             sums["tokens"] += int(m.sum())
             if entropies:
-                sums["entropy"] += float(torch.cat(entropies)[m].sum())
+                sums["entropy"] += float(torch.cat(entropies).detach()[m].sum())
         with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
                      if p.grad is not None]
         grad_norm = self.engine.clip_grad_norm(  # max_norm inf: measure, don't clip
@@ -414,8 +454,7 @@ class CPPOTrainer:
             prompts, completions = self.generate(rows)
         with timer("score"):
             rewards, per_function_means = self.score(rows, completions)
-            advantages = group_advantages(rewards, args.scale_rewards,
-                                          batch_rewards=self.dist.gather(rewards))
+            advantages = self.advantages(rewards)
             keep_mask = self.select(advantages, rewards)
             if rule_traits(args.selection_rule).advantages_on_kept:  # question scope: local statistics
                 advantages = recompute_advantages_on_kept(rewards, keep_mask, args.scale_rewards)
@@ -424,8 +463,9 @@ class CPPOTrainer:
             self.completions_log.capture_selection(rewards, advantages, keep_mask)
         metrics = self.step_metrics(rows, rewards, per_function_means, advantages, keep_mask,
                                     completions, prompts)
-        # every process must take part in the collectives, even one that kept nothing
-        nothing_to_learn = self.dist.all_zero(batch.advantages)
+        # every process must take part in the collectives, even one that kept nothing;
+        # (with beta > 0 the KL term still has a gradient: the step runs, as in TRL)
+        nothing_to_learn = args.beta == 0 and self.dist.all_zero(batch.advantages)
         iterations = min(args.num_iterations, self.total_steps - self.step)  # never past max_steps
         if nothing_to_learn:  # every kept advantage is 0: the policy gradient is 0; skip
             self.counters["skipped_steps"] += iterations
@@ -440,6 +480,9 @@ class CPPOTrainer:
             with timer("update"):
                 update = self.update(batch)
             self.step += 1
+            if args.sync_ref_model and self.step % args.ref_model_sync_steps == 0:
+                mix_into_reference(self.reference.parameters(), self.policy.parameters(),
+                                   args.ref_model_mixup_alpha)
             if update.pop("nonfinite", False):
                 self.counters["nonfinite_steps"] += 1
                 self.consecutive_nonfinite += 1

@@ -8,8 +8,11 @@ in `cppo train`:
 - a field in `TRL_FIELDS` marked MAPPED is renamed or converted (e.g. model_name_or_path -> model,
   save_strategy: "no" -> save_steps: 0);
 - a field marked IGNORED is dropped, and every dropped field is named, with the reason, in one
-  message before the run starts (`translate` returns it; `cppo train` prints it). A field whose
-  value is TRL's default changes nothing and is dropped silently;
+  message before the run starts (`translate` returns it; `cppo train` prints it). Only a value
+  with which TRL does what cppo does (`behaves_as`) is dropped silently: any other value, TRL's
+  default included, is named;
+- a mapped value that cppo cannot honour is named the same way (e.g. `bf16: null`, which TRL
+  turns on);
 - any other name is still an error (a typo must not pass unnoticed).
 """
 
@@ -34,11 +37,14 @@ SAMPLER = "cppo's sampler takes temperature, top_p and top_k only"
 PRECISION = "not supported; use bf16 (autocast) or torch_dtype"
 LOAD = "cppo loads models with torch_dtype and attn_implementation only"
 LORA = "cppo's LoRA takes lora_r, lora_alpha, lora_dropout and lora_target_modules"
+ADAPTIVE = "adaptive entropy control is not implemented; entropy_coef stays fixed"
 
 
-def ignored(reason: str, default: Any = _MISSING) -> tuple:
-    """Dropped with `reason`; silently when the value equals TRL's `default`."""
-    return ("ignored", reason, default)
+def ignored(reason: str, behaves_as: Any = _MISSING) -> tuple:
+    """Dropped with `reason`; silently only when the value is `behaves_as`, the value with which
+    TRL behaves as cppo does (for most fields TRL's default; tests/test_trl_fields.py lists
+    those whose TRL default differs)."""
+    return ("ignored", reason, behaves_as)
 
 
 def mapped(convert: Callable[[Any, dict], dict], note: str) -> tuple:
@@ -102,6 +108,20 @@ def _model_init_kwargs(value, _):
     return out
 
 
+def _bf16(value, _):
+    if value is None:   # TRL: None means on unless fp16 is set
+        return {"__ignored__": "null: TRL then turns bf16 on; cppo leaves it off (bfloat16 "
+                               "autocast is slow on most CPUs): set bf16: true for TRL's behaviour"}
+    return {"bf16": value}
+
+
+def _save_total_limit(value, _):
+    if value is None:
+        return {"__ignored__": "null: TRL then keeps every checkpoint; cppo keeps its default, the "
+                               "2 most recent: set a number"}
+    return {"save_total_limit": value}
+
+
 def _importance_sampling_mode(value, _):
     if value in ("token_truncate", "token"):
         return {}
@@ -140,7 +160,7 @@ TRL_FIELDS: dict[str, tuple] = {
     "label_smoothing_factor": ignored("no labels in RL", 0.0),
     "auto_find_batch_size": ignored(TRAINER, False),
     # --- precision and memory ------------------------------------------------------------------
-    "bf16": mapped(_not_none("bf16"), "-> bf16 (None: false)"),
+    "bf16": mapped(_bf16, "-> bf16 (null, TRL's default, means on in TRL: named, and off)"),
     "fp16": ignored("fp16 mixed precision is " + PRECISION, False),
     "bf16_full_eval": ignored(PRECISION, False),
     "fp16_full_eval": ignored(PRECISION, False),
@@ -194,7 +214,7 @@ TRL_FIELDS: dict[str, tuple] = {
     # --- checkpoints ---------------------------------------------------------------------------
     "save_strategy": mapped(_strategy("save_steps"), "'no' -> save_steps: 0 (the final "
                             "checkpoint is still written)"),
-    "save_total_limit": mapped(_not_none("save_total_limit"), "-> save_total_limit (None: 2)"),
+    "save_total_limit": mapped(_save_total_limit, "-> save_total_limit (null: named, and 2)"),
     "save_only_model": ignored("checkpoints hold the optimizer so that a run resumes", False),
     "save_on_each_node": ignored("the main process writes checkpoints", False),
     "enable_jit_checkpoint": ignored(TRAINER, False),
@@ -301,30 +321,37 @@ TRL_FIELDS: dict[str, tuple] = {
     "vllm_importance_sampling_clip_min": ignored("cppo's importance weights are only capped above",
                                                  None),
     # --- loss variants -------------------------------------------------------------------------
-    "delta": ignored(ALGO, None),
-    "sapo_temperature_neg": ignored(ALGO, 1.05),
-    "sapo_temperature_pos": ignored(ALGO, 1.0),
-    "vespo_k_pos": ignored(ALGO, 2.0),
-    "vespo_lambda_pos": ignored(ALGO, 3.0),
-    "vespo_k_neg": ignored(ALGO, 3.0),
-    "vespo_lambda_neg": ignored(ALGO, 2.0),
-    "importance_sampling_level": ignored(ALGO + " (token-level ratios)", "token"),
-    "multi_objective_aggregation": ignored("rewards are summed with reward_weights, then "
-                                           "normalised (TRL's default)", "sum_then_normalize"),
-    "sync_ref_model": ignored("the reference model stays the initial policy", False),
-    "ref_model_mixup_alpha": ignored("the reference model stays the initial policy", 0.6),
-    "ref_model_sync_steps": ignored("the reference model stays the initial policy", 512),
-    "top_entropy_quantile": ignored(ALGO, 1.0),
-    "entropy_coef": ignored("no entropy bonus", 0.0),
-    "use_adaptive_entropy": ignored("no entropy bonus", False),
-    "entropy_coef_min": ignored("no entropy bonus", 0.0),
-    "entropy_coef_max": ignored("no entropy bonus", 1.0),
-    "entropy_coef_delta": ignored("no entropy bonus", 0.005),
-    "entropy_target": ignored("no entropy bonus", 0.2),
-    "off_policy_mask_threshold": ignored(ALGO, None),
-    "use_bias_correction_kl": ignored("the k3 KL is not importance-weighted", True),
+    "use_adaptive_entropy": ignored(ADAPTIVE, False),
+    "entropy_coef_min": ignored(ADAPTIVE, 0.0),
+    "entropy_coef_max": ignored(ADAPTIVE, 1.0),
+    "entropy_coef_delta": ignored(ADAPTIVE, 0.005),
+    "entropy_target": ignored(ADAPTIVE, 0.2),
 }
 
+
+# CPPOConfig fields with TRL's names whose default differs from TRL 1.16's, and why; the
+# migration guide lists each (tests/test_trl_fields.py checks both)
+DEFAULTS_DIFFER: dict[str, str] = {
+    "output_dir": "runs/cppo",
+    "per_device_train_batch_size": "sized for the embedded task",
+    "num_train_epochs": "the embedded recipe runs max_steps",
+    "max_steps": "the embedded recipe: 600 steps",
+    "learning_rate": "the embedded recipe's tiny model",
+    "lr_scheduler_type": "the embedded recipe decays with cosine",
+    "adam_beta2": "0.99, as the embedded recipe was tuned; TRL's is 0.999",
+    "bf16": "off: bfloat16 autocast is slow on most CPUs; TRL's null turns it on",
+    "gradient_checkpointing": "off; TRL turns it on",
+    "logging_steps": "every step",
+    "report_to": "metrics.jsonl",
+    "eval_steps": "held-out accuracy every 75 steps",
+    "save_steps": "100",
+    "save_total_limit": "the 2 most recent checkpoints; TRL keeps every one",
+    "max_completion_length": "the embedded task's answers are short",
+    "vllm_enable_sleep_mode": "vLLM sleeps between rounds, freeing its memory for the update",
+    "lora_target_modules": "the attention projections",
+    "dataset_name": "the embedded task",
+    "reward_funcs": "the embedded task's reward",
+}
 
 MERGED = {"reward_model_name_or_path"}   # mapped onto a field it extends, not replaces
 
@@ -347,7 +374,7 @@ def translate(values: dict[str, Any], known: set[str]) -> tuple[dict[str, Any], 
             continue
         kind, detail, default = TRL_FIELDS[key]
         if kind == "ignored":
-            if default is _MISSING or value != default:
+            if default is _MISSING or value != default:   # default: the behaves_as value
                 dropped[key] = detail
             continue
         converted = dict(detail(value, values))

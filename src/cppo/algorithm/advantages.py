@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 SCALE_REWARDS = ("group", "batch", "none")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")   # TRL's multi_objective_aggregation
 
 
 def combine_rewards(per_function: Tensor, weights: Tensor | None = None) -> Tensor:
@@ -123,3 +124,27 @@ def reward_stats(rewards: Tensor, scale_rewards: str = "group") -> dict[str, flo
         "reward_std": group_std.mean().item(),
         "frac_reward_zero_std": all_equal.float().mean().item(),
     }
+
+
+def normalized_reward_sum(per_function: Tensor, weights: Tensor | None = None,
+                          eps: float = 1e-4) -> Tensor:
+    """GDPO's aggregation (TRL's multi_objective_aggregation: normalize_then_sum): each reward
+    function's rewards are normalised within each group, (r - mean) / (std + eps) (unbiased std),
+    then summed with the weights. per_function: (Q, G, F), NaN where a function does not apply
+    (ignored in its group's statistics and in the sum); weights (F,). Returns (Q, G); the
+    advantages are then these sums normalised over the whole batch (scale_rewards batch).
+    A completion where no function applies gives NaN (`group_advantages` names it)."""
+    if per_function.dim() != 3:
+        raise ValueError(f"per_function must be (questions, group_size, functions), got shape "
+                         f"{tuple(per_function.shape)}")
+    applies = ~torch.isnan(per_function)
+    values = torch.where(applies, per_function, torch.zeros_like(per_function))
+    count = applies.sum(1, keepdim=True)
+    mean = values.sum(1, keepdim=True) / count.clamp(min=1)
+    var = (torch.where(applies, per_function - mean, torch.zeros_like(values)) ** 2).sum(
+        1, keepdim=True) / (count - 1).clamp(min=1)
+    normalized = (per_function - mean) / (var.sqrt() + eps)   # 0 for a function's lone value
+    if weights is None:
+        weights = torch.ones(per_function.shape[2], dtype=per_function.dtype)
+    weighted = torch.where(applies, normalized * weights.to(per_function), torch.zeros_like(values))
+    return weighted.sum(2).masked_fill(~applies.any(2), float("nan"))

@@ -1,15 +1,25 @@
-"""The GRPO clipped surrogate loss per token, and its reductions (TRL's loss_type).
+"""The GRPO family's per-token losses (TRL's loss_type), and their reductions.
 
 N sequences (kept completions) x T tokens. completion_mask (N, T), bool or float, marks the real
-completion tokens; padding never contributes and never produces NaN.
+completion tokens; padding never contributes and never produces NaN. Names and defaults are TRL
+1.16's GRPOConfig's: loss_type, importance_sampling_level, delta, use_bias_correction_kl,
+sapo_temperature_pos / _neg, vespo_k_pos / _lambda_pos / _k_neg / _lambda_neg.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# loss_type -> the policy term it uses ("clip": PPO's clipped surrogate)
+POLICY_TERMS = {"grpo": "clip", "bnpo": "clip", "dr_grpo": "clip", "dapo": "clip", "luspo": "clip",
+                "cispo": "cispo", "sapo": "sapo", "vespo": "vespo"}
+LOSS_TYPES = tuple(POLICY_TERMS)
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+SEQUENCE_LEVEL_LOSSES = ("luspo",)   # TRL warns unless importance_sampling_level is sequence
+TOKEN_SUM_LOSSES = ("bnpo", "dr_grpo", "dapo", "cispo")  # sum tokens: sequence level weights by length
 
 
 def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -24,6 +34,42 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return weighted.sum(dim=dim) / weights.sum(dim=dim).clamp(min=1.0)
 
 
+def importance_ratio(logps: Tensor, old_logps: Tensor, completion_mask: Tensor | None,
+                     level: str = "token") -> Tensor:
+    """rho = pi / pi_old: (N, T) per token, or (N, 1) per sequence (GSPO: exp of the masked mean
+    of the token log-ratios). Carries the gradient of logps."""
+    log_ratio = logps - old_logps.detach()
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level != "sequence":
+        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                         f"got {level!r}")
+    if completion_mask is None:
+        raise ValueError("importance_sampling_level='sequence' needs completion_mask")
+    mask = completion_mask.to(logps.dtype)
+    return torch.exp((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
+
+
+@torch.no_grad()
+def gamma_weights(advantages: Tensor, log_ratio: Tensor, completion_mask: Tensor,
+                  sampling_weights: Tensor | None = None, *, k_pos: float = 2.0,
+                  lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
+    """VESPO's weight (N, 1) phi(w) = exp(lambda + k log w - lambda w) of the sequence ratio
+    w = exp(sum of the masked token log-ratios (+ log sampling_weights)), k and lambda by the sign
+    of the advantage (N, 1); detached. Clamps as TRL: log-ratios to [-20, 20], log w to
+    [log 1e-8, 20]."""
+    low = math.log(1e-8)
+    mask = completion_mask.to(log_ratio.dtype)
+    seq = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if sampling_weights is not None:
+        seq = seq + torch.log(sampling_weights).clamp(low, 20.0).sum(-1, keepdim=True)
+    log_w = seq.clamp(low, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, k_pos, k_neg)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def per_token_policy_loss(
     logps: Tensor,
     old_logps: Tensor | None,
@@ -34,21 +80,38 @@ def per_token_policy_loss(
     beta: float = 0.0,
     ref_logps: Tensor | None = None,
     sampling_weights: Tensor | None = None,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    completion_mask: Tensor | None = None,
+    delta: float | None = None,
+    use_bias_correction_kl: bool = True,
+    policy_mask: Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo: dict | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token loss (N, T) = -w min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) + beta * KL_k3.
+    """Per-token loss (N, T) = policy term * policy_mask * sampling_weights + beta * KL_k3 (* rho).
 
     logps: (N, T) log-probs of the sampled tokens under the policy (carries the gradient);
     old_logps: (N, T) under the policy that sampled them (None = logps.detach(), i.e. rho = 1,
     for num_iterations = 1); ref_logps: (N, T) under the reference model, needed when beta > 0;
-    advantages: (N,). rho = exp(logps - old_logps); KL_k3 = exp(ref - logp) - (ref - logp) - 1.
-    sampling_weights: (N, T) importance weights of a sampler that is not the policy
-    (`importance_weights`); they multiply the policy term only, never the KL term (as TRL).
+    advantages: (N,). rho = `importance_ratio` (per token, or per sequence: GSPO). Policy term by
+    loss_type: clipped (grpo, bnpo, dr_grpo, dapo, luspo) -min(rho' A, clip(rho, 1-eps_low,
+    1+eps_high) A) with rho' = min(rho, delta) when delta is set (two-sided clipping);
+    cispo -sg(min(rho, eps_high)) A logp; sapo -sigmoid(tau (rho - 1)) 4 / tau A, tau by the
+    sign of A; vespo -`gamma_weights` A logp. KL_k3 = exp(ref - logp) - (ref - logp) - 1, times rho
+    (with its gradient) when use_bias_correction_kl. sampling_weights: (N, T) importance weights
+    of a sampler that is not the policy (`importance_weights`): they multiply the policy term only
+    (vespo folds them into its weight), never the KL term (as TRL). policy_mask (N, T) or (N, 1):
+    multiplies the policy term (high-entropy and off-policy masks).
     Stats (N, T), detached: kl (zeros without ref_logps), is_low_clipped (rho < 1 - eps_low and
     A < 0), is_high_clipped (rho > 1 + eps_high and A > 0), is_region_clipped (either) -- TRL's
-    clip_ratio/low_mean, high_mean, region_mean once masked-averaged.
+    clip_ratio/low_mean, high_mean, region_mean once masked-averaged (cispo: rho > eps_high, A > 0).
     """
     if logps.dim() != 2:
         raise ValueError(f"logps must be (sequences, tokens), got shape {tuple(logps.shape)}")
+    if loss_type not in POLICY_TERMS:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if old_logps is None:
         old_logps = logps.detach()
     if old_logps.shape != logps.shape:
@@ -65,15 +128,32 @@ def per_token_policy_loss(
         )
     if epsilon_low < 0 or epsilon_high < 0:
         raise ValueError(f"epsilon_low and epsilon_high must be >= 0, got {epsilon_low} and {epsilon_high}")
+    if sampling_weights is not None and sampling_weights.shape != logps.shape:
+        raise ValueError(f"sampling_weights shape {tuple(sampling_weights.shape)} must equal "
+                         f"logps shape {tuple(logps.shape)}")
+    if completion_mask is None:
+        completion_mask = torch.ones_like(logps)
 
     advantages = advantages.detach().to(logps.dtype).unsqueeze(1)  # (N, 1)
-    ratio = torch.exp(logps - old_logps.detach())
-    clipped_ratio = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
-    if sampling_weights is not None:
-        if sampling_weights.shape != logps.shape:
-            raise ValueError(f"sampling_weights shape {tuple(sampling_weights.shape)} must equal "
-                             f"logps shape {tuple(logps.shape)}")
+    ratio = importance_ratio(logps, old_logps, completion_mask, importance_sampling_level)
+    term = POLICY_TERMS[loss_type]
+    if term == "clip":
+        clipped_ratio = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+        unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+        per_token_loss = -torch.min(unclipped * advantages, clipped_ratio * advantages)
+    elif term == "cispo":
+        per_token_loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
+    elif term == "sapo":
+        tau = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+    else:  # vespo
+        phi = gamma_weights(advantages, logps.detach() - old_logps.detach(), completion_mask,
+                            sampling_weights, **(vespo or {}))
+        per_token_loss = -phi * advantages * logps
+    per_token_loss = per_token_loss.expand_as(logps)
+    if policy_mask is not None:
+        per_token_loss = per_token_loss * policy_mask.to(logps.dtype)
+    if sampling_weights is not None and term != "vespo":
         per_token_loss = per_token_loss * sampling_weights.detach()
 
     if ref_logps is not None:
@@ -82,11 +162,15 @@ def per_token_policy_loss(
     else:
         kl = torch.zeros_like(logps)
     if beta != 0.0:
-        per_token_loss = per_token_loss + beta * kl
+        per_token_loss = per_token_loss + beta * (kl * ratio if use_bias_correction_kl else kl)
 
     with torch.no_grad():
-        is_low_clipped = (ratio < 1.0 - epsilon_low) & (advantages < 0)
-        is_high_clipped = (ratio > 1.0 + epsilon_high) & (advantages > 0)
+        if term == "cispo":
+            is_low_clipped = torch.zeros_like(logps, dtype=torch.bool)
+            is_high_clipped = ((ratio > epsilon_high) & (advantages > 0)).expand_as(logps)
+        else:
+            is_low_clipped = ((ratio < 1.0 - epsilon_low) & (advantages < 0)).expand_as(logps)
+            is_high_clipped = ((ratio > 1.0 + epsilon_high) & (advantages > 0)).expand_as(logps)
     stats = {
         "kl": kl.detach(),
         "is_low_clipped": is_low_clipped,
@@ -118,11 +202,12 @@ def reduce_loss(
 ) -> Tensor:
     """Scalar loss of one micro-batch from the per-token loss (N, T) and completion_mask (N, T).
 
-    grpo:    sum over sequences of (masked token mean) / total_sequences
+    grpo, sapo: sum over sequences of (masked token mean) / total_sequences
+    luspo:   sum(l * m) / total_sequences          (each sequence's token sum, TRL)
     bnpo:    sum(l * m) / (this micro-batch's tokens) / accumulation_steps   (TRL: the local
              micro-batch's active tokens, averaged over the accumulation steps)
     dr_grpo: sum(l * m) / (total_sequences * max_completion_length)
-    dapo:    sum(l * m) / total_tokens                     (the whole update's tokens, TRL)
+    dapo, cispo, vespo: sum(l * m) / total_tokens        (the whole update's tokens, TRL)
     total_sequences / total_tokens default to this micro-batch's counts; pass those of the whole
     update (all accumulation steps and processes) so the micro-batch losses SUM to the full-batch
     loss. bnpo never uses total_tokens: each micro-batch is normalised by its own tokens, so bnpo
@@ -148,8 +233,10 @@ def reduce_loss(
     num_sequences = max(total_sequences if total_sequences is not None else per_token.shape[0], 1)
     mask = completion_mask.to(per_token.dtype)
     masked_sum = torch.where(mask != 0, per_token * mask, torch.zeros_like(per_token)).sum()
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return masked_mean(per_token, mask, dim=1).sum() / num_sequences
+    if loss_type == "luspo":
+        return masked_sum / num_sequences
     if loss_type == "dr_grpo":
         return masked_sum / (num_sequences * max_completion_length)
     if loss_type == "bnpo":
@@ -159,3 +246,10 @@ def reduce_loss(
     else:
         tokens = torch.as_tensor(total_tokens, dtype=per_token.dtype, device=per_token.device)
     return masked_sum / tokens.clamp(min=1.0)
+
+
+def entropy_bonus(entropies: Tensor, mask: Tensor, accumulation_steps: int = 1) -> Tensor:
+    """The mean token entropy of one micro-batch, entropies (N, T) over mask (N, T), divided by
+    the accumulation steps (TRL's entropy bonus; the loss subtracts entropy_coef times it)."""
+    weights = mask.to(entropies.dtype)
+    return (entropies * weights).sum() / weights.sum().clamp(min=1.0) / accumulation_steps

@@ -1,0 +1,134 @@
+"""Held-out accuracy of TRL's GRPO-family objectives on the embedded task, with and without pruning.
+
+Each row is one in-process `CPPOTrainer` run of the embedded recipe (the shipped tiny model, the
+arithmetic task, G = 8) for the same number of optimizer steps, changed only by the objective
+(docs/objectives.md) and the pruning rate P (0: plain GRPO-style training; 0.75: the default, with
+allocation). It records held-out greedy accuracy before and after, the training seconds, and the
+CPU capability torch ran with.
+
+    python benchmarks/objectives.py                       # every row, seed 42, 60 steps, mu 2
+    python benchmarks/objectives.py --num_iterations 1    # one update per generation round
+    python benchmarks/objectives.py --rows dapo,gspo --pruning_rates 0 --max_steps 50 --seeds 1,2
+
+Writes benchmarks/results/objectives/num_iterations_<mu>/results.md and results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+OBJECTIVES = {
+    "grpo": dict(loss_type="grpo"),
+    "dapo": dict(loss_type="dapo"),
+    "gspo": dict(loss_type="grpo", importance_sampling_level="sequence"),
+    "cispo": dict(loss_type="cispo", epsilon_high=5.0),   # MiniMax-M1 / ScaleRL's epsilon_max
+    "sapo": dict(loss_type="sapo"),
+}
+
+
+def run_row(objective: str, pruning_rate: float, seed: int, args, runs_dir: Path) -> dict:
+    from cppo.config import CPPOConfig
+    from cppo.trainer import CPPOTrainer
+    out = runs_dir / f"{objective}-P{pruning_rate}-s{seed}"
+    cfg = CPPOConfig(**OBJECTIVES[objective], pruning_rate=pruning_rate, seed=seed,
+                     num_iterations=args.num_iterations,
+                     max_steps=args.max_steps, eval_steps=0, save_steps=0,
+                     eval_num_questions=args.eval_questions, output_dir=str(out),
+                     progress_bar=False, report_to=["jsonl"])
+    start = time.perf_counter()
+    summary = CPPOTrainer(args=cfg).train()
+    return {"objective": objective, "options": OBJECTIVES[objective], "pruning_rate": pruning_rate,
+            "seed": seed, "steps": summary["steps"], "accuracy_before": summary["accuracy_before"],
+            "accuracy_after": summary["accuracy_after"], "train_seconds": summary["train_seconds"],
+            "wall_seconds": round(time.perf_counter() - start, 1),
+            "completions_trained": summary.get("completions_trained")}
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "python": sys.version.split()[0],
+            "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(), "cpu_count": __import__("os").cpu_count()}
+
+
+def render(results: list[dict], meta: dict) -> str:
+    lines = ["# Objectives x pruning on the embedded task", "",
+             f"Command: `{meta['command']}`", "",
+             f"Machine: {meta['machine']}", "",
+             f"Each row: the embedded recipe (shipped tiny model, arithmetic level 3, G = 8, "
+             f"lr 1.6e-4 cosine, num_iterations {meta.get('num_iterations', 1)}) for "
+             f"{meta['max_steps']} optimizer steps, then held-out greedy "
+             f"accuracy on {meta['eval_questions']} test questions; seeds {meta['seeds']}. "
+             f"Objectives as in docs/objectives.md (cispo with epsilon_high 5.0). With P = 0.75 "
+             f"each step samples 4x the questions and trains on the kept quarter (allocation), "
+             f"so a row with pruning sees more questions in the same number of steps.", "",
+             "| objective | P | seed | accuracy before | accuracy after | gain (points) | "
+             "train s |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        gain = 100 * (r["accuracy_after"] - r["accuracy_before"])
+        lines.append(f"| {r['objective']} | {r['pruning_rate']} | {r['seed']} | "
+                     f"{100 * r['accuracy_before']:.1f}% | {100 * r['accuracy_after']:.1f}% | "
+                     f"{gain:+.1f} | {r['train_seconds']:.0f} |")
+    lines += ["", f"Total wall time: {meta['wall_seconds']:.0f} s (a shared machine: train seconds "
+              f"are not comparable between rows). One seed per row: differences of a few points "
+              f"are within seed-to-seed spread (docs/benchmarks.md reports it for the default run).",
+              "", "With one update per generation round (num_iterations 1) every ratio is 1 and "
+              "the objectives' gradients coincide up to how they weight completions of different "
+              "lengths (cispo's is dapo's, sapo's is grpo's, GSPO's is grpo's); on this task most "
+              "answers have the same length, so those rows can coincide. With num_iterations 2 "
+              "the second update of each round sees ratios != 1, where they differ."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default=",".join(OBJECTIVES))
+    parser.add_argument("--pruning_rates", default="0,0.75")
+    parser.add_argument("--seeds", default="42")
+    parser.add_argument("--max_steps", type=int, default=60)
+    parser.add_argument("--num_iterations", type=int, default=2)
+    parser.add_argument("--eval_questions", type=int, default=300)
+    parser.add_argument("--output", help="results folder (default: results/objectives/"
+                        "num_iterations_<mu>)")
+    parser.add_argument("--from_json", help="only re-render results.md from this results.json")
+    args = parser.parse_args(argv)
+    args.output = args.output or str(Path(__file__).parent / "results" / "objectives"
+                                      / f"num_iterations_{args.num_iterations}")
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        (Path(args.output) / "results.md").write_text(render(data["runs"], data["meta"]))
+        return 0
+    torch.set_num_threads(1)   # deterministic for a seed; the shared 2-core machine spins with 2
+    rows = args.rows.split(",")
+    rates = [float(p) for p in args.pruning_rates.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python benchmarks/objectives.py " + " ".join(argv or sys.argv[1:]),
+            "machine": machine(), "max_steps": args.max_steps,
+            "eval_questions": args.eval_questions, "seeds": seeds,
+            "num_iterations": args.num_iterations}
+    results, start = [], time.perf_counter()
+    with tempfile.TemporaryDirectory() as runs:
+        for seed in seeds:
+            for objective in rows:
+                for rate in rates:
+                    results.append(run_row(objective, rate, seed, args, Path(runs)))
+                    meta["wall_seconds"] = time.perf_counter() - start
+                    (out / "results.json").write_text(json.dumps({"meta": meta, "runs": results},
+                                                                 indent=2))
+                    (out / "results.md").write_text(render(results, meta))
+                    print(render(results, meta).splitlines()[-3], flush=True)
+    print(render(results, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,237 @@
+"""Run TRL 1.16's own GRPOTrainer and CPPOTrainer side by side on forced completions.
+
+Both trainers get the same tiny model (from one directory), the same prompts in the same order,
+the same completion ids (given, not sampled: different lengths, EOS-only, truncated) and the same
+rewards. TRL's generation (`GRPOTrainer._generate`) and cppo's (`CPPOTrainer.generate`) are
+replaced by a table lookup, TRL's batch shuffle (`shuffle_sequence_dict`) by the identity, and
+cppo's question order by the dataset order (TRL's with shuffle_dataset=False). Each side records
+what the comparison needs: advantages, old and reference log-probs per round, the loss of each
+micro-step, and every parameter's gradient just before each optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+COMPLETIONS = 8       # per round: 8 // group_size questions of group_size completions
+MAX_LEN = 6           # max_completion_length
+PROMPTS = ["12*34=", "5+6=", "78*9=", "1-2-3="]   # different lengths: left padding is exercised
+
+
+@dataclass
+class Round:
+    prompt_ids: list[list[int]]        # Q prompts
+    completion_ids: list[list[int]]    # Q * G, unpadded (EOS included when it ended)
+    rewards: list[float]               # Q * G
+
+
+def make_rounds(tokenizer, num_rounds: int, group_size: int = 4, seed: int = 0) -> list[Round]:
+    """Completions of several shapes per round: EOS-only, short, truncated (no EOS; the first
+    round only, so the second's longest completion is shorter than max_completion_length), and
+    rewards that vary inside each group (one group of equal rewards 1.0 in the second round)."""
+    G, Q = group_size, COMPLETIONS // group_size
+    g = torch.Generator().manual_seed(seed)
+    eos, vocab = tokenizer.eos_token_id, len(tokenizer)
+    text_ids = [i for i in range(vocab) if i not in tokenizer.all_special_ids]
+    lengths = [1, 3, MAX_LEN, 2, 4, MAX_LEN, 5, 1]   # 1 = EOS only; MAX_LEN with no EOS = truncated
+    rounds = []
+    for r in range(num_rounds):
+        prompts = PROMPTS[r * Q:(r + 1) * Q]
+        completions = []
+        for i, n in enumerate(lengths):
+            n = lengths[(i + r) % len(lengths)] if r == 0 else min(lengths[i], MAX_LEN - 1)
+            body = [text_ids[int(t)] for t in torch.randint(len(text_ids), (n,), generator=g)]
+            truncated = n == MAX_LEN and (i + r) % 2 == 0
+            completions.append(body if truncated else body[:n - 1] + [eos])
+        rewards = torch.randint(0, 3, (Q * G,), generator=g).float().div(2).tolist()
+        rewards[:G] = ([1.0, 0.0, 0.5, 0.0] * G)[:G] if r == 0 else [1.0] * G
+        rounds.append(Round([tokenizer(p)["input_ids"] for p in prompts], completions, rewards))
+    return rounds
+
+
+@dataclass
+class Record:
+    advantages: list = field(default_factory=list)   # per round (Q*G,)
+    old_logps: list = field(default_factory=list)    # per round (Q*G, T) or None
+    ref_logps: list = field(default_factory=list)    # per round (Q*G, T) or None
+    masks: list = field(default_factory=list)        # per round (Q*G, T)
+    losses: list = field(default_factory=list)       # per micro-step
+    grads: list = field(default_factory=list)        # per optimizer step: {name: grad}
+
+
+class _Feed:
+    """The forced rounds, one per generation call; the reward function reads the current one."""
+
+    def __init__(self, rounds):
+        self.rounds, self.index = rounds, -1
+        self.group_size = len(rounds[0].completion_ids) // len(rounds[0].prompt_ids)
+
+    def next(self) -> Round:
+        self.index += 1
+        return self.rounds[self.index]
+
+    def reward(self, prompts, completions, completion_ids=None, **kw):
+        return list(self.rounds[self.index].rewards)
+
+    def functions(self, two: bool) -> list:
+        return [self.reward, self.length_reward] if two else [self.reward]
+
+    def length_reward(self, prompts, completions, completion_ids=None, **kw):
+        """A second objective (for multi_objective_aggregation): the completion's length."""
+        return [float(len(ids)) for ids in completion_ids]
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
+            two_rewards=False, **options) -> Record:
+    import trl.trainer.grpo_trainer as grpo_module
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    monkeypatch.setattr(grpo_module, "shuffle_sequence_dict", lambda batch: batch)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    feed, record = _Feed(rounds), Record()
+    G = feed.group_size
+
+    def fake_generate(prompts):
+        rnd = feed.next()
+        assert prompts[::G] == [tokenizer.decode(i, skip_special_tokens=True)
+                                for i in rnd.prompt_ids]   # the same questions, in order
+        prompt_ids = [ids for ids in rnd.prompt_ids for _ in range(G)]
+        texts = tokenizer.batch_decode(rnd.completion_ids, skip_special_tokens=True)
+        return prompt_ids, rnd.completion_ids, None, texts, None, {}, None, []
+
+    class Grads(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            record.grads.append(_grads(model))
+
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"),
+                      per_device_train_batch_size=COMPLETIONS // accumulation,
+                      gradient_accumulation_steps=accumulation,
+                      num_generations=G, max_completion_length=MAX_LEN, max_steps=max_steps,
+                      learning_rate=options.pop("learning_rate"), lr_scheduler_type="constant",
+                      adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=0.0,
+                      shuffle_dataset=False, seed=0, logging_steps=1, report_to="none",
+                      save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, **options)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir),
+                          reward_funcs=feed.functions(two_rewards), args=args, processing_class=tokenizer,
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                          callbacks=[Grads()])
+    trainer._generate = fake_generate
+    score, compute_loss = trainer._generate_and_score_completions, trainer.compute_loss
+
+    def spy_score(inputs):
+        out = score(inputs)
+        record.advantages.append(out["advantages"].detach().clone())
+        record.old_logps.append(_clone(out.get("old_per_token_logps")))
+        record.ref_logps.append(_clone(out.get("ref_per_token_logps")))
+        record.masks.append(out["completion_mask"].clone())
+        return out
+
+    def spy_loss(model, inputs, **kw):
+        loss = compute_loss(model, inputs, **kw)
+        record.losses.append(loss.item())
+        return loss
+    trainer._generate_and_score_completions = spy_score
+    trainer.compute_loss = spy_loss
+    trainer.train()
+    return record
+
+
+def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
+             two_rewards=False, **options) -> Record:
+    import cppo.trainer as trainer_module
+    from cppo.config import CPPOConfig
+    from cppo.models import load_model, load_tokenizer
+    from cppo.padding import pad_token_lists
+    from cppo.rollout import Completions, PromptBatch
+
+    tokenizer = load_tokenizer(model_dir)
+    feed, record = _Feed(rounds), Record()
+    G = feed.group_size
+    Q = COMPLETIONS // G
+    args = CPPOConfig(model=model_dir, output_dir=str(tmp_path / "cppo"), max_steps=max_steps,
+                      per_device_train_batch_size=COMPLETIONS // accumulation,
+                      gradient_accumulation_steps=accumulation, num_generations=G, pruning_rate=0.0,
+                      max_completion_length=MAX_LEN, lr_scheduler_type="constant",
+                      adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=0.0,
+                      seed=0, logging_steps=1, eval_steps=0, save_steps=0, progress_bar=False,
+                      # CPPOConfig checks reward_weights against its reward_funcs' count, even
+                      # when the trainer is given the functions themselves
+                      reward_funcs=["arithmetic"] * len(feed.functions(two_rewards)), **options)
+    trainer = trainer_module.CPPOTrainer(
+        model=load_model(model_dir), processing_class=tokenizer, reward_funcs=feed.functions(two_rewards),
+        args=args, train_dataset=[{"prompt": p} for p in PROMPTS])
+    order = iter(range(len(PROMPTS)))
+    trainer.take_questions = lambda: [{"prompt": PROMPTS[next(order)]} for _ in range(Q)]
+
+    def fake_generate(rows):
+        rnd = feed.next()
+        prompts = PromptBatch(*pad_token_lists(rnd.prompt_ids, tokenizer.pad_token_id, side="left"))
+        ids, mask = pad_token_lists(rnd.completion_ids, tokenizer.pad_token_id, side="right")
+        truncated = torch.tensor([c[-1] != tokenizer.eos_token_id for c in rnd.completion_ids])
+        return prompts, Completions(ids, mask, truncated)
+    trainer.generate = fake_generate
+    build, fill = trainer.build_batch, trainer.fill_old_and_ref_logprobs
+
+    def spy_build(*a, **kw):
+        batch = build(*a, **kw)
+        record.advantages.append(batch.advantages.clone())
+        record.masks.append(batch.completion_mask.clone())
+        return batch
+
+    def spy_fill(batch):
+        fill(batch)
+        record.old_logps.append(_clone(batch.old_logps))
+        record.ref_logps.append(_clone(batch.ref_logps))
+    trainer.build_batch, trainer.fill_old_and_ref_logprobs = spy_build, spy_fill
+    reduce = trainer_module.reduce_loss
+
+    def spy_reduce(*a, **kw):
+        loss = reduce(*a, **kw)
+        record.losses.append(loss.item())
+        return loss
+    monkeypatch.setattr(trainer_module, "reduce_loss", spy_reduce)
+    bonus = trainer_module.entropy_bonus
+
+    def spy_bonus(*a, **kw):   # the loss TRL returns includes the entropy bonus
+        value = bonus(*a, **kw)
+        record.losses[-1] -= args.entropy_coef * value.item()
+        return value
+    monkeypatch.setattr(trainer_module, "entropy_bonus", spy_bonus)
+    step = trainer.optimizer.step
+
+    def spy_step(*a, **kw):
+        record.grads.append(_grads(trainer.policy))
+        return step(*a, **kw)
+    trainer.optimizer.step = spy_step
+    trainer.train()
+    return record
+
+
+def _clone(t):
+    return None if t is None else t.detach().clone()
+
+
+def max_difference(a: dict, b: dict) -> float:
+    """Largest |a - b| over all parameters, relative to the largest |b| (a gradient's scale)."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    scale = max(float(v.abs().max()) for v in b.values()) or 1.0
+    return max(float((a[k] - b[k]).abs().max()) for k in a) / scale
+
+
+def masked_difference(a, b, mask) -> float:
+    """Largest |a - b| on mask's tokens; a and b may differ in width past the longest row."""
+    width = min(a.shape[1], b.shape[1], mask.shape[1])
+    m = mask[:, :width].bool()
+    return float((a[:, :width] - b[:, :width]).abs()[m].max()) if m.any() else 0.0
+
+
+__all__ = ["COMPLETIONS", "MAX_LEN", "make_rounds", "run_trl", "run_cppo", "max_difference",
+           "masked_difference"]

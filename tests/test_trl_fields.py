@@ -1,0 +1,96 @@
+"""cppo.trl_fields tells the truth about every field of the installed TRL (GRPOConfig with the
+TrainingArguments it extends, ModelConfig, ScriptArguments, `trl grpo`'s arguments): each is
+honoured under its own name, mapped, or ignored with a reason, and a value with which TRL would
+behave differently from cppo is always named, TRL's own default included."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from cppo.config import CPPOConfig
+from cppo.trl_fields import _MISSING, DEFAULTS_DIFFER, TRL_FIELDS, translate
+
+trl = pytest.importorskip("trl")
+
+OWN = {f.name for f in dataclasses.fields(CPPOConfig)}
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "migrating-from-trl.md"
+OTHER = object()   # a value no field has
+
+
+def trl_fields():
+    from trl.scripts.grpo import GRPOScriptArguments
+    seen = {}
+    for cls in (trl.GRPOConfig, trl.ModelConfig, trl.ScriptArguments, GRPOScriptArguments):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                seen.setdefault(f.name, f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                seen.setdefault(f.name, f.default_factory())
+            else:
+                seen.setdefault(f.name, _MISSING)
+    return seen
+
+
+FIELDS = trl_fields()
+# ignored fields whose TRL default makes TRL behave differently from cppo (named when given)
+TRL_DEFAULT_DIFFERS: set[str] = set()
+
+
+@pytest.mark.parametrize("name", sorted(FIELDS))
+def test_every_trl_field_is_honoured_mapped_or_named(name):
+    trl_default = FIELDS[name]
+    entry = TRL_FIELDS.get(name)
+    if name in OWN and (entry is None or entry[0] == "ignored"):     # honoured
+        out, dropped = translate({name: "x"}, OWN)
+        assert out == {name: "x"} and dropped == {}
+        return
+    assert entry is not None, f"{name}: neither a CPPOConfig field nor in TRL_FIELDS"
+    kind, detail, behaves_as = entry
+    if kind == "mapped":   # converted (conversions: test_trl_cli.py, and the test below)
+        if trl_default is not _MISSING:
+            translate({name: trl_default}, OWN)
+        return
+    assert kind == "ignored" and isinstance(detail, str) and detail
+    _, dropped = translate({name: OTHER}, OWN)
+    assert dropped == {name: detail}             # any other value is named, with the reason
+    if behaves_as is not _MISSING:
+        assert translate({name: behaves_as}, OWN) == ({}, {})
+    if trl_default is not _MISSING:
+        named = name in translate({name: trl_default}, OWN)[1]
+        assert named == (name in TRL_DEFAULT_DIFFERS or behaves_as is _MISSING), name
+
+
+def test_the_table_has_no_field_trl_lacks():
+    """(transformers before 5.20, which the vllm extra may pin, lacks the activation_* names)"""
+    newer_transformers = {"activation_checkpointing", "activation_checkpointing_kwargs"}
+    assert sorted(set(TRL_FIELDS) - set(FIELDS) - newer_transformers) == []
+
+
+def test_trls_defaults_that_make_it_behave_otherwise_are_named():
+    own = OWN
+    for values, field in (({"bf16": None}, "bf16"), ({"save_total_limit": None}, "save_total_limit"),
+                          ({"vllm_importance_sampling_mode": "sequence_mask"},
+                           "vllm_importance_sampling_mode")):
+        out, dropped = translate(values, own)
+        assert field in dropped and field not in out
+
+
+def test_honoured_defaults_that_differ_from_trl_are_listed_in_the_guide():
+    cfg = CPPOConfig()
+    differ = {n for n, d in FIELDS.items() if n in OWN and d is not _MISSING
+              and d != getattr(cfg, n)}
+    assert differ == set(DEFAULTS_DIFFER)
+    guide = GUIDE.read_text()
+    section = guide.split("## Defaults that differ from TRL's", 1)[1].split("\n## ", 1)[0]
+    assert [n for n in DEFAULTS_DIFFER if f"`{n}`" not in section] == []
+
+
+def test_the_objective_fields_are_honoured_with_trls_defaults():
+    cfg = CPPOConfig()
+    for name in ("loss_type", "importance_sampling_level", "delta", "use_bias_correction_kl",
+                 "epsilon", "epsilon_high", "beta", "sapo_temperature_pos", "sapo_temperature_neg",
+                 "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+                 "top_entropy_quantile", "off_policy_mask_threshold", "scale_rewards",
+                 "num_iterations", "temperature", "mask_truncated_completions"):
+        assert name not in TRL_FIELDS and getattr(cfg, name) == FIELDS[name], name
