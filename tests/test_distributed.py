@@ -402,22 +402,6 @@ def test_a_killed_node_then_resume_ends_identical(runs, tiny_model_dir, tmp_path
     assert_same_run(run, runs["fsdp"])
 
 
-def test_a_restart_by_torchrun_resumes_and_ends_identical(runs, tiny_model_dir, tmp_path):
-    """torchrun --max-restarts 1: rank 1 is SIGKILLed inside step 3; the launcher restarts
-    both, they resume from checkpoint-2 without --resume, and the run completes (exit 0)."""
-    run = tmp_path / "restarted"
-    config = spec(tiny_model_dir, run, batch=2, scope="global", strategy="fsdp",
-                  park_at_step=[1, 2])
-    proc, log = torchrun(config, tmp_path / "restart.json", wait=False,
-                         launcher=("--nproc_per_node", "2", "--nnodes", "1", "--max-restarts", "1"))
-    wait_for(run / "parked-rank1", [proc], [log])
-    os.kill(int((run / "pid-rank1").read_text()), signal.SIGKILL)
-    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
-    assert "restart 1 by the launcher: resuming" in log.read_text()
-    assert json.loads((run / "summary.json").read_text())["resumed_from"].endswith("checkpoint-2")
-    assert_same_run(run, runs["fsdp"])
-
-
 # --- bad input: clear errors before training ----------------------------------------------------
 def test_deepspeed_and_fsdp_v1_launches_are_refused_and_fsdp_v2_selects_fsdp():
     with pytest.raises(ShardingError, match="examples/accelerate/fsdp.yaml"):

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from cppo.config import CPPOConfig
 from cppo.models import load_model, load_tokenizer
@@ -114,6 +115,29 @@ def test_interrupted_and_resumed_run_ends_with_the_same_parameters(tiny_model_di
     for a, b in zip(straight.policy.parameters(), resumed.policy.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert straight.counters == resumed.counters
+
+
+def test_a_launcher_restart_resumes_without_the_flag(tiny_model_dir, tmp_path, monkeypatch):
+    """torchrun --max-restarts starts the worker group again with TORCHELASTIC_RESTART_COUNT
+    > 0: the run resumes from the newest checkpoint (no --resume typed) and ends identical."""
+    straight = make_trainer(tiny_model_dir, tmp_path / "a")
+    straight.train()
+    killed = make_trainer(tiny_model_dir, tmp_path / "b")
+    real_round = killed.training_round
+
+    def round_then_die():
+        if killed.step == 3:           # inside step 4: the newest checkpoint is checkpoint-2
+            raise RuntimeError("worker died")
+        return real_round()
+    killed.training_round = round_then_die
+    with pytest.raises(RuntimeError, match="worker died"):
+        killed.train()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    summary = make_trainer(tiny_model_dir, tmp_path / "b").train()
+    assert summary["resumed_from"].endswith("checkpoint-2") and summary["steps"] == 4
+    got = load_file(tmp_path / "b" / "checkpoint-4" / "model.safetensors")
+    expected = load_file(tmp_path / "a" / "checkpoint-4" / "model.safetensors")
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 def test_close_ends_the_engine_the_reward_workers_then_the_process_group(tiny_model_dir, tmp_path):
