@@ -59,7 +59,13 @@ def _no_process_left_behind():
     """A failed or timed-out test must not leave its torchrun group running."""
     yield
     for proc in STARTED:
-        if proc.poll() is None:
+        if proc.poll() is None:   # torchrun's workers run in sessions of their own: them first
+            for child in Path("/proc").glob("[0-9]*"):
+                try:
+                    if parent_pid(int(child.name)) == proc.pid:
+                        os.kill(int(child.name), signal.SIGKILL)
+                except (OSError, ValueError, IndexError):
+                    pass
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
