@@ -12,7 +12,6 @@ clearly before training.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,16 +26,11 @@ from cppo import checkpoint as ckpt
 from cppo.algorithm import group_advantages, plan_step
 from cppo.config import ConfigError, CPPOConfig
 from cppo.distributed import Distributed, check_launcher
+from cppo.generation import free_port
 from cppo.parallel import ShardingError, block_classes, check_layout, launcher_strategy
 
 ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
 STEPS = 4   # 2 generation rounds x mu = 2 optimizer steps
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spec(model_dir, output_dir, *, batch: int, scope: str, strategy: str = "ddp", **extra) -> dict:
