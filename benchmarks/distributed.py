@@ -45,8 +45,8 @@ def worker(result_file: str) -> None:
     """One process of a set-up (under torchrun, or alone): train MEASURED + WARMUP steps."""
     import torch
     from transformers import LlamaForCausalLM
-    from cppo.distributed import Distributed
-    from cppo.parallel import Engine, full_parameter_bytes, local_bytes
+    from cppo.parallel.processes import Distributed
+    from cppo.parallel.engines import Engine, full_parameter_bytes, local_bytes
     torch.set_num_threads(1)
     dist_info = Distributed.from_environment()
     torch.manual_seed(0)

@@ -25,8 +25,8 @@ import torch
 
 from cppo.data import arithmetic
 from cppo.models import load_model, load_tokenizer
-from cppo import hardware
-from cppo.rollout import completion_logprobs, encode_prompts, sample_completions
+from cppo.parallel import hardware
+from cppo.sampling.sampler import completion_logprobs, encode_prompts, sample_completions
 
 
 def time_once(fn) -> float:

@@ -164,7 +164,7 @@ def main(argv=None) -> int:
 
 
 def _machine() -> str:
-    from cppo import hardware
+    from cppo.parallel import hardware
     m = hardware.describe()
     return f"{m['cpu']}, torch {m['torch']}, CPU capability {m['cpu_capability']}, AVX512-BF16 flag {m['avx512_bf16']}"
 

@@ -4,7 +4,7 @@ Marked `cuda`; skipped where torch sees no CUDA device (run them with `pytest -m
 import pytest
 import torch
 
-from cppo import hardware
+from cppo.parallel import hardware
 from cppo.config import CPPOConfig
 from cppo.models import load_model, load_tokenizer
 
@@ -52,7 +52,7 @@ def test_lean_forward_on_the_gpu_matches_the_model(tiny_model_dir):
 
 
 def test_sampling_on_the_gpu_is_seeded(tiny_model_dir):
-    from cppo.rollout import encode_prompts, sample_completions
+    from cppo.sampling.sampler import encode_prompts, sample_completions
     model = load_model(tiny_model_dir).cuda().eval()
     tok = load_tokenizer(tiny_model_dir)
     prompts = encode_prompts(tok, [r["prompt"] for r in ROWS[:4]])

@@ -22,12 +22,12 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import dist_worker as _dist_worker
-from cppo import checkpoint as ckpt
+from cppo.run import checkpoint as ckpt
 from cppo.algorithm import group_advantages, plan_step
 from cppo.config import ConfigError, CPPOConfig
-from cppo.distributed import Distributed, check_launcher
-from cppo.generation import free_port
-from cppo.parallel import ShardingError, block_classes, check_layout, launcher_strategy
+from cppo.parallel.processes import Distributed, check_launcher
+from cppo.sampling.backends import free_port
+from cppo.parallel.engines import ShardingError, block_classes, check_layout, launcher_strategy
 
 ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
 STEPS = 4   # 2 generation rounds x mu = 2 optimizer steps
@@ -464,7 +464,7 @@ class _TwoProcesses(Distributed):
 
 def test_filler_rows_align_the_processes_without_changing_the_loss():
     from cppo.algorithm import reduce_loss
-    from cppo.parallel import pad_rows
+    from cppo.parallel.engines import pad_rows
     from cppo.trainer import StepBatch
     g = torch.Generator().manual_seed(0)
     batch = StepBatch(torch.randint(1, 9, (3, 4), generator=g), torch.ones(3, 4, dtype=torch.long),
@@ -488,7 +488,7 @@ def test_filler_rows_align_the_processes_without_changing_the_loss():
 
 
 def test_a_gather_that_cannot_fit_names_the_way_out(monkeypatch):
-    from cppo.parallel import check_gather_fits
+    from cppo.parallel.engines import check_gather_fits
     model = torch.nn.Linear(1000, 1000)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10_000, 10**12))
     with pytest.raises(ShardingError, match="use_vllm.*generation_chunk_size"):

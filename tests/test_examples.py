@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from cppo.config import CPPOConfig
-from cppo.parallel import ShardingError, launcher_strategy
+from cppo.parallel.engines import ShardingError, launcher_strategy
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RECIPES = sorted(EXAMPLES.glob("*.yaml"))

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from cppo import hardware
+from cppo.parallel import hardware
 from cppo.config import CPPOConfig
 
 
@@ -63,7 +63,7 @@ def test_a_cpu_limited_to_avx2_has_no_fast_bf16():
     """The same limit the benchmarks use to emulate an AVX2-only CPU (torch's kernels and
     oneDNN both held to AVX2) makes bf16 count as slow, whatever this CPU has."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    out = subprocess.run([sys.executable, "-c", "from cppo import hardware as h; "
+    out = subprocess.run([sys.executable, "-c", "from cppo.parallel import hardware as h; "
                           "print(h.cpu_capability(), h.has_fast_dtype('bfloat16'))"],
                          env=env, capture_output=True, text=True, check=True).stdout.split()
     assert out == ["AVX2", "False"]

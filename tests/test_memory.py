@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cppo.config import ConfigError
-from cppo.memory import (GIB, BatchSizes, ModelShape, budget_bytes, decode_bytes,
+from cppo.parallel.memory import (GIB, BatchSizes, ModelShape, budget_bytes, decode_bytes,
                          plan_batch_sizes, scoring_bytes, training_bytes)
 from helpers import make_trainer
 
@@ -76,7 +76,7 @@ def test_a_budget_too_small_for_one_sequence_is_an_error():
 
 
 def tiny_sizes(trainer, budget_gib):
-    from cppo.memory import plan_for_run
+    from cppo.parallel.memory import plan_for_run
     trainer.args.memory_budget_gib = budget_gib
     return plan_for_run(trainer.args, trainer.policy, trainer.reference, trainer.device)
 
@@ -93,7 +93,7 @@ def test_trainer_uses_the_budget_for_generation_and_evaluation(tiny_model_dir, t
     assert 8 <= trainer.batch_sizes.generation < 32
     assert trainer.backend.chunk_size == trainer.batch_sizes.generation
     chunks = []
-    import cppo.generation as generation
+    import cppo.sampling.backends as generation
     sample = generation.sample_completions
 
     def spy(model, prompts, **kw):
@@ -154,7 +154,7 @@ def test_cppo_eval_decodes_in_budgeted_batches(tiny_model_dir, monkeypatch):
         seen.update(kw)
         return evaluate(*args, **kw)
     monkeypatch.setattr(cppo.evaluate, "evaluate", spy)
-    from cppo.memory import eval_batch_size
+    from cppo.parallel.memory import eval_batch_size
     from cppo.models import load_model, load_tokenizer
     rows = [{"prompt": "12*34="}]
     per_4 = eval_batch_size(load_model(tiny_model_dir), load_tokenizer(tiny_model_dir), rows,
@@ -166,7 +166,7 @@ def test_cppo_eval_decodes_in_budgeted_batches(tiny_model_dir, monkeypatch):
 
 
 def test_model_states_count_trainable_parameters_four_times_and_shards_locally():
-    from cppo.memory import model_state_bytes
+    from cppo.parallel.memory import model_state_bytes
     policy = torch.nn.Linear(10, 10, bias=False)           # 100 fp32 trainable: 4 x 400 B
     reference = torch.nn.Linear(10, 10, bias=False).requires_grad_(False)
     assert model_state_bytes(policy) == 1600

@@ -12,7 +12,7 @@ from helpers.tiny_hf import gsm8k_rows, math_rows, save_tiny
 from cppo.config import CPPOConfig
 from cppo.data.sources import load_task
 from cppo.models import load_model, load_tokenizer
-from cppo.rollout import Completions, encode_prompts
+from cppo.sampling.sampler import Completions, encode_prompts
 from cppo.trainer import CPPOTrainer
 
 ARCHS = ("llama", "qwen2")
@@ -233,14 +233,14 @@ def test_lora_targets_that_match_nothing_fail_clearly(tiny_dirs):
 # --- generation backends --------------------------------------------------------------------------
 
 def test_vllm_backend_missing_names_the_extra(monkeypatch, tiny_dirs):
-    from cppo.generation import make_backend
+    from cppo.sampling.backends import make_backend
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"pip install 'cppo\[vllm\]'"):
         make_backend(None, load_tokenizer(tiny_dirs["qwen2"]), small(use_vllm=True))
 
 
 def test_token_lists_become_completions():
-    from cppo.generation import completions_from_token_lists
+    from cppo.sampling.backends import completions_from_token_lists
     out = completions_from_token_lists([[5, 6, 2, 9], [7, 8, 8], []], eos_token_id=2, pad_token_id=0,
                                        max_new_tokens=3)
     assert out.ids.tolist() == [[5, 6, 2], [7, 8, 8], [0, 0, 0]]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cppo import checkpoint as ckpt
+from cppo.run import checkpoint as ckpt
 from cppo.cli import main
 from helpers import (PARK_ENV, load_weights, single_thread, start_train, step_records, train_args,
                      wait_until, write_jsonl)

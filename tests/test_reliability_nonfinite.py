@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cppo.trainer
-from cppo import checkpoint as ckpt
+from cppo.run import checkpoint as ckpt
 from helpers import single_thread, load_weights, make_trainer
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from cppo.data.arithmetic import arithmetic_accuracy_reward, arithmetic_format_reward, extract_answer
 from cppo.rewards.answers import extract_last_boxed, extract_numeric_answer
 from cppo.rewards.math_rewards import make_math_accuracy_reward
-from cppo.rewards_runner import RewardRunner
+from cppo.rewards.runner import RewardRunner
 from helpers import make_trainer, single_thread
 
 # every case takes milliseconds; a quadratic parser on the megabyte inputs below (about 10^12

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cppo import checkpoint as ckpt
+from cppo.run import checkpoint as ckpt
 from cppo.models import load_model
 from cppo.models.loading import ModelLoadError
 

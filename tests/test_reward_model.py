@@ -8,7 +8,7 @@ from cppo.config import ConfigError, CPPOConfig
 from cppo.models import load_model, load_tokenizer
 from cppo.rewards import resolve_reward
 from cppo.rewards.reward_model import RewardModel, RewardModelError
-from cppo.rewards_runner import RewardRunner
+from cppo.rewards.runner import RewardRunner
 from cppo.trainer import CPPOTrainer
 
 ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(6) for b in range(3, 7)]

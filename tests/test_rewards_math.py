@@ -245,7 +245,7 @@ def test_registry_errors_name_the_problem():
 
 def test_the_reward_runner_s_close_stops_the_math_verify_workers():
     from cppo.rewards import math_rewards
-    from cppo.rewards_runner import RewardRunner
+    from cppo.rewards.runner import RewardRunner
     verifier = math_rewards.default_verifier()
     assert verifier.check("1", "1") == 1.0            # starts a worker process
     workers = [w for w in list(verifier._idle.queue) if w is not None]

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from cppo.config import CPPOConfig
 from cppo.models import load_model, load_tokenizer
-from cppo.rewards_runner import RewardError
+from cppo.rewards.runner import RewardError
 from cppo.trainer import CPPOTrainer
 from helpers import ROWS, make_trainer, odd_length_reward
 

@@ -7,7 +7,7 @@ import torch
 from cppo.config import CPPOConfig
 from cppo.models import load_model, load_tokenizer
 from cppo.models.lean import LeanForward
-from cppo.rollout import Completions, encode_prompts
+from cppo.sampling.sampler import Completions, encode_prompts
 from cppo.trainer import CPPOTrainer, StepBatch
 
 G = 4

@@ -1,5 +1,5 @@
 """TRL's command-line habits and config files in `cppo train`: space-separated lists, TRL field
-names honoured, mapped or named as ignored (cppo.trl_fields)."""
+names honoured, mapped or named as ignored (cppo.config.trl_fields)."""
 
 import dataclasses
 import json
@@ -8,7 +8,7 @@ import pytest
 
 from cppo import cli
 from cppo.config import ConfigError, CPPOConfig
-from cppo.trl_fields import TRL_FIELDS, translate
+from cppo.config.trl_fields import TRL_FIELDS, translate
 
 # every field of trl 1.16's GRPOConfig (TrainingArguments included), ModelConfig, ScriptArguments
 # and the `trl grpo` script arguments

@@ -50,7 +50,7 @@ def test_unknown_tracker_is_refused_by_name():
 
 
 def test_missing_tracker_library_names_the_extra(monkeypatch, tiny_model_dir, tmp_path):
-    import cppo.tracking as tracking
+    import cppo.run.tracking as tracking
     monkeypatch.setattr(tracking, "installed", lambda name: name != "wandb")
     with pytest.raises(ConfigError, match=r"'wandb' package is not installed.*cppo\[wandb\]"):
         make_trainer(tiny_model_dir, tmp_path, report_to=["wandb"])
@@ -58,7 +58,7 @@ def test_missing_tracker_library_names_the_extra(monkeypatch, tiny_model_dir, tm
 
 
 def test_all_and_none_resolve_as_in_transformers(monkeypatch):
-    import cppo.tracking as tracking
+    import cppo.run.tracking as tracking
     monkeypatch.setattr(tracking, "installed", lambda name: name == "trackio")
     assert tracking.resolve_report_to(["all"]) == ["trackio"]
     assert tracking.resolve_report_to("none") == []
@@ -222,7 +222,7 @@ def test_trl_metric_keys_are_logged(tiny_model_dir, tmp_path):
 
 
 def test_entropy_is_the_policy_entropy_over_completion_tokens(tiny_model_dir, tmp_path):
-    from cppo.rollout import completion_logprobs, token_entropy
+    from cppo.sampling.sampler import completion_logprobs, token_entropy
     logits = torch.randn(2, 3, 11)
     expected = torch.distributions.Categorical(logits=logits).entropy()
     assert torch.allclose(token_entropy(logits), expected, atol=1e-5)
@@ -238,7 +238,7 @@ def test_entropy_is_the_policy_entropy_over_completion_tokens(tiny_model_dir, tm
 
 
 def test_length_metrics_match_trl_definitions():
-    from cppo.tracking import length_metrics
+    from cppo.run.tracking import length_metrics
     lengths = torch.tensor([3.0, 5.0, 8.0, 8.0])
     truncated = torch.tensor([False, False, True, True])
     m = length_metrics(lengths, truncated)
@@ -261,7 +261,7 @@ def test_reward_std_follows_scale_rewards_as_trl():
 
 
 def test_metrics_window_skips_nan_and_keeps_last_learning_rate():
-    from cppo.tracking import MetricsWindow
+    from cppo.run.tracking import MetricsWindow
     w = MetricsWindow()
     w.add({"reward": 1.0, "rewards/f/mean": math.nan, "learning_rate": 0.1, "flag": True})
     w.add({"reward": 3.0, "rewards/f/mean": 2.0, "learning_rate": 0.2})
@@ -334,7 +334,7 @@ def test_callback_should_save_writes_a_checkpoint(tiny_model_dir, tmp_path):
 
 
 def test_callback_that_raises_stops_with_a_checkpoint_and_its_error(tiny_model_dir, tmp_path):
-    from cppo.callbacks import CallbackError
+    from cppo.run.callbacks import CallbackError
     from transformers import TrainerCallback
 
     class Broken(TrainerCallback):

@@ -130,7 +130,7 @@ def test_rewards_receive_unpadded_completion_ids(tiny_model_dir, tmp_path):
 
 
 def test_reward_runner_refuses_a_padded_tensor():
-    from cppo.rewards_runner import RewardRunner
+    from cppo.rewards.runner import RewardRunner
     runner = RewardRunner([lambda prompts, completions, completion_ids, **kw: [0.0] * len(prompts)])
     with pytest.raises(TypeError, match="unpadded lists"):
         runner([{"prompt": "p"}], ["a", "b"], torch.zeros(2, 3, dtype=torch.long), 2)

@@ -1,4 +1,4 @@
-"""cppo.trl_fields tells the truth about every field of the installed TRL (GRPOConfig with the
+"""cppo.config.trl_fields tells the truth about every field of the installed TRL (GRPOConfig with the
 TrainingArguments it extends, ModelConfig, ScriptArguments, `trl grpo`'s arguments): each is
 honoured under its own name, mapped, or ignored with a reason, and a value with which TRL would
 behave differently from cppo is always named, TRL's own default included."""
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cppo.config import CPPOConfig
-from cppo.trl_fields import _MISSING, DEFAULTS_DIFFER, TRL_FIELDS, translate
+from cppo.config.trl_fields import _MISSING, DEFAULTS_DIFFER, TRL_FIELDS, translate
 
 trl = pytest.importorskip("trl")
 

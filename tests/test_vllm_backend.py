@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from cppo.config import CPPOConfig, VLLMUnavailableError
-from cppo.generation import (VLLMBackend, chunk_seed, completions_with_logprobs, cpu_kv_cache_bytes,
+from cppo.sampling.backends import (VLLMBackend, chunk_seed, completions_with_logprobs, cpu_kv_cache_bytes,
                              sampled_logprobs, vllm_weight_name, vllm_weights)
 from cppo.models import load_model, load_tokenizer
-from cppo.rollout import completion_logprobs, encode_prompts
+from cppo.sampling.sampler import completion_logprobs, encode_prompts
 
 
 class FakeLLM:
@@ -218,7 +218,7 @@ def test_a_push_that_misses_weights_is_caught(fake_vllm, tiny_model_dir, monkeyp
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    monkeypatch.setattr("cppo.generation.vllm_weight_name",   # a mapping that drops q_proj
+    monkeypatch.setattr("cppo.sampling.backends.vllm_weight_name",   # a mapping that drops q_proj
                         lambda name: None if "q_proj" in name else name)
     with pytest.raises(RuntimeError, match="after the weight push vLLM's log-probs differ"):
         backend.generate(encode_prompts(tok, ["12*34="]), round_index=0)
@@ -268,7 +268,7 @@ def test_cpu_kv_cache_fits_one_round_within_the_ram_fraction(tiny_model_dir):
 
 
 def test_trl_vllm_fields_are_honoured():
-    from cppo.trl_fields import translate
+    from cppo.config.trl_fields import translate
     own = {f.name for f in dataclasses.fields(CPPOConfig)}
     trl = {"vllm_model_impl": "transformers", "vllm_max_model_length": 300,
            "vllm_enable_sleep_mode": False, "vllm_gpu_memory_utilization": 0.5,

@@ -18,7 +18,7 @@ def machine() -> dict:
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
-    from cppo import hardware
+    from cppo.parallel import hardware
     info["hardware"] = hardware.describe()   # CPU model, torch's CPU capability, bf16 flags
     try:
         import transformers

@@ -78,8 +78,8 @@ def _add_fields(parser: argparse.ArgumentParser, cls) -> None:
 
 
 def _add_trl_fields(parser: argparse.ArgumentParser, cls) -> None:
-    """TRL's field names that cppo maps or ignores (cppo.trl_fields), accepted but not listed."""
-    from cppo.trl_fields import TRL_FIELDS
+    """TRL's field names that cppo maps or ignores (cppo.config.trl_fields), accepted but not listed."""
+    from cppo.config.trl_fields import TRL_FIELDS
     own = {f.name for f in dataclasses.fields(cls)}
     for name in TRL_FIELDS:
         if name not in own:
@@ -121,7 +121,7 @@ def _overrides(args: argparse.Namespace, cls) -> dict:
 def _trl_overrides(args: argparse.Namespace) -> dict:
     """TRL-named options given on the command line: one value as a string, several as a list,
     a bare flag as "true"."""
-    from cppo.trl_fields import TRL_FIELDS
+    from cppo.config.trl_fields import TRL_FIELDS
     names = set(TRL_FIELDS) - {f.name for f in dataclasses.fields(CPPOConfig)}
     out = {}
     for key, value in vars(args).items():
@@ -154,7 +154,7 @@ def cmd_eval(args) -> int:
                           command="eval")
     from cppo.data.sources import load_task
     from cppo.evaluate import evaluate
-    from cppo.memory import eval_batch_size
+    from cppo.parallel.memory import eval_batch_size
     from cppo.models import load_model, load_tokenizer
     from cppo.rewards import get_reward_function
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from cppo.rollout import encode_prompts, sample_completions
+from cppo.sampling.sampler import encode_prompts, sample_completions
 
 
 @dataclass
@@ -33,7 +33,7 @@ class EvalResult:
 def _correct(reward_fn, rows, completions, tokenizer, num_generations: int) -> torch.Tensor:
     """(Q, num_generations) bool: reward >= 1 means correct. The reward is called as in training (TRL's
     signature): chat-message completions for chat prompts, unpadded completion_ids."""
-    from cppo.rewards_runner import RewardRunner, unpadded_ids
+    from cppo.rewards.runner import RewardRunner, unpadded_ids
     texts = tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
     scores = RewardRunner([reward_fn])(rows, texts, unpadded_ids(completions.ids, completions.mask),
                                        num_generations, conversational=not isinstance(rows[0]["prompt"], str))
@@ -45,7 +45,7 @@ def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16, temp
              max_new_tokens: int = 8, batch_size: int | None = None, seed: int = 0,
              max_prompt_length: int | None = None, progress: bool = True) -> EvalResult:
     """Greedy accuracy and (k > 0) pass@k over rows with a 'prompt' column, in batches of
-    batch_size completions (None: as many as fit in memory, cppo.memory.eval_batch_size)."""
+    batch_size completions (None: as many as fit in memory, cppo.parallel.memory.eval_batch_size)."""
     import time
     start = time.perf_counter()
     was_training = model.training
@@ -53,7 +53,7 @@ def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16, temp
     generator = torch.Generator().manual_seed(seed)
     greedy_hits, pass_hits, sample_hits = 0, 0, 0.0
     if batch_size is None:
-        from cppo.memory import eval_batch_size
+        from cppo.parallel.memory import eval_batch_size
         batch_size = eval_batch_size(model, tokenizer, rows, max_new_tokens=max_new_tokens, k=k,
                                      memory_budget_gib=None, max_prompt_length=max_prompt_length)
     per_batch = max(1, batch_size // max(k, 1))

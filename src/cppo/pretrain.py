@@ -25,7 +25,7 @@ from cppo.data import arithmetic
 from cppo.evaluate import evaluate
 from cppo.config import _check, check_fields, option
 from cppo.models.loading import tiny_model_config
-from cppo.padding import pad_token_lists
+from cppo.sampling.padding import pad_token_lists
 from cppo.models.tokenizer import build_tokenizer
 
 

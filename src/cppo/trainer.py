@@ -23,25 +23,25 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from cppo import checkpoint as ckpt
+from cppo.run import checkpoint as ckpt
 from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, high_entropy_mask,
                             importance_weights, mix_into_reference, normalized_reward_sum,
                             off_policy_mask, per_token_policy_loss, reduce_loss, reward_stats,
                             select_completions, select_global)
 from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
-from cppo.callbacks import CallbackError, Callbacks
-from cppo.completions_log import CompletionsLog
+from cppo.run.callbacks import CallbackError, Callbacks
+from cppo.run.completions_log import CompletionsLog
 from cppo.config import ConfigError, CPPOConfig
 from cppo.data.sources import TaskData, check_rows, load_task
-from cppo.distributed import Distributed, launcher_restarts
+from cppo.parallel.processes import Distributed, launcher_restarts
 from cppo.evaluate import evaluate
-from cppo.generation import chunk_seed, make_backend
-from cppo.hardware import warn_slow_precision
-from cppo.memory import check_batch_settings, plan_for_run
-from cppo.parallel import Engine, check_layout, pad_rows, resolve_strategy
-from cppo.rewards_runner import RewardRunner, unpadded_ids
-from cppo.rollout import Completions, PromptBatch, completion_logprobs, encode_prompts
-from cppo.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to, length_metrics,
+from cppo.sampling.backends import chunk_seed, make_backend
+from cppo.parallel.hardware import warn_slow_precision
+from cppo.parallel.memory import check_batch_settings, plan_for_run
+from cppo.parallel.engines import Engine, check_layout, pad_rows, resolve_strategy
+from cppo.rewards.runner import RewardRunner, unpadded_ids
+from cppo.sampling.sampler import Completions, PromptBatch, completion_logprobs, encode_prompts
+from cppo.run.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to, length_metrics,
                            write_plots)
 
 
@@ -251,7 +251,7 @@ class CPPOTrainer:
         return self.step // self.args.num_iterations
 
     def generate(self, rows: list[dict]) -> tuple[PromptBatch, Completions]:
-        """G completions per row through the generation backend (cppo.generation), seeded by
+        """G completions per row through the generation backend (cppo.sampling.backends), seeded by
         (seed, round, the rows' place in the global step batch)."""
         prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
                                  self.args.max_prompt_length).to(self.device)

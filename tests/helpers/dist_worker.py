@@ -102,7 +102,7 @@ def record_writes(output_dir: str) -> list:
 def run(spec: dict) -> dict:
     global TRAINER
     from cppo.config import CPPOConfig
-    from cppo.parallel import local_bytes
+    from cppo.parallel.engines import local_bytes
     from cppo.trainer import CPPOTrainer
     out = spec["config"]["output_dir"]
     trainer = TRAINER = CPPOTrainer(model=spec["model"], reward_funcs=[length_reward],

@@ -149,8 +149,8 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
     import cppo.trainer as trainer_module
     from cppo.config import CPPOConfig
     from cppo.models import load_model, load_tokenizer
-    from cppo.padding import pad_token_lists
-    from cppo.rollout import Completions, PromptBatch
+    from cppo.sampling.padding import pad_token_lists
+    from cppo.sampling.sampler import Completions, PromptBatch
 
     tokenizer = load_tokenizer(model_dir)
     feed, record = _Feed(rounds), Record()

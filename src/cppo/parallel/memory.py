@@ -216,7 +216,7 @@ def plan_for_run(args, policy, reference, device, *, tokenizer=None, rows=()) ->
     import torch
     prompt_length = args.max_prompt_length
     if prompt_length is None:
-        from cppo.rollout import encode_prompts
+        from cppo.sampling.sampler import encode_prompts
         prompt_length = (encode_prompts(tokenizer, [r["prompt"] for r in rows]).ids.shape[1]
                          if rows else 2048)
     weight_bytes = next(policy.parameters()).element_size()
@@ -237,7 +237,7 @@ def eval_batch_size(model, tokenizer, rows, *, max_new_tokens: int, k: int,
                     memory_budget_gib: float | None, max_prompt_length: int | None = None) -> int:
     """`cppo eval`: completions decoded together so that their KV caches and logits fit in the
     budget (None: 90% of the device less the model's weights), a multiple of k when sampling."""
-    from cppo.rollout import encode_prompts
+    from cppo.sampling.sampler import encode_prompts
     device = next(model.parameters()).device
     prompt_length = encode_prompts(tokenizer, [r["prompt"] for r in rows], max_prompt_length).ids.shape[1]
     budget = budget_bytes(memory_budget_gib, device_bytes=device_memory_bytes(device),

@@ -138,7 +138,7 @@ class RewardRunner:
             return
         conversational = not isinstance(rows[0]["prompt"], str)
         if tokenizer is not None:
-            from cppo.rollout import encode_prompts
+            from cppo.sampling.sampler import encode_prompts
             for i, row in enumerate(rows[:PREFLIGHT_ENCODED_ROWS]):  # check_rows made them one kind
                 try:
                     encode_prompts(tokenizer, [row["prompt"]])

@@ -247,7 +247,7 @@ class Engine:
     def load_sharded_state(self, checkpoint, optimizer) -> None:
         from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                              set_optimizer_state_dict)
-        from cppo.checkpoint import load_sharded
+        from cppo.run.checkpoint import load_sharded
         state = self.sharded_state(optimizer)
         load_sharded(checkpoint, state)
         set_model_state_dict(self.policy, state["model"])

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cppo.models.lean import lean_forward_for
-from cppo.padding import pad_token_lists
+from cppo.sampling.padding import pad_token_lists
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Generate docs/configuration.md's reference table from the config dataclass (keeps them in sync).
 
-    python -m cppo.docs            # print the table
-    python -m cppo.docs --write    # rewrite the block between the markers in docs/configuration.md
+    python -m cppo.config.reference            # print the table
+    python -m cppo.config.reference --write    # rewrite the block between the markers in docs/configuration.md
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def config_reference() -> str:
     return "\n".join(rows)
 
 
-REFERENCE_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+REFERENCE_PATH = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 
 
 def reference_block() -> str:

@@ -294,9 +294,9 @@ class CPPOConfig:
 
 
 def from_trl_names(values: dict[str, Any], source: str, announce=print) -> dict[str, Any]:
-    """Values written with TRL's GRPOConfig names -> CPPOConfig's (cppo.trl_fields); the TRL
+    """Values written with TRL's GRPOConfig names -> CPPOConfig's (cppo.config.trl_fields); the TRL
     fields cppo ignores are named, with the reason, in one message."""
-    from cppo.trl_fields import ignored_message, translate
+    from cppo.config.trl_fields import ignored_message, translate
     values, dropped = translate(values, {f.name for f in dataclasses.fields(CPPOConfig)})
     if dropped and announce is not None:
         announce(ignored_message(dropped, source))
@@ -526,7 +526,7 @@ def validate(cfg: CPPOConfig) -> None:
     _check(cfg.max_grad_norm >= 0, f"'max_grad_norm' is {cfg.max_grad_norm}; must be >= 0")
     _check(cfg.max_consecutive_nonfinite >= 1,
            f"'max_consecutive_nonfinite' is {cfg.max_consecutive_nonfinite}; must be >= 1")
-    from cppo.tracking import resolve_report_to
+    from cppo.run.tracking import resolve_report_to
     resolve_report_to(cfg.report_to)   # names only; a missing library is reported by the trainer
     _check(cfg.num_completions_to_print is None or cfg.num_completions_to_print >= 1,
            f"'num_completions_to_print' is {cfg.num_completions_to_print}; must be >= 1 or None")

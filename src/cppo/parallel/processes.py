@@ -7,7 +7,7 @@ its own contiguous slice of the global step batch, so N processes x Q/N question
 questions as 1 process x Q. The collectives here are CPPO's own: rewards gathered for
 `scale_rewards=batch` and for `selection_scope=global` (the math lives in cppo.algorithm),
 sequence and token counts summed for the loss normalisers, metrics, the stop flag. Gradients are
-reduced by torch's engines (cppo.parallel: DDP or FSDP2), not here.
+reduced by torch's engines (cppo.parallel.engines: DDP or FSDP2), not here.
 
 Ending: a process group this module started is destroyed by `close()` (the trainer's `close`),
 or at the latest by an exit handler while the interpreter is still whole. A gloo group left to
@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 def check_launcher(environ=os.environ) -> None:
     """Refuse, before any process group starts, an accelerate launch this trainer cannot run
-    (DeepSpeed, FSDP version 1), naming the config to use instead (cppo.parallel)."""
-    from cppo.parallel import launcher_strategy
+    (DeepSpeed, FSDP version 1), naming the config to use instead (cppo.parallel.engines)."""
+    from cppo.parallel.engines import launcher_strategy
     launcher_strategy(environ)
 
 
