@@ -3,7 +3,8 @@
 import pytest
 
 from cppo.cli import main
-from cppo.config import ConfigError, CPPOConfig
+from cppo.config import CPPOConfig
+from cppo.errors import ConfigError
 
 
 def test_defaults_are_the_embedded_cppo_recipe():

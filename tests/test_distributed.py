@@ -24,10 +24,12 @@ from safetensors.torch import load_file
 from helpers import dist_worker as _dist_worker
 from cppo.run import checkpoint as ckpt
 from cppo.algorithm import group_advantages, plan_step
-from cppo.config import ConfigError, CPPOConfig
+from cppo.config import CPPOConfig
+from cppo.errors import ConfigError
 from cppo.parallel.processes import Distributed, check_launcher
 from cppo.sampling.backends import free_port
-from cppo.parallel.engines import ShardingError, block_classes, check_layout, launcher_strategy
+from cppo.parallel.engines import block_classes, check_layout, launcher_strategy
+from cppo.errors import ShardingError
 
 ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
 STEPS = 4   # 2 generation rounds x mu = 2 optimizer steps

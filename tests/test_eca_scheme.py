@@ -4,7 +4,8 @@ from importlib import resources
 
 import pytest
 
-from cppo.eca import SchemeError, builtin_scheme_names, load_scheme, parse_scheme, verify_scheme
+from cppo.eca import builtin_scheme_names, load_scheme, parse_scheme, verify_scheme
+from cppo.errors import SchemeError
 
 
 def _text(name: str) -> str:

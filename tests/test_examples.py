@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from cppo.config import CPPOConfig
-from cppo.parallel.engines import ShardingError, launcher_strategy
+from cppo.parallel.engines import launcher_strategy
+from cppo.errors import ShardingError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RECIPES = sorted(EXAMPLES.glob("*.yaml"))

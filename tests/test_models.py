@@ -59,7 +59,7 @@ def test_pretrain_and_eval_commands(tmp_path, capsys):
 
 
 def test_pretrain_learning_rate_schedules():
-    from cppo.config import ConfigError
+    from cppo.errors import ConfigError
     from cppo.pretrain import PretrainConfig, lr_factor
     constant = PretrainConfig(steps=100, warmup_steps=10)
     assert [lr_factor(s, constant) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cppo.cli import main
-from cppo.config import ConfigError
+from cppo.errors import ConfigError
 from helpers import ROWS, make_trainer, single_thread, write_jsonl
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"

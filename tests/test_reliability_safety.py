@@ -14,7 +14,7 @@ import torch
 
 from cppo.run import checkpoint as ckpt
 from cppo.models import load_model
-from cppo.models.loading import ModelLoadError
+from cppo.errors import ModelLoadError
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "cppo"
 

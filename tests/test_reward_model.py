@@ -4,10 +4,12 @@ model built and saved here."""
 import pytest
 import torch
 
-from cppo.config import ConfigError, CPPOConfig
+from cppo.config import CPPOConfig
+from cppo.errors import ConfigError
 from cppo.models import load_model, load_tokenizer
 from cppo.rewards import resolve_reward
-from cppo.rewards.reward_model import RewardModel, RewardModelError
+from cppo.rewards.reward_model import RewardModel
+from cppo.errors import RewardModelError
 from cppo.rewards.runner import RewardRunner
 from cppo.trainer import CPPOTrainer
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from cppo.config import CPPOConfig
 from cppo.models import load_model, load_tokenizer
-from cppo.rewards.runner import RewardError
+from cppo.errors import RewardError
 from cppo.trainer import CPPOTrainer
 from helpers import ROWS, make_trainer, odd_length_reward
 
@@ -211,7 +211,7 @@ def test_bfloat16_sampling_records_logprobs_and_reweights_the_loss(tiny_model_di
 
 
 def test_generation_dtype_needs_a_model_the_lean_forward_supports(tiny_model_dir, tmp_path):
-    from cppo.config import ConfigError
+    from cppo.errors import ConfigError
     with pytest.raises(ConfigError, match="lean_forward"):
         CPPOConfig(generation_dtype="bfloat16", lean_forward=False)
     model = load_model(tiny_model_dir)

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from cppo import cli
-from cppo.config import ConfigError, CPPOConfig
+from cppo.config import CPPOConfig
+from cppo.errors import ConfigError
 from cppo.config.trl_fields import TRL_FIELDS, translate
 
 # every field of trl 1.16's GRPOConfig (TrainingArguments included), ModelConfig, ScriptArguments

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from cppo.config import ConfigError, CPPOConfig
+from cppo.config import CPPOConfig
+from cppo.errors import ConfigError
 from cppo.models import load_model, load_tokenizer
 from cppo.trainer import CPPOTrainer
 
@@ -334,7 +335,7 @@ def test_callback_should_save_writes_a_checkpoint(tiny_model_dir, tmp_path):
 
 
 def test_callback_that_raises_stops_with_a_checkpoint_and_its_error(tiny_model_dir, tmp_path):
-    from cppo.run.callbacks import CallbackError
+    from cppo.errors import CallbackError
     from transformers import TrainerCallback
 
     class Broken(TrainerCallback):

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cppo.config import CPPOConfig, VLLMUnavailableError
+from cppo.config import CPPOConfig
+from cppo.errors import VLLMUnavailableError
 from cppo.sampling.backends import (VLLMBackend, chunk_seed, completions_with_logprobs, cpu_kv_cache_bytes,
                              sampled_logprobs, vllm_weight_name, vllm_weights)
 from cppo.models import load_model, load_tokenizer

@@ -190,7 +190,7 @@ def test_after_an_optimizer_step_vllm_samples_the_updated_policy(which, request)
 
 
 def test_bad_settings_fail_before_the_engine_starts(untied, monkeypatch):
-    from cppo.config import ConfigError
+    from cppo.errors import ConfigError
     with pytest.raises(ConfigError, match="'temperature' is 2.5; vLLM samples with temperatures up to 2"):
         engine_args(temperature=2.5)
     with pytest.raises(ConfigError, match="'vllm_max_model_length' is 20, below max_prompt_length "
@@ -205,7 +205,7 @@ def test_bad_settings_fail_before_the_engine_starts(untied, monkeypatch):
 
 
 def test_a_prompt_longer_than_the_engine_takes_is_a_clear_error(untied):
-    from cppo.config import ConfigError
+    from cppo.errors import ConfigError
     long = encode_prompts(untied.tokenizer, ["1+" * 100 + "1="])   # 203 tokens
     with pytest.raises(ConfigError, match="a prompt of 203 tokens \\+ max_completion_length 8 exceeds "
                                           "vLLM's max_model_len 168: lower max_prompt_length"):

@@ -13,8 +13,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cppo.config import (ConfigError, CPPOConfig, _check, build_dataclass, check_fields, option,
+from cppo.config import (CPPOConfig, _check, build_dataclass, check_fields, option,
                          read_yaml)
+from cppo.errors import ConfigError
 
 
 @dataclass

@@ -29,9 +29,9 @@ from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, hi
                             off_policy_mask, per_token_policy_loss, reduce_loss, reward_stats,
                             select_completions, select_global)
 from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
-from cppo.run.callbacks import CallbackError, Callbacks
+from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
-from cppo.config import ConfigError, CPPOConfig
+from cppo.config import CPPOConfig
 from cppo.data.sources import TaskData, check_rows, load_task
 from cppo.parallel.processes import Distributed, launcher_restarts
 from cppo.evaluate import evaluate
@@ -43,6 +43,7 @@ from cppo.rewards.runner import RewardRunner, unpadded_ids
 from cppo.sampling.sampler import Completions, PromptBatch, completion_logprobs, encode_prompts
 from cppo.run.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to, length_metrics,
                            write_plots)
+from cppo.errors import ConfigError, CallbackError
 
 
 @dataclass

@@ -23,14 +23,7 @@ import yaml
 from cppo.algorithm import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS,
                             SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES)
 from cppo.algorithm import SCOPES, SELECTION_RULES, StepShape, plan_step, rule_traits
-
-
-class ConfigError(ValueError):
-    """A configuration key or value is wrong; the message names it and what is allowed."""
-
-
-class VLLMUnavailableError(ConfigError, ImportError):
-    """use_vllm is on but vLLM cannot be imported; the message names the extra to install."""
+from cppo.errors import ConfigError, VLLMUnavailableError
 
 
 def option(default, help: str, choices: typing.Collection | None = None, **kw):

@@ -28,8 +28,8 @@ from typing import Iterable
 import datasets
 
 from cppo.data.prompts import PROMPT_STYLES, build_prompt
-from cppo.errors import snippet
 from cppo.rewards.answers import extract_gsm8k_gold, extract_last_boxed, normalize_number
+from cppo.errors import snippet
 
 logger = logging.getLogger(__name__)
 

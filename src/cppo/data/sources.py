@@ -10,9 +10,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cppo.config import ConfigError
 from cppo.data import arithmetic
-from cppo.errors import snippet
+from cppo.errors import ConfigError, snippet
 
 logger = logging.getLogger(__name__)
 

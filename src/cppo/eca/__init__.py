@@ -9,11 +9,13 @@ Public API:
     load_scheme / verify_scheme / analytic_count / record_ops   schemes and operation counts
 """
 
+from cppo.errors import SchemeError
+
 from .attention import ATTENTION_CUTOFF, eca_attention
 from .counting import OpCount, analytic_count, naive_masked, naive_triangular, record_ops
 from .executor import DEFAULT_CUTOFF, lower_matmul, masked_matmul, upper_matmul
 from .hf import register_eca_attention
-from .scheme import Scheme, SchemeError, builtin_scheme_names, load_scheme, parse_scheme, verify_scheme
+from .scheme import Scheme, builtin_scheme_names, load_scheme, parse_scheme, verify_scheme
 from .workspace import release_workspace
 
 __all__ = [

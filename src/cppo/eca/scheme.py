@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from cppo.errors import SchemeError
 
 BLOCKS = 4
 Block = tuple[int, int]
@@ -22,10 +23,6 @@ Combination = tuple[tuple[Block, int], ...]  # ((block, coefficient), ...), sort
 _TERM = re.compile(r"([+-])\s*(\d*)\s*([LVO])([0-3])([0-3])")
 _LINE = re.compile(r"^\s*p(\d+)\s*=\s*\((.*)\)\s*\*\s*\((.*)\)\s*->\s*(.*)$")
 LOWER_BLOCKS: tuple[Block, ...] = tuple((i, j) for i in range(BLOCKS) for j in range(i + 1))
-
-
-class SchemeError(ValueError):
-    """A scheme file that cannot be parsed, or a scheme that does not compute O = L V exactly."""
 
 
 @dataclass(frozen=True)

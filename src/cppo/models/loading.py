@@ -6,14 +6,9 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
+from cppo.errors import ModelLoadError
 
-from cppo.config import ConfigError
 
-
-class ModelLoadError(ConfigError, OSError):
-    """The model or tokenizer named by `model` cannot be loaded; the message says why and what
-    is accepted. (A ConfigError, so `cppo train` reports it without a traceback; an OSError, as
-    transformers' own loading errors are.)"""
 
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth",
                   "model.ckpt")

@@ -33,15 +33,11 @@ import os
 
 import torch
 from torch import nn
+from cppo.errors import ConfigError, ShardingError
 
-from cppo.config import ConfigError
 
 STRATEGIES = ("ddp", "fsdp")
 _TRUE = ("1", "true", "yes")
-
-
-class ShardingError(ConfigError):
-    """A model or launch that the chosen strategy cannot run; the message names the fix."""
 
 
 def launcher_strategy(environ=os.environ) -> str | None:

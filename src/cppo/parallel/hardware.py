@@ -15,12 +15,9 @@ import warnings
 from functools import lru_cache
 
 import torch
+from cppo.errors import SlowPrecisionWarning
 
 LOW_PRECISION = ("bfloat16", "float16")
-
-
-class SlowPrecisionWarning(UserWarning):
-    """A run asks for a dtype this device computes far slower than float32."""
 
 
 @lru_cache(maxsize=1)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from cppo.errors import ConfigError
 
-from cppo.config import ConfigError
 
 GIB = 2**30
 LOGIT_BYTES = 4                 # logits are handled in float32 for sampling and log-softmax

@@ -27,6 +27,7 @@ import select
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 from cppo.rewards.answers import (
     completion_text,
@@ -298,9 +299,7 @@ class _Worker:
     """One math-verify child process speaking JSON lines over its stdin/stdout."""
 
     def __init__(self, soft_timeout: int):
-        import cppo
-
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(cppo.__file__)))
+        package_root = str(Path(__file__).resolve().parents[2])   # the folder holding cppo/
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(

@@ -12,12 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from cppo.errors import RewardModelError
 
 SCORE_BATCH_SIZE = 64   # texts per reward-model forward pass
-
-
-class RewardModelError(ValueError):
-    """A reward model cannot be loaded or returned scores of the wrong shape."""
 
 
 def is_reward_model(obj) -> bool:

@@ -15,20 +15,11 @@ import math
 from typing import Callable, Sequence
 
 import torch
+from cppo.errors import ConfigError, RewardError, RewardPreflightError, snippet
 
-from cppo.config import ConfigError
-from cppo.errors import snippet
 
 PREFLIGHT_COMPLETIONS = ("", "0")   # an empty answer and a number: reaches gold parsing too
 PREFLIGHT_ENCODED_ROWS = 8          # prompts tokenised by preflight (all rows are of one kind)
-
-
-class RewardError(RuntimeError):
-    """A reward function misbehaved; the message names it and what was wrong."""
-
-
-class RewardPreflightError(RewardError, ConfigError):
-    """A reward function failed on the data before training started (`cppo train` exits 2)."""
 
 
 def unpadded_ids(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:

@@ -14,10 +14,7 @@ A callback that raises stops the run: the trainer writes a checkpoint and re-rai
 from __future__ import annotations
 
 from typing import Iterable
-
-
-class CallbackError(RuntimeError):
-    """A callback raised; the message names it and the event."""
+from cppo.errors import CallbackError
 
 
 class Callbacks:

@@ -35,12 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cppo.errors import CheckpointError
 
-from cppo.config import ConfigError
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint cannot be used: unsafe content, or it does not match the model."""
 
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")

@@ -13,8 +13,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
+from cppo.errors import ConfigError
 
-from cppo.config import ConfigError
 
 if TYPE_CHECKING:
     import torch

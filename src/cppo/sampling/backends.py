@@ -27,11 +27,11 @@ from typing import Protocol
 
 import torch
 
-from cppo.config import ConfigError, VLLMUnavailableError
 from cppo.models.lean import lean_forward_for
 from cppo.sampling.padding import pad_token_lists
 from cppo.sampling.sampler import (Completions, PromptBatch, completion_logprobs, concat_completions,
                           sample_completions)
+from cppo.errors import ConfigError, VLLMUnavailableError
 
 
 class GenerationBackend(Protocol):
