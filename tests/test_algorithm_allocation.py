@@ -113,12 +113,12 @@ def test_group_of_one_allowed_without_pruning():
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, float("nan")])
 def test_pruning_rate_out_of_range(bad):
-    with pytest.raises(ValueError, match=r"pruning_rate must be in \[0, 1\), got"):
+    with pytest.raises(ValueError, match=r"pruning rate P must lie in \[0, 1\).*got"):
         plan(16, 16, bad)
 
 
 def test_group_size_below_two_with_pruning():
-    with pytest.raises(ValueError, match=r"pruning_rate=0.5 needs group_size >= 2.*got group_size=1"):
+    with pytest.raises(ValueError, match=r"P = 0.5\) needs groups of G >= 2.*got G = 1"):
         plan(16, 1, 0.5)
 
 

@@ -41,9 +41,9 @@ def test_command_line_lists_parse():
     ({"num_generations": "abc"}, "'num_generations' expects int, got 'abc'"),
     ({"allocation": "maybe"}, "'allocation' expects bool"),
     ({"temperature": "hot"}, "'temperature' expects float"),
-    ({"pruning_rate": 1.0}, "'pruning_rate' is 1.0; allowed: 0 <= pruning_rate < 1"),
+    ({"pruning_rate": 1.0}, "'pruning_rate' is 1.0: the pruning rate P must lie in [0, 1)"),
     ({"pruning_rate": -0.1}, "'pruning_rate' is -0.1"),
-    ({"num_generations": 1}, "pruning needs >= 2 completions per question"),
+    ({"num_generations": 1}, "'num_generations' is 1: pruning (P = 0.75) needs groups of G >= 2"),
     ({"pruning_rate": 0, "per_device_train_batch_size": 20},
      "per_device_train_batch_size x gradient_accumulation_steps = 20 x 1 = 20 completions, "
      "num_generations = 8"),

@@ -94,7 +94,7 @@ CASES = [
     ("unknown_option", ["--learnign_rate", "1"], "unknown option --learnign_rate; did you mean --learning_rate"),
     ("option_prefix", ["--learning_rat", "1"], "unknown option --learning_rat; did you mean --learning_rate"),
     ("wrong_type", ["--num_generations", "four"], "'num_generations' expects int, got 'four'"),
-    ("out_of_range", ["--pruning_rate", "1"], "'pruning_rate' is 1.0; allowed: 0 <= pruning_rate < 1"),
+    ("out_of_range", ["--pruning_rate", "1"], "'pruning_rate' is 1.0: the pruning rate P must lie in [0, 1)"),
     ("not_a_choice", ["--loss_type", "ppo"], "'loss_type' is 'ppo'; allowed: grpo, bnpo, dr_grpo, dapo"),
     ("not_finite", ["--learning_rate", "nan"], "'learning_rate' must be a finite number"),
     ("unknown_loss_type", ["--loss_type", "gspo"], "'loss_type' is 'gspo'; allowed: grpo, bnpo, "

@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cppo.config import (CPPOConfig, _check, build_dataclass, check_fields, option,
-                         read_yaml)
+from cppo.config import (CPPOConfig, build_dataclass, check, check_fields, option, read_yaml,
+                         same_as)
 from cppo.errors import ConfigError
 
 
@@ -23,35 +23,33 @@ class EvalConfig:
     model: str = option("embedded", "Model: 'embedded', a local directory or a hub id.")
     dataset_name: str = option("embedded", "Held-out data (same choices as `cppo train`).")
     eval_dataset_split: str = option("test", "Split to evaluate on.")
-    prompt_style: str = option("r1", "Prompt for gsm8k/math.", ("r1", "boxed", "none"))
-    task_level: int = option(3, "Embedded task level.")
+    prompt_style: str = same_as(CPPOConfig, "prompt_style")
+    task_level: int = same_as(CPPOConfig, "task_level")
     eval_num_questions: int | None = option(None, "Evaluate on the first N questions (None: all).")
     k: int = option(16, "k of pass@k (0: greedy only).")
-    temperature: float = option(1.0, "Sampling temperature for pass@k.")
+    temperature: float = same_as(CPPOConfig, "temperature", help="Sampling temperature for pass@k.")
     max_completion_length: int | None = option(None, "Max new tokens (None: the task's need, or 256).")
     batch_size: int | None = option(None, "Completions decoded together (None: as many as "
                                     "memory_budget_gib allows).")
-    memory_budget_gib: float | None = option(None, "GiB for KV caches and logits (None: 90% of "
-                                             "the device's memory less the weights).")
+    memory_budget_gib: float | None = same_as(CPPOConfig, "memory_budget_gib",
+                                              help="GiB for KV caches and logits (None: 90% of the "
+                                              "device's memory less the weights).")
     seed: int = option(0, "Sampling seed.")
     output_json: str | None = option(None, "Write the result as JSON here.")
-    torch_dtype: str = option("float32", "Model dtype.", ("float32", "bfloat16", "float16", "auto"))
-    attn_implementation: str | None = option(None, "Attention implementation.")
+    torch_dtype: str = same_as(CPPOConfig, "torch_dtype")
+    attn_implementation: str | None = same_as(CPPOConfig, "attn_implementation")
 
     def __post_init__(self):
         check_fields(self)
-        _check(self.k >= 0, f"'k' is {self.k}; must be >= 0")
-        _check(self.batch_size is None or self.batch_size >= 1,
-               f"'batch_size' is {self.batch_size}; must be >= 1")
-        _check(self.temperature > 0, f"'temperature' is {self.temperature}; must be > 0")
-        _check(self.memory_budget_gib is None or self.memory_budget_gib > 0,
-               f"'memory_budget_gib' is {self.memory_budget_gib}; must be > 0")
+        check(self.k >= 0, f"'k' is {self.k}; must be >= 0")
+        check(self.batch_size is None or self.batch_size >= 1,
+              f"'batch_size' is {self.batch_size}; must be >= 1")
 
 
 @dataclass
 class ExportConfig:
     output: str = option("embedded_task.jsonl", "Output .jsonl file.")
-    task_level: int = option(3, "Embedded task level.")
+    task_level: int = same_as(CPPOConfig, "task_level")
     split: str = option("train", "Split: train or test.", ("train", "test"))
     n: int | None = option(None, "Number of problems (None: the whole split).")
     seed: int = option(0, "Order seed.")
@@ -138,7 +136,7 @@ def train_config(args) -> CPPOConfig:
     source = args.config or "command line"
     values.update(_overrides(args, CPPOConfig))
     values.update(_trl_overrides(args))
-    values = from_trl_names(values, source=source,
+    values = from_trl_names(values, CPPOConfig, source=source,
                             announce=lambda message: print(message, file=sys.stderr))
     return build_dataclass(CPPOConfig, values, source=source)
 
@@ -206,12 +204,25 @@ def cmd_export(args) -> int:
     return 0
 
 
+BENCH_SCRIPT = Path("benchmarks") / "cppo_table.py"
+
+
+def bench_script(cwd: Path | None = None) -> Path:
+    """The paper-table program of a source checkout: the current directory's, else the one this
+    package was installed from in editable mode. A wheel holds no benchmarks: ConfigError."""
+    candidates = [(cwd or Path.cwd()) / BENCH_SCRIPT,
+                  Path(__file__).resolve().parents[2] / BENCH_SCRIPT]
+    for script in candidates:
+        if script.is_file():
+            return script
+    raise ConfigError(f"cppo bench runs {BENCH_SCRIPT} of a source checkout, and there is none "
+                      f"here ({candidates[0]}) or beside the installed package: clone the "
+                      f"repository, cd into it, and run `cppo bench` there")
+
+
 def cmd_bench(args) -> int:
     import runpy
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "cppo_table.py"
-    if not script.is_file():
-        raise ConfigError(f"benchmarks/cppo_table.py not found next to the package ({script}); "
-                          "run it from a source checkout")
+    script = bench_script()
     sys.argv = [str(script)] + args.rest
     runpy.run_path(str(script), run_name="__main__")
     return 0

@@ -23,7 +23,7 @@ from transformers import LlamaForCausalLM
 
 from cppo.data import arithmetic
 from cppo.evaluate import evaluate
-from cppo.config import _check, check_fields, option
+from cppo.config import CPPOConfig, check, check_fields, option, same_as
 from cppo.models.loading import tiny_model_config
 from cppo.sampling.padding import pad_token_lists
 from cppo.models.tokenizer import build_tokenizer
@@ -32,7 +32,7 @@ from cppo.models.tokenizer import build_tokenizer
 @dataclass
 class PretrainConfig:
     output_dir: str = option("runs/pretrain", "Where to write the model directory and model card.")
-    task_level: int = option(3, "Embedded task level (see `cppo train --help`).")
+    task_level: int = same_as(CPPOConfig, "task_level")
     steps: int = option(780, "Supervised optimizer steps.")
     batch_size: int = option(256, "Problems per step.")
     learning_rate: float = option(1e-3, "AdamW learning rate.")
@@ -55,10 +55,8 @@ class PretrainConfig:
         check_fields(self)
         for key in ("steps", "batch_size", "hidden_size", "num_layers", "num_heads",
                     "intermediate_size", "eval_questions", "threads"):
-            _check(getattr(self, key) >= 1, f"'{key}' is {getattr(self, key)}; must be >= 1")
-        _check(self.learning_rate > 0, f"'learning_rate' is {self.learning_rate}; must be > 0")
-        _check(self.task_level in arithmetic.LEVELS,
-               f"'task_level' is {self.task_level}; allowed: {', '.join(map(str, arithmetic.LEVELS))}")
+            check(getattr(self, key) >= 1, f"'{key}' is {getattr(self, key)}; must be >= 1")
+        check(self.learning_rate > 0, f"'learning_rate' is {self.learning_rate}; must be > 0")
 
 
 def lr_factor(step: int, cfg: PretrainConfig) -> float:

@@ -28,7 +28,8 @@ from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, hi
                             importance_weights, mix_into_reference, normalized_reward_sum,
                             off_policy_mask, per_token_policy_loss, reduce_loss, reward_stats,
                             select_completions, select_global)
-from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
+from cppo.algorithm.selection import (GLOBAL_SCOPE, local_scope, recompute_advantages_on_kept,
+                                      rule_traits)
 from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
 from cppo.config import CPPOConfig
@@ -286,7 +287,7 @@ class CPPOTrainer:
     def selection_generator(self) -> torch.Generator:
         """For selection_rule=random: seeded per round; the same on all processes for the global
         scope (they must agree), per process otherwise."""
-        key = -1 if self.args.selection_scope == "global" else -1 - self.dist.rank
+        key = -1 if self.args.selection_scope == GLOBAL_SCOPE else -1 - self.dist.rank
         return torch.Generator().manual_seed(chunk_seed(self.args.seed, self.round_index, key))
 
     def select(self, advantages: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
@@ -294,15 +295,14 @@ class CPPOTrainer:
         args = self.args
         if args.pruning_rate == 0:
             return torch.ones_like(advantages, dtype=torch.bool)
-        if args.selection_scope == "global" and self.dist.world_size > 1:
+        if args.selection_scope == GLOBAL_SCOPE and self.dist.world_size > 1:
             q, rank = advantages.shape[0], self.dist.rank
             return select_global(self.dist.gather(advantages), self.dist.gather(rewards),
                                  num_keep=self.plan.completions_kept * self.dist.world_size,
                                  rows=slice(rank * q, (rank + 1) * q), rule=args.selection_rule,
                                  generator=self.selection_generator())
-        scope = "step" if args.selection_scope == "global" else args.selection_scope
         return select_completions(advantages, rewards, num_keep=self.plan.completions_kept,
-                                  scope=scope, rule=args.selection_rule,
+                                  scope=local_scope(args.selection_scope), rule=args.selection_rule,
                                   generator=self.selection_generator())
 
     def build_batch(self, prompts: PromptBatch, completions: Completions, advantages: torch.Tensor,

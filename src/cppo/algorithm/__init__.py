@@ -9,7 +9,7 @@ from cppo.algorithm.advantages import (
     normalized_reward_sum,
     reward_stats,
 )
-from cppo.algorithm.allocation import StepShape, plan_step
+from cppo.algorithm.allocation import StepShape, check_pruning, plan_step
 from cppo.algorithm.loss import (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, POLICY_TERMS,
                                  SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, entropy_bonus,
                                  gamma_weights,
@@ -18,11 +18,14 @@ from cppo.algorithm.loss import (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, POLICY_
 from cppo.algorithm.masks import high_entropy_mask, off_policy_mask
 from cppo.algorithm.reference import mix_into_reference
 from cppo.algorithm.selection import (
+    GLOBAL_SCOPE,
     RULE_TRAITS,
     SCOPES,
     SELECTION_RULES,
+    SELECTION_SCOPES,
     RuleTraits,
     keep_highest_scores,
+    local_scope,
     recompute_advantages_on_kept,
     register_rule,
     rule_traits,
@@ -47,7 +50,7 @@ __all__ = [
     "RULE_TRAITS",
     "RuleTraits",
     "SCALE_REWARDS",
-    "SCOPES",
+    "GLOBAL_SCOPE", "SCOPES", "SELECTION_SCOPES", "local_scope",
     "SELECTION_RULES",
     "StepShape",
     "check_scale_rewards",
@@ -57,7 +60,7 @@ __all__ = [
     "keep_highest_scores",
     "masked_mean",
     "per_token_policy_loss",
-    "plan_step",
+    "check_pruning", "plan_step",
     "recompute_advantages_on_kept",
     "reduce_loss",
     "register_rule",

@@ -51,6 +51,18 @@ def _ceil(value: float) -> int:
     return math.ceil(value - _FLOAT_NOISE)
 
 
+def check_pruning(pruning_rate: float, group_size: int) -> None:
+    """P in [0, 1) (1 would prune every completion), and pruning needs G >= 2: the advantages of a
+    group of one are all 0. Raises ValueError saying which."""
+    if not isinstance(pruning_rate, (int, float)) or not 0.0 <= pruning_rate < 1.0:
+        raise ValueError(f"the pruning rate P must lie in [0, 1) (1 would prune every "
+                         f"completion), got {pruning_rate!r}")
+    if pruning_rate > 0 and group_size < 2:
+        raise ValueError(f"pruning (P = {pruning_rate}) needs groups of G >= 2 completions per "
+                         f"question (the advantages of a group of one are all 0), got G = "
+                         f"{group_size}")
+
+
 def plan_step(
     *,
     completions_per_update: int,
@@ -65,15 +77,9 @@ def plan_step(
         raise ValueError(f"completions_per_update must be an int >= 1, got {batch!r}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-    if not isinstance(pruning, (int, float)) or not 0.0 <= pruning < 1.0:
-        raise ValueError(f"pruning_rate must be in [0, 1), got {pruning!r}")
+    check_pruning(pruning, group_size)
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
-    if pruning > 0 and group_size < 2:
-        raise ValueError(
-            f"pruning_rate={pruning} needs group_size >= 2 (advantages of a group of 1 are all 0), "
-            f"got group_size={group_size}"
-        )
 
     def questions_from_whole_groups() -> int:
         if batch % group_size != 0:

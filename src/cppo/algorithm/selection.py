@@ -36,6 +36,14 @@ from torch import Tensor
 from cppo.algorithm.advantages import check_scale_rewards
 
 SCOPES = ("question", "step")
+GLOBAL_SCOPE = "global"   # the step scope, ranked over every process's completions
+SELECTION_SCOPES = (*SCOPES, GLOBAL_SCOPE)
+
+
+def local_scope(scope: str) -> str:
+    """The scope one process ranks and plans with: the global scope is the step scope (on one
+    process, and for the per-process shape of a step)."""
+    return "step" if scope == GLOBAL_SCOPE else scope
 
 
 class SelectionRule(Protocol):

