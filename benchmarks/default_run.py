@@ -155,7 +155,8 @@ def step_cost(recipes: dict[str, list[str]], rounds: int, threads: int) -> dict:
     before trimming existed)."""
     import torch
     from cppo.config import CPPOConfig
-    from cppo.trainer import CPPOTrainer, StepBatch
+    from cppo.run.batch import StepBatch
+    from cppo.trainer import CPPOTrainer
     torch.set_num_threads(threads)
     trimmed = StepBatch.trimmed
     trainers = {}

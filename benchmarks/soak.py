@@ -79,9 +79,9 @@ def run(args) -> dict:
         def timed_round():
             start = time.perf_counter()
             metrics = real_round()
-            step_seconds.append((trainer.step, time.perf_counter() - start))
-            if trainer.step % args.every == 0:
-                memory.append((trainer.step, rss_mb()))
+            step_seconds.append((trainer.run_state.step, time.perf_counter() - start))
+            if trainer.run_state.step % args.every == 0:
+                memory.append((trainer.run_state.step, rss_mb()))
             return metrics
 
         trainer.training_round = timed_round

@@ -467,7 +467,7 @@ class _TwoProcesses(Distributed):
 def test_filler_rows_align_the_processes_without_changing_the_loss():
     from cppo.algorithm import reduce_loss
     from cppo.parallel.engines import pad_rows
-    from cppo.trainer import StepBatch
+    from cppo.run.batch import StepBatch
     g = torch.Generator().manual_seed(0)
     batch = StepBatch(torch.randint(1, 9, (3, 4), generator=g), torch.ones(3, 4, dtype=torch.long),
                       torch.randint(1, 9, (3, 5), generator=g), torch.ones(3, 5, dtype=torch.long),
@@ -501,15 +501,12 @@ def test_a_gather_that_cannot_fit_names_the_way_out(monkeypatch):
 
 
 def test_run_state_round_trips_and_reads_earlier_checkpoints():
-    class Owner:
-        pass
-    owner = Owner()
-    ckpt.RunState().apply(owner)
-    owner.step, owner.history = 7, [{"step": 5, "accuracy": 0.5}]
-    owner.counters["skipped_steps"] = 2
-    saved = json.loads(json.dumps(ckpt.RunState.of(owner).to_dict()))
-    restored = Owner()
-    ckpt.RunState.from_dict(saved).apply(restored)
-    assert vars(restored) == vars(owner)
+    state = ckpt.RunState()
+    state.step, state.history = 7, [{"step": 5, "accuracy": 0.5}]
+    state.counters["skipped_steps"] = 2
+    state.questions = {"epoch": 1, "position": 3}
+    saved = json.loads(json.dumps(state.to_dict(config={"seed": 1}, world_size=2)))
+    assert saved["world_size"] == 2 and saved["config"] == {"seed": 1}   # written, not read back
+    assert ckpt.RunState.from_dict(saved) == state
     earlier = ckpt.RunState.from_dict({"step": 3, "wall_time": 12.5, "counters": {"skipped_steps": 1}})
     assert earlier.wall_offset == 12.5 and earlier.counters["tokens_generated"] == 0

@@ -18,7 +18,7 @@ def test_trainer_evaluates_with_the_reward_passed_in(tiny_model_dir, tmp_path):
     seen.clear()
     trainer._evaluate(None, 0.0, label="before")
     assert seen == [3]
-    assert trainer.history[-1]["accuracy"] == 1.0
+    assert trainer.run_state.history[-1]["accuracy"] == 1.0
 
 
 def test_eval_num_questions_applies_to_a_user_eval_dataset(tiny_model_dir, tmp_path):

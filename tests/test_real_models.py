@@ -197,7 +197,7 @@ def test_lora_checkpoints_hold_adapters_and_resume_exactly(tiny_dirs, data, tmp_
 
     def round_then_ctrl_c():
         metrics = real_round()
-        interrupted.stop_requested = interrupted.step == 2
+        interrupted.stop_requested = interrupted.run_state.step == 2
         return metrics
     interrupted.training_round = round_then_ctrl_c
     assert interrupted.train()["status"] == "interrupted"

@@ -22,13 +22,13 @@ def inject(trainer, monkeypatch, where: str, bad_steps):
     """Make the update of the given steps (1-based) non-finite, in the loss or in one gradient."""
     if where == "grad":
         param = next(trainer.policy.parameters())
-        param.register_hook(lambda g: g * math.nan if trainer.step + 1 in bad_steps else g)
+        param.register_hook(lambda g: g * math.nan if trainer.run_state.step + 1 in bad_steps else g)
     else:
         real = cppo.trainer.reduce_loss
 
         def reduce_loss(*args, **kwargs):
             loss = real(*args, **kwargs)
-            return loss * math.inf if trainer.step + 1 in bad_steps else loss
+            return loss * math.inf if trainer.run_state.step + 1 in bad_steps else loss
         monkeypatch.setattr(cppo.trainer, "reduce_loss", reduce_loss)
 
 
@@ -82,7 +82,7 @@ def test_an_isolated_nonfinite_step_is_skipped_and_training_goes_on(tiny_model_d
         before = [p.detach().clone() for p in trainer.policy.parameters()]
         metrics = real_update(batch)
         changed = any(not torch.equal(a, p) for a, p in zip(before, trainer.policy.parameters()))
-        seen.append((trainer.step + 1, metrics.get("nonfinite", False), changed))
+        seen.append((trainer.run_state.step + 1, metrics.get("nonfinite", False), changed))
         return metrics
     trainer.update = update
     summary = trainer.train()

@@ -103,7 +103,7 @@ def test_interrupted_and_resumed_run_ends_with_the_same_parameters(tiny_model_di
 
     def round_then_ctrl_c():
         metrics = real_round()
-        if interrupted.step == 2:
+        if interrupted.run_state.step == 2:
             interrupted.stop_requested = True      # what a Ctrl-C does
         return metrics
     interrupted.training_round = round_then_ctrl_c
@@ -114,7 +114,7 @@ def test_interrupted_and_resumed_run_ends_with_the_same_parameters(tiny_model_di
     assert summary["resumed_from"].endswith("checkpoint-2") and summary["steps"] == 4
     for a, b in zip(straight.policy.parameters(), resumed.policy.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert straight.counters == resumed.counters
+    assert straight.run_state.counters == resumed.run_state.counters
 
 
 def test_a_launcher_restart_resumes_without_the_flag(tiny_model_dir, tmp_path, monkeypatch):
@@ -126,7 +126,7 @@ def test_a_launcher_restart_resumes_without_the_flag(tiny_model_dir, tmp_path, m
     real_round = killed.training_round
 
     def round_then_die():
-        if killed.step == 3:           # inside step 4: the newest checkpoint is checkpoint-2
+        if killed.run_state.step == 3:           # inside step 4: the newest checkpoint is checkpoint-2
             raise RuntimeError("worker died")
         return real_round()
     killed.training_round = round_then_die

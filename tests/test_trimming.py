@@ -8,7 +8,8 @@ from cppo.config import CPPOConfig
 from cppo.models import load_model, load_tokenizer
 from cppo.models.lean import LeanForward
 from cppo.sampling.sampler import Completions, encode_prompts
-from cppo.trainer import CPPOTrainer, StepBatch
+from cppo.run.batch import StepBatch
+from cppo.trainer import CPPOTrainer
 
 G = 4
 PROMPTS = ["1*2=", "12*34=", "12*34=", "123*456="]   # the longest prompt's question is all pruned

@@ -145,7 +145,7 @@ def test_max_steps_not_a_multiple_of_num_iterations(tiny_model_dir, tmp_path, ma
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=max_steps, num_iterations=2,
                            lr_scheduler_type="cosine", eval_num_questions=1, save_steps=0)
     summary = trainer.train()
-    assert summary["steps"] == max_steps == trainer.step
+    assert summary["steps"] == max_steps == trainer.run_state.step
     assert trainer.scheduler.last_epoch == max_steps
     rates = [json.loads(line)["learning_rate"]
              for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

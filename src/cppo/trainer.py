@@ -30,6 +30,7 @@ from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, hi
                             select_completions, select_global)
 from cppo.algorithm.selection import (GLOBAL_SCOPE, local_scope, recompute_advantages_on_kept,
                                       rule_traits)
+from cppo.run.batch import StepBatch
 from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
 from cppo.config import CPPOConfig
@@ -45,50 +46,6 @@ from cppo.sampling.sampler import Completions, PromptBatch, completion_logprobs,
 from cppo.run.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to, length_metrics,
                            write_plots)
 from cppo.errors import ConfigError, CallbackError
-
-
-@dataclass
-class StepBatch:
-    """The kept completions of one step, ready for the forward passes (K kept rows)."""
-
-    prompt_ids: torch.Tensor       # (K, Lp)
-    prompt_mask: torch.Tensor      # (K, Lp)
-    completion_ids: torch.Tensor   # (K, T)
-    completion_mask: torch.Tensor  # (K, T) loss mask (truncated ones zeroed if asked)
-    advantages: torch.Tensor       # (K,)
-    old_logps: torch.Tensor | None = None  # (K, T), only when num_iterations > 1
-    ref_logps: torch.Tensor | None = None  # (K, T), only when beta > 0
-    sampler_logps: torch.Tensor | None = None  # (K, T), when the sampler is not the policy
-    filler_rows: int = 0   # trailing rows that only align collectives across processes (no loss)
-
-    def __len__(self) -> int:
-        return self.completion_ids.shape[0]
-
-    def micro_batches(self, size: int):
-        """Consecutive slices of `size` rows, each trimmed to its own longest completion."""
-        def part(t, sl):
-            return None if t is None else t[sl]
-        for s in range(0, len(self), size):
-            sl = slice(s, s + size)
-            yield StepBatch(self.prompt_ids[sl], self.prompt_mask[sl], self.completion_ids[sl],
-                            self.completion_mask[sl], self.advantages[sl], part(self.old_logps, sl),
-                            part(self.ref_logps, sl), part(self.sampler_logps, sl)).trimmed()
-
-    def trimmed(self) -> "StepBatch":
-        """The same rows without the columns no row uses: prompt columns left of the longest
-        prompt, completion columns right of the longest completion (by completion_mask). Padding
-        is masked out of attention and loss, so every pass gives the same values on fewer tokens."""
-        if len(self) == 0:
-            return self
-        used = self.prompt_mask.any(0).nonzero()
-        start = int(used[0]) if len(used) else self.prompt_ids.shape[1] - 1
-        width = max(1, int(self.completion_mask.sum(1).max()))
-
-        def cut(t):
-            return None if t is None else t[:, :width]
-        return StepBatch(self.prompt_ids[:, start:], self.prompt_mask[:, start:],
-                         cut(self.completion_ids), cut(self.completion_mask), self.advantages,
-                         cut(self.old_logps), cut(self.ref_logps), cut(self.sampler_logps))
 
 
 class QuestionStream:
@@ -167,7 +124,7 @@ class CPPOTrainer:
         self.questions = QuestionStream(len(self.task.train_rows), args.seed)
         self.output_dir = Path(args.output_dir)
         self.timer = PhaseTimer()
-        ckpt.RunState().apply(self)       # step, counters, history, ...: see ckpt.RunState
+        self.run_state = ckpt.RunState()   # step, counters, history, ...: what a checkpoint resumes
         self.stop_requested = False
         self.window = MetricsWindow()     # each metric's values since the last logging step
         self.completions_log = CompletionsLog(self.output_dir, self.rewards.names,
@@ -250,7 +207,7 @@ class CPPOTrainer:
     @property
     def round_index(self) -> int:
         """Generation rounds done (each runs num_iterations optimizer steps); seeds sampling."""
-        return self.step // self.args.num_iterations
+        return self.run_state.step // self.args.num_iterations
 
     def generate(self, rows: list[dict]) -> tuple[PromptBatch, Completions]:
         """G completions per row through the generation backend (cppo.sampling.backends), seeded by
@@ -467,10 +424,10 @@ class CPPOTrainer:
         # every process must take part in the collectives, even one that kept nothing;
         # (with beta > 0 the KL term still has a gradient: the step runs, as in TRL)
         nothing_to_learn = args.beta == 0 and self.dist.all_zero(batch.advantages)
-        iterations = min(args.num_iterations, self.total_steps - self.step)  # never past max_steps
+        iterations = min(args.num_iterations, self.total_steps - self.run_state.step)  # never past max_steps
         if nothing_to_learn:  # every kept advantage is 0: the policy gradient is 0; skip
-            self.counters["skipped_steps"] += iterations
-            self.step += iterations
+            self.run_state.counters["skipped_steps"] += iterations
+            self.run_state.step += iterations
             self.advance_schedule(iterations)
             metrics["cppo/skipped"] = 1
             return metrics
@@ -480,18 +437,18 @@ class CPPOTrainer:
         for _ in range(iterations):
             with timer("update"):
                 update = self.update(batch)
-            self.step += 1
-            if args.sync_ref_model and self.step % args.ref_model_sync_steps == 0:
+            self.run_state.step += 1
+            if args.sync_ref_model and self.run_state.step % args.ref_model_sync_steps == 0:
                 mix_into_reference(self.reference.parameters(), self.policy.parameters(),
                                    args.ref_model_mixup_alpha)
             if update.pop("nonfinite", False):
-                self.counters["nonfinite_steps"] += 1
-                self.consecutive_nonfinite += 1
+                self.run_state.counters["nonfinite_steps"] += 1
+                self.run_state.consecutive_nonfinite += 1
                 metrics["cppo/nonfinite"] = 1
             else:
-                self.consecutive_nonfinite = 0
+                self.run_state.consecutive_nonfinite = 0
             metrics.update(update)
-        self.counters["completions_trained"] += (len(batch) - batch.filler_rows) * iterations
+        self.run_state.counters["completions_trained"] += (len(batch) - batch.filler_rows) * iterations
         return metrics
 
     def step_metrics(self, rows, rewards, per_function_means, advantages, keep_mask,
@@ -508,11 +465,11 @@ class CPPOTrainer:
                    "cppo/kept_fraction": float(keep_mask.float().mean()),
                    "cppo/mean_abs_advantage_kept": float(abs_adv[keep_mask].mean()) if keep_mask.any() else 0.0,
                    "cppo/mean_abs_advantage_pruned": float(abs_adv[pruned].mean()) if pruned.any() else 0.0}
-        self.counters["questions_seen"] += len(rows)
-        self.counters["completions_scored"] += rewards.numel()
-        self.counters["tokens_generated"] += int(lengths.sum())
+        self.run_state.counters["questions_seen"] += len(rows)
+        self.run_state.counters["completions_scored"] += rewards.numel()
+        self.run_state.counters["tokens_generated"] += int(lengths.sum())
         if prompts is not None:   # TRL's num_tokens: prompt + completion tokens, all processes
-            self.counters["num_tokens"] += int(self.dist.sum(
+            self.run_state.counters["num_tokens"] += int(self.dist.sum(
                 int(prompts.mask.sum()) * self.args.num_generations + int(lengths.sum())))
         return metrics
 
@@ -526,14 +483,14 @@ class CPPOTrainer:
             log.reset()  # a fresh run does not append to an earlier run's metrics
         if self.dist.is_main:
             args.to_yaml(self.output_dir / "config.yaml")
-        start_wall = time.perf_counter() - self.wall_offset
+        start_wall = time.perf_counter() - self.run_state.wall_offset
         self._sync_callbacks()
         try:
             self.callbacks.event("on_train_begin")
         except CallbackError:
             self.save(start_wall)
             raise
-        if not self.history:
+        if not self.run_state.history:
             with self.engine.gathered():   # fsdp: every process gathers, rank 0 evaluates
                 self._evaluate(log, start_wall, label="before")
         # Ctrl-C (SIGINT) or a scheduler's SIGTERM from here to the end only asks to stop: the
@@ -552,33 +509,33 @@ class CPPOTrainer:
     def _train_loop(self, log, resumed_from, start_wall: float) -> dict:
         args = self.args
         status = "completed"
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="cppo train", unit="step",
+        bar = tqdm(total=self.total_steps, initial=self.run_state.step, desc="cppo train", unit="step",
                    disable=not (args.progress_bar and self.dist.is_main), dynamic_ncols=True)
         try:
-            while self.step < self.total_steps:
+            while self.run_state.step < self.total_steps:
                 self.callbacks.event("on_step_begin")
                 round_start = time.perf_counter()
                 metrics = self.training_round()
-                self.train_seconds += time.perf_counter() - round_start
+                self.run_state.train_seconds += time.perf_counter() - round_start
                 phases = self.timer.pop_last()
                 self._sync_callbacks()
                 self._log_step(log, metrics, phases, start_wall)
                 self.callbacks.event("on_step_end")
-                bar.update(self.step - bar.n)
+                bar.update(self.run_state.step - bar.n)
                 bar.set_postfix(self._postfix(metrics), refresh=False)
-                if self.consecutive_nonfinite >= args.max_consecutive_nonfinite:
+                if self.run_state.consecutive_nonfinite >= args.max_consecutive_nonfinite:
                     status = "stopped_nonfinite"
-                    print(f"\nstopping: {self.consecutive_nonfinite} steps in a row had NaN/inf "
+                    print(f"\nstopping: {self.run_state.consecutive_nonfinite} steps in a row had NaN/inf "
                           f"loss or gradients (max_consecutive_nonfinite="
                           f"{args.max_consecutive_nonfinite}); no NaN/inf update was applied, "
-                          f"so the checkpoint written now (step {self.step}) holds the last good "
+                          f"so the checkpoint written now (step {self.run_state.step}) holds the last good "
                           f"parameters")
                     break
                 asked_eval, asked_save = (self.dist.any(self.callbacks.take(flag))
                                           for flag in ("should_evaluate", "should_save"))
                 if (args.eval_steps and self._crossed(args.eval_steps)) or asked_eval:
                     with self.engine.gathered():
-                        self._evaluate(log, start_wall, label=f"step {self.step}")
+                        self._evaluate(log, start_wall, label=f"step {self.run_state.step}")
                 stop = self.dist.max(int(self.stop_requested))   # all processes stop together
                 if stop:
                     status = "terminated" if stop == signal.SIGTERM else "interrupted"
@@ -587,7 +544,7 @@ class CPPOTrainer:
                     status = "stopped_by_callback"
                     break
                 if ((args.save_steps and self._crossed(args.save_steps)) or asked_save) \
-                        and self.step < self.total_steps:   # the last step is saved below
+                        and self.run_state.step < self.total_steps:   # the last step is saved below
                     self.save(start_wall)
         except CallbackError:   # a callback raised: keep this step's parameters, then report it
             self.save(start_wall)
@@ -595,7 +552,7 @@ class CPPOTrainer:
         finally:
             bar.close()
         self.save(start_wall, final=True)  # finite parameters: a NaN/inf update is never applied
-        if status == "completed" and (not self.history or self.history[-1]["step"] != self.step):
+        if status == "completed" and (not self.run_state.history or self.run_state.history[-1]["step"] != self.run_state.step):
             with self.engine.gathered():
                 self._evaluate(log, start_wall, label="after")
         self.callbacks.event("on_train_end")
@@ -603,8 +560,8 @@ class CPPOTrainer:
 
     def _crossed(self, every: int) -> bool:
         """True when the last round crossed a multiple of `every` optimizer steps."""
-        before = (self.step - 1) // self.args.num_iterations * self.args.num_iterations  # round start
-        return self.step // every > before // every
+        before = (self.run_state.step - 1) // self.args.num_iterations * self.args.num_iterations  # round start
+        return self.run_state.step // every > before // every
 
     def _request_stop(self, signum, frame) -> None:
         """SIGINT / SIGTERM handler: remember the signal; the loop stops after this step. A
@@ -625,13 +582,13 @@ class CPPOTrainer:
     def _postfix(self, metrics: dict) -> dict:
         post = {"reward": f"{metrics.get('reward', 0):.3f}",
                 "kept": metrics.get("cppo/completions_kept", 0)}
-        if self.history:
-            post["acc"] = f"{100 * self.history[-1]['accuracy']:.1f}%"
+        if self.run_state.history:
+            post["acc"] = f"{100 * self.run_state.history[-1]['accuracy']:.1f}%"
         return post
 
     def _sync_callbacks(self) -> None:
         epoch = self.questions.epoch + self.questions.position / max(1, self.questions.num_rows)
-        self.callbacks.sync(step=self.step, epoch=epoch, num_tokens=self.counters["num_tokens"])
+        self.callbacks.sync(step=self.run_state.step, epoch=epoch, num_tokens=self.run_state.counters["num_tokens"])
 
     def _log_step(self, log, metrics: dict, phases: dict, start_wall: float) -> None:
         """Add the round's metrics to the window; at a logging step write the window's means."""
@@ -641,14 +598,14 @@ class CPPOTrainer:
                          * metrics["cppo/completions_scored"] / took})
         if not self.args.logging_steps or not self._crossed(self.args.logging_steps):
             return
-        record = {"step": self.step, "wall_time": round(time.perf_counter() - start_wall, 3),
+        record = {"step": self.run_state.step, "wall_time": round(time.perf_counter() - start_wall, 3),
                   **{k: round(v, 6) for k, v in self.window.flush().items()},
-                  "num_tokens": self.counters["num_tokens"],
-                  "cppo/skipped_steps": self.counters["skipped_steps"]}
+                  "num_tokens": self.run_state.counters["num_tokens"],
+                  "cppo/skipped_steps": self.run_state.counters["skipped_steps"]}
         if log is not None:
             log.log(record)
         if self.completions_log is not None:
-            self.completions_log.emit(self.step, log, print_table=True)
+            self.completions_log.emit(self.run_state.step, log, print_table=True)
         self.callbacks.log(record)
 
     def _evaluate(self, log, start_wall: float, label: str) -> None:
@@ -664,12 +621,12 @@ class CPPOTrainer:
                               max_prompt_length=self.args.max_prompt_length, progress=False,
                               batch_size=self.batch_sizes.evaluation)
         self.timer.pop_last()
-        entry = {"step": self.step, "accuracy": result.greedy_accuracy,
+        entry = {"step": self.run_state.step, "accuracy": result.greedy_accuracy,
                  "wall_time": round(time.perf_counter() - start_wall, 3),
-                 "train_seconds": round(self.train_seconds, 3), "label": label}
-        self.history.append(entry)
+                 "train_seconds": round(self.run_state.train_seconds, 3), "label": label}
+        self.run_state.history.append(entry)
         if log is not None:
-            log.log({"step": self.step, "wall_time": entry["wall_time"],
+            log.log({"step": self.run_state.step, "wall_time": entry["wall_time"],
                      "train_seconds": entry["train_seconds"], "eval/accuracy": result.greedy_accuracy})
         self.callbacks.event("on_evaluate", metrics={"eval_accuracy": result.greedy_accuracy})
 
@@ -685,16 +642,16 @@ class CPPOTrainer:
         optimizer, every rank's RNG, the run state); under fsdp all processes write their
         shards, and the final one also holds the consolidated model (a Hugging Face folder)."""
         per_rank_rng = self.dist.gather_objects(self._rng_state())
-        self.wall_offset = time.perf_counter() - start_wall
-        state = {**ckpt.RunState.of(self).to_dict(), "questions": self.questions.state(),
-                 "config": self.args.to_dict(), "world_size": self.dist.world_size,
-                 "distributed": self.engine.strategy}
+        self.run_state.wall_offset = time.perf_counter() - start_wall
+        self.run_state.questions = self.questions.state()
+        state = self.run_state.to_dict(config=self.args.to_dict(), world_size=self.dist.world_size,
+                                       distributed=self.engine.strategy)
         rng = {**per_rank_rng[0], **{f"rank{r}/{k}": v for r, states in enumerate(per_rank_rng)
                                      for k, v in states.items()}}
         with self.timer("checkpoint"):
             sharded = self.engine.sharded
             path = ckpt.save_checkpoint(
-                self.output_dir, self.step, model=self.policy, tokenizer=self.tokenizer,
+                self.output_dir, self.run_state.step, model=self.policy, tokenizer=self.tokenizer,
                 optimizer=self.optimizer, scheduler=self.scheduler, rng_states=rng,
                 trainer_state=state, keep=self.args.save_total_limit, dist=self.dist,
                 sharded_state=self.engine.sharded_state(self.optimizer) if sharded else None,
@@ -759,31 +716,30 @@ class CPPOTrainer:
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)
-        state = ckpt.load_trainer_state(latest)
-        ckpt.RunState.from_dict(state).apply(self)
-        self.questions.load_state(state["questions"])
+        self.run_state = ckpt.RunState.from_dict(ckpt.load_trainer_state(latest))
+        self.questions.load_state(self.run_state.questions)
         if log is not None:
-            log.truncate_after(self.step)
+            log.truncate_after(self.run_state.step)
         if self.completions_log is not None:
-            self.completions_log.truncate_after(self.step)
-        print(f"resumed from {latest} at step {self.step}")
+            self.completions_log.truncate_after(self.run_state.step)
+        print(f"resumed from {latest} at step {self.run_state.step}")
         return str(latest)
 
     # ---------------------------------------------------------------- summary ---------------
     def _summary(self, status: str, start_wall: float, resumed_from, log) -> dict:
         wall = time.perf_counter() - start_wall
         phases = {k: round(v, 2) for k, v in self.timer.totals.items()}
-        before = self.history[0]["accuracy"] if self.history else None
-        after = self.history[-1]["accuracy"] if self.history else None
-        summary = {"status": status, "steps": self.step, "total_steps": self.total_steps,
+        before = self.run_state.history[0]["accuracy"] if self.run_state.history else None
+        after = self.run_state.history[-1]["accuracy"] if self.run_state.history else None
+        summary = {"status": status, "steps": self.run_state.step, "total_steps": self.total_steps,
                    "accuracy_before": before, "accuracy_after": after,
-                   "wall_seconds": round(wall, 1), "train_seconds": round(self.train_seconds, 1),
-                   "phase_seconds_this_session": phases, **self.counters,
+                   "wall_seconds": round(wall, 1), "train_seconds": round(self.run_state.train_seconds, 1),
+                   "phase_seconds_this_session": phases, **self.run_state.counters,
                    "questions_per_step": self.plan.questions_per_step,
                    "completions_kept_per_step": self.plan.completions_kept,
                    "effective_pruning_rate": round(self.plan.effective_pruning_rate, 4),
                    "resumed_from": resumed_from, "output_dir": str(self.output_dir),
-                   "skipped_data_rows": len(self.task.skipped_rows), "history": self.history}
+                   "skipped_data_rows": len(self.task.skipped_rows), "history": self.run_state.history}
         if self.dist.is_main:
             import json
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -42,7 +42,7 @@ def length_reward(prompts, completions, completion_ids=None, **kw):
 
 def park() -> None:
     rank, step = PARK.get("at", (None, None))
-    if TRAINER is None or TRAINER.dist.rank != rank or TRAINER.step != step or PARK.get("done"):
+    if TRAINER is None or TRAINER.dist.rank != rank or TRAINER.run_state.step != step or PARK.get("done"):
         return
     PARK["done"] = True
     out = TRAINER.args.output_dir
@@ -126,8 +126,8 @@ def run(spec: dict) -> dict:
         return rows
 
     def maybe_raise():
-        if spec.get("raise_at_step") == [rank, trainer.step]:
-            raise RuntimeError(f"deliberate failure on rank {rank} at step {trainer.step}")
+        if spec.get("raise_at_step") == [rank, trainer.run_state.step]:
+            raise RuntimeError(f"deliberate failure on rank {rank} at step {trainer.run_state.step}")
         return round_()
     trainer.take_questions = record
     trainer.training_round = maybe_raise

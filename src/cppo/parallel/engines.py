@@ -306,25 +306,5 @@ def pad_rows(batch, dist_info):
     """The StepBatch with filler rows appended (prompt all attended, completion mask 0,
     advantage 0) up to the largest row count of any process; `filler_rows` counts them."""
     rows = len(batch)
-    most = rows
-    if dist_info.active:
-        counts = dist_info.gather(torch.tensor([rows]))
-        most = int(counts.max())
-    extra = most - rows
-    if extra == 0:
-        return batch
-
-    def grow(t, fill):
-        if t is None:
-            return None
-        shape = (extra, *t.shape[1:]) if t.dim() > 1 else (extra,)
-        if t.dim() > 1 and t.shape[1] == 0:
-            shape = (extra, 1, *t.shape[2:])
-            t = t.new_full((0, 1, *t.shape[2:]), fill)
-        return torch.cat([t, t.new_full(shape, fill)])
-    return dataclasses.replace(
-        batch, prompt_ids=grow(batch.prompt_ids, 0), prompt_mask=grow(batch.prompt_mask, 1),
-        completion_ids=grow(batch.completion_ids, 0), completion_mask=grow(batch.completion_mask, 0),
-        advantages=grow(batch.advantages, 0.0), old_logps=grow(batch.old_logps, 0.0),
-        ref_logps=grow(batch.ref_logps, 0.0), sampler_logps=grow(batch.sampler_logps, 0.0),
-        filler_rows=batch.filler_rows + extra)
+    most = int(dist_info.gather(torch.tensor([rows])).max()) if dist_info.active else rows
+    return batch.with_filler_rows(most - rows)

@@ -48,9 +48,9 @@ SHARDED_DIR = "sharded"
 
 @dataclass
 class RunState:
-    """The trainer's run state that a checkpoint carries (besides model, optimizer, schedule,
-    RNG and the question stream). The trainer holds these as attributes of the same names:
-    `RunState.of(trainer)` reads them (save), `apply(trainer)` sets them (start and resume)."""
+    """Everything of a run that a checkpoint carries besides model, optimizer, schedule and RNG:
+    the trainer creates one (`trainer.run_state`), `save` writes it to trainer_state.json and
+    `--resume` reads it back."""
 
     step: int = 0                       # optimizer steps done
     counters: dict = field(default_factory=lambda: {
@@ -60,17 +60,12 @@ class RunState:
     consecutive_nonfinite: int = 0      # NaN/inf steps in a row (stops the run at a limit)
     history: list = field(default_factory=list)   # held-out evaluations
     wall_offset: float = 0.0            # wall time spent so far (before a resume: earlier sessions)
+    questions: dict = field(default_factory=dict)   # the question stream's position (its state())
 
-    @classmethod
-    def of(cls, owner) -> "RunState":
-        return cls(**{f.name: getattr(owner, f.name) for f in fields(cls)})
-
-    def apply(self, owner) -> None:
-        for f in fields(self):
-            setattr(owner, f.name, getattr(self, f.name))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self, **about_run) -> dict[str, Any]:
+        """JSON-ready; `about_run` (config, world size, strategy) is written beside it for
+        checks on resume and readers of the checkpoint, and is not read back."""
+        return {**asdict(self), **about_run}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "RunState":

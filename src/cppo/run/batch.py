@@ -1,0 +1,70 @@
+"""The kept completions of one step, as the forward passes take them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    """The kept completions of one step, ready for the forward passes (K kept rows)."""
+
+    prompt_ids: torch.Tensor       # (K, Lp)
+    prompt_mask: torch.Tensor      # (K, Lp)
+    completion_ids: torch.Tensor   # (K, T)
+    completion_mask: torch.Tensor  # (K, T) loss mask (truncated ones zeroed if asked)
+    advantages: torch.Tensor       # (K,)
+    old_logps: torch.Tensor | None = None  # (K, T), only when num_iterations > 1
+    ref_logps: torch.Tensor | None = None  # (K, T), only when beta > 0
+    sampler_logps: torch.Tensor | None = None  # (K, T), when the sampler is not the policy
+    filler_rows: int = 0   # trailing rows that only align collectives across processes (no loss)
+
+    # what a filler row holds: prompt attended (so attention has a key), nothing to learn
+    FILL = {"prompt_mask": 1}
+    PROMPT = ("prompt_ids", "prompt_mask")   # (K, Lp); the other (K, T) tensors are per token
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        """Every tensor field by name (None where absent)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "filler_rows"}
+
+    def _map(self, fn, **changes) -> "StepBatch":
+        return dataclasses.replace(self, **{name: None if t is None else fn(name, t)
+                                            for name, t in self.tensors().items()}, **changes)
+
+    def micro_batches(self, size: int):
+        """Consecutive slices of `size` rows, each trimmed to its own longest completion."""
+        for s in range(0, len(self), size):
+            yield self._map(lambda _, t: t[s:s + size], filler_rows=0).trimmed()
+
+    def trimmed(self) -> "StepBatch":
+        """The same rows without the columns no row uses: prompt columns left of the longest
+        prompt, completion columns right of the longest completion (by completion_mask). Padding
+        is masked out of attention and loss, so every pass gives the same values on fewer tokens."""
+        if len(self) == 0:
+            return self
+        used = self.prompt_mask.any(0).nonzero()
+        start = int(used[0]) if len(used) else self.prompt_ids.shape[1] - 1
+        width = max(1, int(self.completion_mask.sum(1).max()))
+        return self._map(lambda name, t: t if t.dim() == 1 else
+                         t[:, start:] if name in self.PROMPT else t[:, :width], filler_rows=0)
+
+    def with_filler_rows(self, extra: int) -> "StepBatch":
+        """`extra` filler rows appended (prompt attended, completion mask 0, advantage 0)."""
+        if extra == 0:
+            return self
+
+        def grow(name, t):
+            fill = self.FILL.get(name, 0)
+            shape = (extra, *t.shape[1:]) if t.dim() > 1 else (extra,)
+            if t.dim() > 1 and t.shape[1] == 0:
+                shape = (extra, 1, *t.shape[2:])
+                t = t.new_full((0, 1, *t.shape[2:]), fill)
+            return torch.cat([t, t.new_full(shape, fill)])
+        return self._map(grow, filler_rows=self.filler_rows + extra)
