@@ -26,10 +26,9 @@ from tqdm.auto import tqdm
 from cppo.run import checkpoint as ckpt
 from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, high_entropy_mask,
                             importance_weights, mix_into_reference, normalized_reward_sum,
-                            off_policy_mask, per_token_policy_loss, reduce_loss, reward_stats,
-                            select_completions, select_global)
-from cppo.algorithm.selection import (GLOBAL_SCOPE, local_scope, recompute_advantages_on_kept,
-                                      rule_traits)
+                            off_policy_mask, per_token_policy_loss, recompute_advantages_on_kept,
+                            reduce_loss, reward_stats, select_completions, select_global)
+from cppo.algorithm.selection import GLOBAL_SCOPE, local_scope, rule_traits
 from cppo.run.batch import StepBatch
 from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog

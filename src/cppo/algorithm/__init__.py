@@ -7,9 +7,10 @@ from cppo.algorithm.advantages import (
     combine_rewards,
     group_advantages,
     normalized_reward_sum,
+    recompute_advantages_on_kept,
     reward_stats,
 )
-from cppo.algorithm.allocation import StepShape, check_pruning, plan_step
+from cppo.algorithm.allocation import StepShape, check_pruning, plan_step, questions_per_chunk
 from cppo.algorithm.loss import (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, POLICY_TERMS,
                                  SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, entropy_bonus,
                                  gamma_weights,
@@ -26,7 +27,6 @@ from cppo.algorithm.selection import (
     RuleTraits,
     keep_highest_scores,
     local_scope,
-    recompute_advantages_on_kept,
     register_rule,
     rule_traits,
     select_completions,
@@ -60,7 +60,7 @@ __all__ = [
     "keep_highest_scores",
     "masked_mean",
     "per_token_policy_loss",
-    "check_pruning", "plan_step",
+    "check_pruning", "plan_step", "questions_per_chunk",
     "recompute_advantages_on_kept",
     "reduce_loss",
     "register_rule",

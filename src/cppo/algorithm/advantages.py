@@ -19,6 +19,9 @@ SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")   # TRL's multi_objective_aggregation
 
 
+ADVANTAGE_EPS = 1e-4   # std + eps: the division's guard in every normalised advantage
+
+
 def combine_rewards(per_function: Tensor, weights: Tensor | None = None) -> Tensor:
     """Weighted sum over reward functions, ignoring NaN entries (TRL's nansum of w * r).
 
@@ -69,7 +72,7 @@ def check_scale_rewards(scale_rewards: str) -> None:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
 
 
-def group_advantages(rewards: Tensor, scale_rewards: str = "group", eps: float = 1e-4,
+def group_advantages(rewards: Tensor, scale_rewards: str = "group", eps: float = ADVANTAGE_EPS,
                      batch_rewards: Tensor | None = None) -> Tensor:
     """GRPO advantages: A = r - mean(group), optionally divided by a std + eps.
 
@@ -95,6 +98,40 @@ def group_advantages(rewards: Tensor, scale_rewards: str = "group", eps: float =
         std = rewards.std(dim=1, keepdim=True)
     else:
         std = (rewards if batch_rewards is None else batch_rewards).std()
+    return centered / (std + eps)
+
+
+def recompute_advantages_on_kept(
+    rewards: Tensor, keep_mask: Tensor, scale_rewards: str = "group", eps: float = ADVANTAGE_EPS
+) -> Tensor:
+    """PODS: advantages recomputed within each question's kept subset; 0 where not kept.
+
+    rewards, keep_mask: (Q, G) -> (Q, G). Mean (and for 'group' the unbiased std) over the kept
+    completions of each question; 'batch' divides by the unbiased std of all kept rewards.
+    A question keeping 0 or 1 completions gets A = 0. Rewards of pruned completions are ignored
+    (they may be NaN).
+    """
+    check_scale_rewards(scale_rewards)
+    if rewards.dim() != 2 or keep_mask.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and keep_mask must both be (questions, group_size); got {tuple(rewards.shape)} "
+            f"and {tuple(keep_mask.shape)}"
+        )
+    kept = keep_mask.bool()
+    if torch.isnan(rewards[kept]).any():
+        raise ValueError("rewards of kept completions must not be NaN")
+    kept_rewards = torch.where(kept, rewards, torch.zeros_like(rewards))
+    count = kept.sum(dim=1, keepdim=True).to(rewards.dtype)
+    mean = kept_rewards.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centered = torch.where(kept, rewards - mean, torch.zeros_like(rewards))
+    if scale_rewards == "none":
+        return centered
+    if scale_rewards == "group":
+        variance = centered.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+        std = variance.sqrt()
+    else:
+        values = rewards[kept]
+        std = values.std() if values.numel() > 1 else rewards.new_zeros(())
     return centered / (std + eps)
 
 
@@ -127,7 +164,7 @@ def reward_stats(rewards: Tensor, scale_rewards: str = "group") -> dict[str, flo
 
 
 def normalized_reward_sum(per_function: Tensor, weights: Tensor | None = None,
-                          eps: float = 1e-4) -> Tensor:
+                          eps: float = ADVANTAGE_EPS) -> Tensor:
     """GDPO's aggregation (TRL's multi_objective_aggregation: normalize_then_sum): each reward
     function's rewards are normalised within each group, (r - mean) / (std + eps) (unbiased std),
     then summed with the weights. per_function: (Q, G, F), NaN where a function does not apply

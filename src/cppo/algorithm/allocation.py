@@ -63,6 +63,12 @@ def check_pruning(pruning_rate: float, group_size: int) -> None:
                          f"{group_size}")
 
 
+def questions_per_chunk(chunk_size: int | None, group_size: int, num_questions: int) -> int:
+    """Questions decoded together when at most `chunk_size` completions fit (None: all
+    `num_questions`): whole groups, rounded down, at least one question."""
+    return num_questions if chunk_size is None else max(1, chunk_size // group_size)
+
+
 def plan_step(
     *,
     completions_per_update: int,

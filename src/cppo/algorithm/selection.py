@@ -33,8 +33,6 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
-from cppo.algorithm.advantages import check_scale_rewards
-
 SCOPES = ("question", "step")
 GLOBAL_SCOPE = "global"   # the step scope, ranked over every process's completions
 SELECTION_SCOPES = (*SCOPES, GLOBAL_SCOPE)
@@ -242,37 +240,3 @@ def select_global(
     keep = select_completions(all_advantages, all_rewards, num_keep=num_keep, scope="step",
                               rule=rule, generator=generator)
     return keep[rows]
-
-
-def recompute_advantages_on_kept(
-    rewards: Tensor, keep_mask: Tensor, scale_rewards: str = "group", eps: float = 1e-4
-) -> Tensor:
-    """PODS: advantages recomputed within each question's kept subset; 0 where not kept.
-
-    rewards, keep_mask: (Q, G) -> (Q, G). Mean (and for 'group' the unbiased std) over the kept
-    completions of each question; 'batch' divides by the unbiased std of all kept rewards.
-    A question keeping 0 or 1 completions gets A = 0. Rewards of pruned completions are ignored
-    (they may be NaN).
-    """
-    check_scale_rewards(scale_rewards)
-    if rewards.dim() != 2 or keep_mask.shape != rewards.shape:
-        raise ValueError(
-            f"rewards and keep_mask must both be (questions, group_size); got {tuple(rewards.shape)} "
-            f"and {tuple(keep_mask.shape)}"
-        )
-    kept = keep_mask.bool()
-    if torch.isnan(rewards[kept]).any():
-        raise ValueError("rewards of kept completions must not be NaN")
-    kept_rewards = torch.where(kept, rewards, torch.zeros_like(rewards))
-    count = kept.sum(dim=1, keepdim=True).to(rewards.dtype)
-    mean = kept_rewards.sum(dim=1, keepdim=True) / count.clamp(min=1)
-    centered = torch.where(kept, rewards - mean, torch.zeros_like(rewards))
-    if scale_rewards == "none":
-        return centered
-    if scale_rewards == "group":
-        variance = centered.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
-        std = variance.sqrt()
-    else:
-        values = rewards[kept]
-        std = values.std() if values.numel() > 1 else rewards.new_zeros(())
-    return centered / (std + eps)

@@ -33,6 +33,7 @@ import os
 
 import torch
 from torch import nn
+from cppo.algorithm.allocation import questions_per_chunk
 from cppo.errors import ConfigError, ShardingError
 
 
@@ -275,7 +276,8 @@ def check_layout(args, plan, world_size: int) -> None:
     if world_size <= 1 or args.generation_chunk_size is None:
         return
     per_process = plan.questions_per_step * args.num_generations
-    chunk = max(1, args.generation_chunk_size // args.num_generations) * args.num_generations
+    chunk = questions_per_chunk(args.generation_chunk_size, args.num_generations,
+                                per_process) * args.num_generations
     if per_process % chunk:
         raise ConfigError(
             f"'generation_chunk_size' is {args.generation_chunk_size}: each of the {world_size} "

@@ -27,11 +27,12 @@ from typing import Protocol
 
 import torch
 
+from cppo.algorithm.allocation import questions_per_chunk
+from cppo.errors import ConfigError, VLLMUnavailableError
 from cppo.models.lean import lean_forward_for
 from cppo.sampling.padding import pad_token_lists
-from cppo.sampling.sampler import (Completions, PromptBatch, completion_logprobs, concat_completions,
-                          sample_completions)
-from cppo.errors import ConfigError, VLLMUnavailableError
+from cppo.sampling.sampler import (Completions, PromptBatch, completion_logprobs,
+                                   concat_completions, sample_completions)
 
 
 class GenerationBackend(Protocol):
@@ -53,8 +54,7 @@ class TransformersBackend:
         self.chunk_size = chunk_size   # completions decoded together (None: all at once)
 
     def questions_per_chunk(self, num_questions: int) -> int:
-        size = self.chunk_size
-        return num_questions if size is None else max(1, size // self.args.num_generations)
+        return questions_per_chunk(self.chunk_size, self.args.num_generations, num_questions)
 
     def generate(self, prompts: PromptBatch, *, round_index: int, question_offset: int = 0) -> Completions:
         args, tok = self.args, self.tokenizer

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cppo.algorithm.allocation import questions_per_chunk
 from cppo.models.lean import lean_forward_for
 from cppo.sampling.padding import pad_token_lists
 
@@ -141,7 +142,7 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
     AVX512-BF16/AMX and on GPUs; lean forward only) and record each token's log-prob under it
     (Completions.logprobs) so that the trainer can correct for the mismatch."""
     q = len(prompts)
-    per_chunk = q if batch_size is None else max(1, batch_size // num_generations)
+    per_chunk = questions_per_chunk(batch_size, num_generations, q)
     lean_forward = lean_forward_for(model)[0] if lean else None
     if dtype is not None and lean_forward is None:
         raise ValueError(f"sampling in {dtype} needs the lean forward, which does not support this "
