@@ -6,6 +6,7 @@ import pytest
 
 from cppo.cli import main
 from cppo.data import arithmetic
+from cppo.rewards import arithmetic as arithmetic_rewards
 from cppo.evaluate import evaluate
 from cppo.models import EMBEDDED_DIR, load_model, load_tokenizer
 
@@ -31,7 +32,7 @@ def test_shipped_model_loads_offline_and_is_small():
 def test_shipped_model_has_partial_skill():
     model, tok = load_model("embedded"), load_tokenizer("embedded")
     rows = [p.to_row() for p in arithmetic.generate(3, "test", seed=0)]
-    result = evaluate(model, tok, rows, arithmetic.arithmetic_accuracy_reward, k=8,
+    result = evaluate(model, tok, rows, arithmetic_rewards.arithmetic_accuracy_reward, k=8,
                       max_new_tokens=5, progress=False)
     report = json.loads((EMBEDDED_DIR / "pretrain_report.json").read_text())
     assert 0.20 <= result.greedy_accuracy <= 0.60

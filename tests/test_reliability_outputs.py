@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cppo.data.arithmetic import arithmetic_accuracy_reward, arithmetic_format_reward, extract_answer
+from cppo.rewards.arithmetic import arithmetic_accuracy_reward, arithmetic_format_reward, extract_answer
 from cppo.rewards.answers import extract_last_boxed, extract_numeric_answer
 from cppo.rewards.math_rewards import make_math_accuracy_reward
 from cppo.rewards.runner import RewardRunner

@@ -223,7 +223,7 @@ def test_math_reward_edge_inputs():
 # --- registry ---------------------------------------------------------------------------------------
 
 def test_registry_resolves_names_and_paths():
-    assert REWARD_FUNCTIONS["arithmetic"] == "cppo.data.arithmetic:arithmetic_accuracy_reward"
+    assert REWARD_FUNCTIONS["arithmetic"] == "cppo.rewards.arithmetic:arithmetic_accuracy_reward"
     assert get_reward_function("gsm8k") is gsm8k_accuracy_reward
     assert get_reward_function("math") is math_accuracy_reward
     assert get_reward_function("format") is format_reward

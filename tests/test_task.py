@@ -6,6 +6,7 @@ import re
 import pytest
 
 from cppo.data import arithmetic
+from cppo.rewards import arithmetic as arithmetic_rewards
 from cppo.models.tokenizer import build_tokenizer
 
 
@@ -55,16 +56,16 @@ def test_level4_two_step():
 @pytest.mark.parametrize("text, value", [("1554", 1554), ("0154", 154), (" 42 ", 42), ("15 54", None),
                                          ("", None), ("12a", None), ("-5", None), ("9" * 100, None)])
 def test_extract_answer(text, value):
-    assert arithmetic.extract_answer(text) == value
+    assert arithmetic_rewards.extract_answer(text) == value
 
 
 def test_rewards():
     completions = ["1554", "1555", "", [{"role": "assistant", "content": "1554"}]]
-    assert arithmetic.arithmetic_accuracy_reward(None, completions, answer=["1554"] * 4) == [1.0, 0.0, 0.0, 1.0]
-    assert arithmetic.arithmetic_format_reward(None, ["1554", "155", "15a4", "0000"],
+    assert arithmetic_rewards.arithmetic_accuracy_reward(None, completions, answer=["1554"] * 4) == [1.0, 0.0, 0.0, 1.0]
+    assert arithmetic_rewards.arithmetic_format_reward(None, ["1554", "155", "15a4", "0000"],
                                                answer=["1554"] * 4) == [1.0, 0.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="needs the dataset column 'answer'"):
-        arithmetic.arithmetic_accuracy_reward(None, ["1"])
+        arithmetic_rewards.arithmetic_accuracy_reward(None, ["1"])
 
 
 def test_export_jsonl(tmp_path):
@@ -96,8 +97,8 @@ def test_tokenizer_round_trip(tmp_path):
 
 
 def test_digit_partial_credit_reward():
-    got = arithmetic.arithmetic_digit_reward(None, ["1554", "1555", "0000", "155", "15a4", ""],
+    got = arithmetic_rewards.arithmetic_digit_reward(None, ["1554", "1555", "0000", "155", "15a4", ""],
                                              answer=["1554"] * 6)
     assert got == [1.0, 0.75, 0.0, 0.0, 0.0, 0.0]
     from cppo.rewards import get_reward_function
-    assert get_reward_function("arithmetic_digits") is arithmetic.arithmetic_digit_reward
+    assert get_reward_function("arithmetic_digits") is arithmetic_rewards.arithmetic_digit_reward

@@ -26,6 +26,10 @@ class EvalConfig:
     prompt_style: str = same_as(CPPOConfig, "prompt_style")
     task_level: int = same_as(CPPOConfig, "task_level")
     eval_num_questions: int | None = option(None, "Evaluate on the first N questions (None: all).")
+    reward_funcs: list[str] = same_as(CPPOConfig, "reward_funcs", help="For ready-made prompts "
+                                      "(jsonl with prompt and answer columns): the first decides "
+                                      "what is correct. gsm8k, math and the embedded task use "
+                                      "their own.")
     k: int = option(16, "k of pass@k (0: greedy only).")
     temperature: float = same_as(CPPOConfig, "temperature", help="Sampling temperature for pass@k.")
     max_completion_length: int | None = option(None, "Max new tokens (None: the task's need, or 256).")
@@ -151,17 +155,14 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     cfg = build_dataclass(EvalConfig, _overrides(args, EvalConfig), source="command line",
                           command="eval")
-    from cppo.data.sources import load_task
+    from cppo.data.sources import TaskSource, load_task
     from cppo.evaluate import evaluate
     from cppo.parallel.memory import eval_batch_size
     from cppo.models import load_model, load_tokenizer
     from cppo.rewards import get_reward_function
 
-    task_cfg = CPPOConfig(dataset_name=cfg.dataset_name, task_level=cfg.task_level,
-                          eval_dataset_split=cfg.eval_dataset_split, prompt_style=cfg.prompt_style,
-                          eval_num_questions=cfg.eval_num_questions, seed=cfg.seed)
     tokenizer = load_tokenizer(cfg.model)
-    task = load_task(task_cfg, tokenizer=tokenizer, train_split=False)
+    task = load_task(TaskSource.of(cfg), tokenizer=tokenizer, train_split=False)
     if not task.eval_rows:
         raise ConfigError(f"no held-out rows in split '{cfg.eval_dataset_split}' of "
                           f"'{cfg.dataset_name}'")
@@ -171,7 +172,8 @@ def cmd_eval(args) -> int:
     batch_size = cfg.batch_size or eval_batch_size(model, tokenizer, task.eval_rows,
                                                    max_new_tokens=max_new, k=cfg.k,
                                                    memory_budget_gib=cfg.memory_budget_gib)
-    result = evaluate(model, tokenizer, task.eval_rows, get_reward_function(task.accuracy_reward),
+    reward = task.scoring_reward(get_reward_function(cfg.reward_funcs[0]))
+    result = evaluate(model, tokenizer, task.eval_rows, reward,
                       k=cfg.k, temperature=cfg.temperature, max_new_tokens=max_new,
                       batch_size=batch_size, seed=cfg.seed)
     print(f"{cfg.model} on {task.description} ({cfg.eval_dataset_split}): {result.summary()}")

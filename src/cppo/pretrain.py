@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
 from cppo.data import arithmetic
+from cppo.rewards import arithmetic as arithmetic_rewards
 from cppo.evaluate import evaluate
 from cppo.config import CPPOConfig, check, check_fields, option, same_as
 from cppo.models.loading import tiny_model_config
@@ -114,7 +115,7 @@ def pretrain(cfg: PretrainConfig, command: str | None = None) -> dict:
 
     test_rows = [p.to_row() for p in arithmetic.generate(cfg.task_level, "test", seed=0)]
     test_rows = test_rows[:cfg.eval_questions]
-    result = evaluate(model, tokenizer, test_rows, arithmetic.arithmetic_accuracy_reward,
+    result = evaluate(model, tokenizer, test_rows, arithmetic_rewards.arithmetic_accuracy_reward,
                       k=cfg.pass_k, max_new_tokens=arithmetic.answer_width(cfg.task_level) + 1,
                       seed=cfg.seed, progress=cfg.progress_bar)
     out = Path(cfg.output_dir)

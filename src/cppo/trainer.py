@@ -33,7 +33,7 @@ from cppo.run.batch import StepBatch
 from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
 from cppo.config import CPPOConfig
-from cppo.data.sources import TaskData, check_rows, load_task
+from cppo.data.sources import TaskData, TaskSource, load_task, user_task
 from cppo.parallel.processes import Distributed, launcher_restarts
 from cppo.evaluate import evaluate
 from cppo.sampling.backends import chunk_seed, make_backend
@@ -179,14 +179,9 @@ class CPPOTrainer:
 
     def _load_data(self, train_dataset, eval_dataset) -> TaskData:
         if train_dataset is None:
-            return load_task(self.args, tokenizer=self.tokenizer)
-        rows = [dict(r) for r in train_dataset]
-        check_rows(rows, name="train_dataset")
-        evals = [dict(r) for r in eval_dataset] if eval_dataset is not None else []
-        evals = evals[:self.args.eval_num_questions]   # None: all
-        if self.args.num_train_questions is not None:
-            rows = rows[:self.args.num_train_questions]
-        return TaskData(train_rows=rows, eval_rows=evals, accuracy_reward="", description="user data")
+            return load_task(TaskSource.of(self.args), tokenizer=self.tokenizer)
+        return user_task(train_dataset, eval_dataset, num_train_questions=self.args.num_train_questions,
+                         eval_num_questions=self.args.eval_num_questions)
 
     def _total_steps(self) -> int:
         if self.args.max_steps > 0:
@@ -611,9 +606,7 @@ class CPPOTrainer:
         rows = self.task.eval_rows
         if not rows or not self.dist.is_main:
             return
-        from cppo.rewards import get_reward_function
-        reward = get_reward_function(self.task.accuracy_reward) if self.task.accuracy_reward \
-            else self.rewards.funcs[0]   # the first reward function, as built (names, models)
+        reward = self.task.scoring_reward(self.rewards.funcs[0])   # as built (names, models)
         with self.timer("eval"):
             result = evaluate(self.policy, self.tokenizer, rows, reward, k=0,
                               max_new_tokens=self.args.max_completion_length,

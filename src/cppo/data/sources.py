@@ -7,7 +7,7 @@ Rows are plain dicts with a 'prompt' (text or chat messages) and pass-through co
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from cppo.data import arithmetic
@@ -16,14 +16,52 @@ from cppo.errors import ConfigError, snippet
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TaskSource:
+    """Where a task's rows come from: the config fields `load_task` reads."""
+
+    dataset_name: str
+    task_level: int
+    seed: int
+    prompt_style: str
+    eval_dataset_split: str
+    eval_num_questions: int | None
+    dataset_split: str = "train"
+    num_train_questions: int | None = None
+
+    @classmethod
+    def of(cls, cfg) -> "TaskSource":
+        """From any config with these field names (CPPOConfig, `cppo eval`'s EvalConfig)."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
+
+
 @dataclass
 class TaskData:
     train_rows: list[dict]
     eval_rows: list[dict]
-    accuracy_reward: str              # registry name of the reward that defines "correct"
+    accuracy_reward: str | None       # the data format's reward that defines "correct"; None: none
     max_answer_tokens: int | None = None  # embedded task: digits + EOS
     skipped_rows: list = field(default_factory=list)  # (row index, reason) skipped while loading
     description: str = ""
+
+    def scoring_reward(self, first_training_reward):
+        """The reward that decides "correct" in evaluation: the data format's own (arithmetic,
+        gsm8k, math), else the first training reward function."""
+        if self.accuracy_reward is None:
+            return first_training_reward
+        from cppo.rewards import get_reward_function
+        return get_reward_function(self.accuracy_reward)
+
+
+def user_task(train_dataset, eval_dataset=None, *, num_train_questions: int | None = None,
+              eval_num_questions: int | None = None) -> TaskData:
+    """TaskData for rows passed in (`CPPOTrainer(train_dataset=..., eval_dataset=...)`): checked
+    like loaded ones, cut to the first N of each (None: all)."""
+    rows = [dict(r) for r in train_dataset]
+    check_rows(rows, name="train_dataset")
+    rows = rows[:num_train_questions]
+    evals = [dict(r) for r in eval_dataset][:eval_num_questions] if eval_dataset is not None else []
+    return TaskData(train_rows=rows, eval_rows=evals, accuracy_reward=None, description="user data")
 
 
 def embedded_task(level: int, *, seed: int, num_train: int | None = None,
@@ -92,8 +130,8 @@ def _prompt_kind(prompt) -> str | None:
 ACCURACY_REWARDS = {"gsm8k": "gsm8k", "math": "math"}  # data format -> registry name
 
 
-def load_task(cfg, tokenizer=None, *, train_split: bool = True) -> TaskData:
-    """TaskData for a CPPOConfig (or any object with the same field names).
+def load_task(source: TaskSource, tokenizer=None, *, train_split: bool = True) -> TaskData:
+    """TaskData for a TaskSource (or a config, read by `TaskSource.of`).
 
     GSM8K/MATH rows get prompts in ``cfg.prompt_style``; as chat messages when the tokenizer has a
     chat template (or no tokenizer is given), else as plain text. Bad rows are skipped and counted
@@ -102,9 +140,10 @@ def load_task(cfg, tokenizer=None, *, train_split: bool = True) -> TaskData:
     directory, or for a single file ``<name with the train split word replaced>`` (e.g.
     gsm8k_train.jsonl -> gsm8k_test.jsonl); a source without one has no held-out evaluation.
     The accuracy reward (for eval) follows the data format: gsm8k -> 'gsm8k', math -> 'math',
-    ready-made prompts -> the first of reward_funcs. ``train_split=False`` loads the held-out split
+    ready-made prompts -> None (the first training reward function). ``train_split=False`` loads the held-out split
     alone (for `cppo eval`, e.g. on math500, which has no train split).
     """
+    cfg = source if isinstance(source, TaskSource) else TaskSource.of(source)
     if cfg.dataset_name == "embedded":
         return embedded_task(cfg.task_level, seed=cfg.seed, num_train=cfg.num_train_questions,
                              num_eval=cfg.eval_num_questions, eval_split=cfg.eval_dataset_split)
@@ -122,7 +161,7 @@ def load_task(cfg, tokenizer=None, *, train_split: bool = True) -> TaskData:
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(f"dataset_name '{cfg.dataset_name}': {err}") from err
         return TaskData(train_rows=[], eval_rows=[dict(r) for r in held_out.dataset],
-                        accuracy_reward=ACCURACY_REWARDS.get(held_out.format, cfg.reward_funcs[0]),
+                        accuracy_reward=ACCURACY_REWARDS.get(held_out.format),
                         skipped_rows=list(held_out.skipped_rows),
                         description=f"{cfg.dataset_name} ({held_out.format} format)")
     try:
@@ -148,7 +187,7 @@ def load_task(cfg, tokenizer=None, *, train_split: bool = True) -> TaskData:
                 eval_skipped = [(f"{cfg.eval_dataset_split}:{i}", why) for i, why in held_out.skipped_rows]
     rows = [dict(r) for r in train.dataset]
     check_rows(rows, name=f"{cfg.dataset_name} ({cfg.dataset_split})")
-    accuracy = ACCURACY_REWARDS.get(train.format, cfg.reward_funcs[0])
+    accuracy = ACCURACY_REWARDS.get(train.format)
     return TaskData(train_rows=rows, eval_rows=evaluation, accuracy_reward=accuracy,
                     skipped_rows=skipped + eval_skipped,
                     description=f"{cfg.dataset_name} ({train.format} format)")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 
 REWARD_FUNCTIONS: dict[str, str] = {
-    "arithmetic": "cppo.data.arithmetic:arithmetic_accuracy_reward",
-    "arithmetic_format": "cppo.data.arithmetic:arithmetic_format_reward",
-    "arithmetic_digits": "cppo.data.arithmetic:arithmetic_digit_reward",
+    "arithmetic": "cppo.rewards.arithmetic:arithmetic_accuracy_reward",
+    "arithmetic_format": "cppo.rewards.arithmetic:arithmetic_format_reward",
+    "arithmetic_digits": "cppo.rewards.arithmetic:arithmetic_digit_reward",
     "gsm8k": "cppo.rewards.math_rewards:gsm8k_accuracy_reward",
     "math": "cppo.rewards.math_rewards:math_accuracy_reward",
     "format": "cppo.rewards.math_rewards:format_reward",
