@@ -33,6 +33,7 @@ from cppo.run.batch import StepBatch
 from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
 from cppo.config import CPPOConfig
+from cppo.config.checks import check_generation_batch_size
 from cppo.data.sources import TaskData, TaskSource, load_task, user_task
 from cppo.parallel.processes import Distributed, launcher_restarts
 from cppo.evaluate import evaluate
@@ -111,7 +112,12 @@ class CPPOTrainer:
                                     processing_classes=reward_processing_classes, device=self.device)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
         self.plan = args.step_plan()
-        check_batch_settings(args, self.batch_sizes, completions_per_round=(
+        check_batch_settings(self.batch_sizes,
+                             per_device_train_batch_size=args.per_device_train_batch_size,
+                             max_completion_length=args.max_completion_length,
+                             gradient_checkpointing=args.gradient_checkpointing,
+                             generation_chunk_size=None if args.use_vllm else args.generation_chunk_size)
+        check_generation_batch_size(args, completions_per_round=(
             self.plan.questions_per_step * args.num_generations * self.dist.world_size))
         check_layout(args, self.plan, self.dist.world_size)
         self.total_steps = self._total_steps()

@@ -157,18 +157,33 @@ def validate(cfg) -> None:
             f"pruning_rate = {cfg.pruning_rate}, allocation = {cfg.allocation}, selection_scope = "
             f"{cfg.selection_scope!r}: {err}") from None
     check(cfg.lora_r >= 1, f"'lora_r' is {cfg.lora_r}; must be >= 1")
-    check(cfg.generation_batch_size is None or cfg.generation_batch_size >= 1,
-          f"'generation_batch_size' is {cfg.generation_batch_size}; must be >= 1 or None")
-    check(cfg.generation_batch_size is None
-          or cfg.generation_batch_size % cfg.num_generations == 0,
-          f"'generation_batch_size' is {cfg.generation_batch_size}, not a multiple of "
-          f"num_generations = {cfg.num_generations} (it counts completions of whole questions)")
+    check_generation_batch_size(cfg)
     check(cfg.generation_chunk_size is None or cfg.generation_chunk_size >= 1,
           f"'generation_chunk_size' is {cfg.generation_chunk_size}; must be >= 1 or None")
     check(0 <= cfg.seed < 2**32, f"'seed' is {cfg.seed}; allowed: 0 <= seed < 2**32")
     check(not Path(cfg.output_dir).expanduser().is_file(),
           f"'output_dir' is {cfg.output_dir!r}, which is a file; give a directory (it is created "
           f"if missing)")
+
+
+def check_generation_batch_size(cfg, completions_per_round: int | None = None) -> None:
+    """TRL's generation_batch_size counts the completions of one generation round over all
+    processes: >= 1, whole questions, and (once the processes are known) exactly
+    questions per step x num_generations x processes."""
+    value = cfg.generation_batch_size
+    if value is None:
+        return
+    check(value >= 1, f"'generation_batch_size' is {value}; must be >= 1 or None")
+    check(value % cfg.num_generations == 0,
+          f"'generation_batch_size' is {value}, not a multiple of num_generations = "
+          f"{cfg.num_generations} (it counts completions of whole questions)")
+    check(completions_per_round is None or value == completions_per_round,
+          f"'generation_batch_size' is {value}, but a generation round of this run makes "
+          f"{completions_per_round} completions over all processes (questions per step x "
+          f"num_generations x processes, set by per_device_train_batch_size, "
+          f"gradient_accumulation_steps and pruning_rate with allocation); set it to "
+          f"{completions_per_round} or None. To bound how many completions are decoded at once, "
+          f"use 'generation_chunk_size'")
 
 
 SUPPORTED_VLLM = ("0.32", "0.33")   # [lowest, above the highest): reload_weights, logprobs_mode

@@ -183,30 +183,23 @@ def budget_bytes(memory_budget_gib: float | None, *, device_bytes: int, state_by
     return left
 
 
-def check_batch_settings(args, sizes: BatchSizes, *, completions_per_round: int) -> None:
-    """A batch setting that contradicts the budget or TRL's batch vocabulary: ConfigError naming
-    the field, the value that fits and how to fix it."""
-    if args.per_device_train_batch_size > sizes.training:
+def check_batch_settings(sizes: BatchSizes, *, per_device_train_batch_size: int,
+                         max_completion_length: int, gradient_checkpointing: bool,
+                         generation_chunk_size: int | None) -> None:
+    """A batch setting larger than the budget allows: ConfigError naming the field, the value
+    that fits and how to fix it. (generation_chunk_size: None, or vLLM's, is not checked.)"""
+    if per_device_train_batch_size > sizes.training:
         raise ConfigError(
-            f"'per_device_train_batch_size' is {args.per_device_train_batch_size}, but only "
-            f"{sizes.training} sequences of {args.max_completion_length} completion tokens fit a "
+            f"'per_device_train_batch_size' is {per_device_train_batch_size}, but only "
+            f"{sizes.training} sequences of {max_completion_length} completion tokens fit a "
             f"forward + backward pass in the memory budget; set per_device_train_batch_size <= "
             f"{sizes.training} (raise gradient_accumulation_steps to keep the update size)"
-            f"{'' if args.gradient_checkpointing else ', or set gradient_checkpointing: true'}")
-    chunk = getattr(args, "generation_chunk_size", None)
-    if chunk is not None and not args.use_vllm and chunk > sizes.generation:
+            f"{'' if gradient_checkpointing else ', or set gradient_checkpointing: true'}")
+    if generation_chunk_size is not None and generation_chunk_size > sizes.generation:
         raise ConfigError(
-            f"'generation_chunk_size' is {chunk}, but only {sizes.generation} completions fit "
-            f"in the memory budget while decoding; set generation_chunk_size <= "
+            f"'generation_chunk_size' is {generation_chunk_size}, but only {sizes.generation} "
+            f"completions fit in the memory budget while decoding; set generation_chunk_size <= "
             f"{sizes.generation}, or None to use the largest that fits")
-    if args.generation_batch_size is not None and args.generation_batch_size != completions_per_round:
-        raise ConfigError(
-            f"'generation_batch_size' is {args.generation_batch_size}, but a generation round of "
-            f"this run makes {completions_per_round} completions over all processes (questions "
-            f"per step x num_generations x processes, set by per_device_train_batch_size, "
-            f"gradient_accumulation_steps and pruning_rate with allocation); set it to "
-            f"{completions_per_round} or None. To bound how many completions are decoded at "
-            f"once, use 'generation_chunk_size'")
 
 
 def plan_for_run(args, policy, reference, device, *, tokenizer=None, rows=()) -> BatchSizes:
