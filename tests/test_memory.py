@@ -6,7 +6,7 @@ import torch
 
 from cppo.errors import ConfigError
 from cppo.parallel.memory import (GIB, BatchSizes, ModelShape, budget_bytes, decode_bytes,
-                         plan_batch_sizes, scoring_bytes, training_bytes)
+                                  plan_batch_sizes, scoring_bytes, training_bytes)
 from helpers import make_trainer
 
 

@@ -17,7 +17,7 @@ import torch
 from cppo.config import CPPOConfig
 from cppo.errors import VLLMUnavailableError
 from cppo.sampling.backends import (VLLMBackend, chunk_seed, completions_with_logprobs, cpu_kv_cache_bytes,
-                             sampled_logprobs, vllm_weight_name, vllm_weights)
+                                    sampled_logprobs, vllm_weight_name, vllm_weights)
 from cppo.models import load_model, load_tokenizer
 from cppo.sampling.sampler import completion_logprobs, encode_prompts
 

@@ -23,29 +23,29 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from cppo.run import checkpoint as ckpt
 from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, high_entropy_mask,
                             importance_weights, mix_into_reference, normalized_reward_sum,
                             off_policy_mask, per_token_policy_loss, recompute_advantages_on_kept,
                             reduce_loss, reward_stats, select_completions, select_global)
 from cppo.algorithm.selection import GLOBAL_SCOPE, local_scope, rule_traits
-from cppo.run.batch import StepBatch
-from cppo.run.callbacks import Callbacks
-from cppo.run.completions_log import CompletionsLog
 from cppo.config import CPPOConfig
 from cppo.config.checks import check_generation_batch_size
 from cppo.data.sources import TaskData, TaskSource, load_task, user_task
-from cppo.parallel.processes import Distributed, launcher_restarts
+from cppo.errors import CallbackError, ConfigError
 from cppo.evaluate import evaluate
-from cppo.sampling.backends import chunk_seed, make_backend
+from cppo.parallel.engines import Engine, check_layout, pad_rows, resolve_strategy
 from cppo.parallel.hardware import warn_slow_precision
 from cppo.parallel.memory import check_batch_settings, plan_for_run
-from cppo.parallel.engines import Engine, check_layout, pad_rows, resolve_strategy
+from cppo.parallel.processes import Distributed, launcher_restarts
 from cppo.rewards.runner import RewardRunner, unpadded_ids
+from cppo.run import checkpoint as ckpt
+from cppo.run.batch import StepBatch
+from cppo.run.callbacks import Callbacks
+from cppo.run.completions_log import CompletionsLog
+from cppo.run.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to,
+                               length_metrics, write_plots)
+from cppo.sampling.backends import chunk_seed, make_backend
 from cppo.sampling.sampler import Completions, PromptBatch, completion_logprobs, encode_prompts
-from cppo.run.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to, length_metrics,
-                           write_plots)
-from cppo.errors import ConfigError, CallbackError
 
 
 class QuestionStream:
