@@ -7,15 +7,11 @@ import torch
 from cppo.parallel import hardware
 from cppo.config import CPPOConfig
 from cppo.models import load_model, load_tokenizer
+from helpers import ROWS, odd_length_reward
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(8) for b in range(2, 6)]
-
-
-def odd_length(prompts, completions, **kw):
-    return [float(len(c) % 2) for c in completions]
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -27,7 +23,7 @@ def test_training_steps_on_the_gpu(tiny_model_dir, tmp_path, bf16):
                      per_device_train_batch_size=8, pruning_rate=0.5, max_completion_length=5,
                      eval_steps=0, progress_bar=False, bf16=bf16, learning_rate=1e-3)
     trainer = CPPOTrainer(model=load_model(tiny_model_dir), processing_class=load_tokenizer(tiny_model_dir),
-                          reward_funcs=[odd_length], args=cfg, train_dataset=ROWS, eval_dataset=ROWS[:8])
+                          reward_funcs=[odd_length_reward], args=cfg, train_dataset=ROWS, eval_dataset=ROWS[:8])
     assert trainer.device.type == "cuda"
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     summary = trainer.train()

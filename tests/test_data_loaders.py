@@ -9,6 +9,7 @@ import pytest
 
 from cppo.data.loaders import LoadedDataset, load_prompt_dataset
 from cppo.data.prompts import BOXED_SYSTEM_PROMPT, R1_SYSTEM_PROMPT, build_prompt
+from helpers import write_jsonl
 
 GSM8K_ROWS = [
     {"question": "Tom has 3 boxes of 4 apples. How many apples?", "answer": "3*4=<<3*4=12>>12\n#### 12"},
@@ -21,11 +22,6 @@ MATH_ROWS = [
     {"problem": "Simplify $\\sqrt{8}$.", "solution": "$\\sqrt{8}=\\boxed{2\\sqrt{2}}$", "level": "Level 2",
      "type": "Algebra"},
 ]
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 # --- prompts ----------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from cppo.sampling.backends import free_port
 from cppo.parallel.engines import block_classes, check_layout, launcher_strategy
 from cppo.errors import ShardingError
 
-ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
 STEPS = 4   # 2 generation rounds x mu = 2 optimizer steps
 
 

@@ -20,7 +20,7 @@ import torch
 
 from cppo.run import checkpoint as ckpt
 from cppo.cli import main
-from helpers import (PARK_ENV, load_weights, single_thread, start_train, step_records, train_args,
+from helpers import (PARK_ENV, load_weights, start_train, step_records, train_args,
                      wait_until, write_jsonl)
 
 PAUSES = {"mid_write": "weights:4", "after_rename": "renamed:4", "mid_step": None, "ctrl_c": None,
@@ -29,12 +29,6 @@ PAUSES = {"mid_write": "weights:4", "after_rename": "renamed:4", "mid_step": Non
 STOPS = {"ctrl_c": (signal.SIGINT, 1, 0), "sigterm": (signal.SIGTERM, 2, 143)}
 COUNTERS = ("questions_seen", "completions_scored", "completions_trained", "tokens_generated",
             "skipped_steps", "nonfinite_steps")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    with single_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

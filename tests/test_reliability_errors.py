@@ -14,15 +14,9 @@ import torch
 
 from cppo.cli import main
 from cppo.errors import ConfigError
-from helpers import ROWS, make_trainer, single_thread, write_jsonl
+from helpers import ROWS, make_trainer, write_jsonl
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    with single_thread():
-        yield
 
 
 def _jsonl(path: Path, lines: list[str]) -> str:

@@ -9,13 +9,7 @@ import torch
 
 import cppo.trainer
 from cppo.run import checkpoint as ckpt
-from helpers import single_thread, load_weights, make_trainer
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    with single_thread():
-        yield
+from helpers import load_weights, make_trainer
 
 
 def inject(trainer, monkeypatch, where: str, bad_steps):

@@ -20,7 +20,7 @@ from cppo.rewards.arithmetic import arithmetic_accuracy_reward, arithmetic_forma
 from cppo.rewards.answers import extract_last_boxed, extract_numeric_answer
 from cppo.rewards.math_rewards import make_math_accuracy_reward
 from cppo.rewards.runner import RewardRunner
-from helpers import make_trainer, single_thread
+from helpers import make_trainer
 
 # every case takes milliseconds; a quadratic parser on the megabyte inputs below (about 10^12
 # steps) or a hang does not finish within the timeout of each test here
@@ -119,16 +119,15 @@ def force_tokens(model, token_ids):
     ("special_only", False),      # <pad>/<bos>/<unk> only: empty text, no EOS
 ])
 def test_training_goes_on_with_degenerate_completions(tiny_model_dir, tmp_path, case, mask_truncated):
-    with single_thread():
-        trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, save_steps=0,
-                               reward=[by_index, "arithmetic", "arithmetic_format"],
-                               mask_truncated_completions=mask_truncated)
-        tok = trainer.tokenizer
-        ids = {"eos_only": [tok.eos_token_id], "never_stops": [tok.convert_tokens_to_ids("9")],
-               "special_only": [tok.pad_token_id, tok.bos_token_id, tok.unk_token_id]}[case]
-        force_tokens(trainer.policy, ids)
-        before = [p.detach().clone() for p in trainer.policy.parameters()]
-        summary = trainer.train()
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, save_steps=0,
+                           reward=[by_index, "arithmetic", "arithmetic_format"],
+                           mask_truncated_completions=mask_truncated)
+    tok = trainer.tokenizer
+    ids = {"eos_only": [tok.eos_token_id], "never_stops": [tok.convert_tokens_to_ids("9")],
+           "special_only": [tok.pad_token_id, tok.bos_token_id, tok.unk_token_id]}[case]
+    force_tokens(trainer.policy, ids)
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    summary = trainer.train()
     assert summary["status"] == "completed" and summary["steps"] == 2
     assert summary["nonfinite_steps"] == 0 and summary["skipped_steps"] == 0
     params = list(trainer.policy.parameters())

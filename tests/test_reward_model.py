@@ -12,8 +12,8 @@ from cppo.rewards.reward_model import RewardModel
 from cppo.errors import RewardModelError
 from cppo.rewards.runner import RewardRunner
 from cppo.trainer import CPPOTrainer
+from helpers import ROWS
 
-ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(6) for b in range(3, 7)]
 
 
 def classifier(tokenizer, num_labels=1):

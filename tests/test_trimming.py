@@ -4,12 +4,11 @@ kept completions use (not the width of the longest scored one), with the same re
 import pytest
 import torch
 
-from cppo.config import CPPOConfig
-from cppo.models import load_model, load_tokenizer
 from cppo.models.lean import LeanForward
 from cppo.sampling.sampler import Completions, encode_prompts
 from cppo.run.batch import StepBatch
 from cppo.trainer import CPPOTrainer
+import helpers
 
 G = 4
 PROMPTS = ["1*2=", "12*34=", "12*34=", "123*456="]   # the longest prompt's question is all pruned
@@ -29,14 +28,11 @@ def reward(completions, **kw):
 
 
 def make_trainer(model_dir, tmp_path, lean_forward):
-    cfg = CPPOConfig(model=model_dir, output_dir=str(tmp_path), max_steps=2, num_generations=G,
-                     pruning_rate=0.5, per_device_train_batch_size=MICRO,
-                     gradient_accumulation_steps=2, max_completion_length=12, beta=0.04,
-                     num_iterations=2, learning_rate=1e-2, lean_forward=lean_forward,
-                     eval_steps=0, progress_bar=False, seed=5)
-    rows = [{"prompt": p, "answer": "0"} for p in PROMPTS]
-    return CPPOTrainer(model=load_model(model_dir), processing_class=load_tokenizer(model_dir),
-                       reward_funcs=[reward], args=cfg, train_dataset=rows, eval_dataset=rows)
+    return helpers.make_trainer(
+        model_dir, tmp_path, reward=reward, rows=[{"prompt": p, "answer": "0"} for p in PROMPTS],
+        max_steps=2, num_generations=G, pruning_rate=0.5, per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=2, max_completion_length=12, beta=0.04, num_iterations=2,
+        learning_rate=1e-2, lean_forward=lean_forward, seed=5)
 
 
 def step_inputs(trainer):

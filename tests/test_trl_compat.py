@@ -12,8 +12,8 @@ import torch
 
 from cppo.config import CPPOConfig
 from cppo.errors import ConfigError
-from cppo.models import load_model, load_tokenizer
-from cppo.trainer import CPPOTrainer
+from cppo.models import load_tokenizer
+import helpers
 
 
 def length_reward(prompts, completions, completion_ids=None, **kw):
@@ -25,18 +25,11 @@ def short_reward(prompts, completions, completion_ids=None, **kw):
     return [-float(len(c)) / 10 for c in completions]
 
 
-ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
 
 
 def make_trainer(model_dir, tmp_path, rewards=(length_reward,), callbacks=None, **overrides):
-    values = dict(model=model_dir, output_dir=str(tmp_path / "run"), max_steps=4,
-                  per_device_train_batch_size=8, num_generations=4, pruning_rate=0.5,
-                  max_completion_length=5, eval_steps=0, save_steps=0, progress_bar=False,
-                  eval_num_questions=4, learning_rate=1e-3, seed=3)
-    values.update(overrides)
-    return CPPOTrainer(model=load_model(model_dir), processing_class=load_tokenizer(model_dir),
-                       reward_funcs=list(rewards), args=CPPOConfig(**values), train_dataset=ROWS,
-                       eval_dataset=ROWS[:4], callbacks=callbacks)
+    return helpers.make_trainer(model_dir, tmp_path / "run", reward=list(rewards),
+                                callbacks=callbacks, **{"save_steps": 0, **overrides})
 
 
 def read_metrics(run):
@@ -217,7 +210,7 @@ def test_trl_metric_keys_are_logged(tiny_model_dir, tmp_path):
         <= record["completions/max_length"]
     first = [r for r in read_metrics(tmp_path / "run") if "reward" in r][0]
     assert 0 < first["num_tokens"] < record["num_tokens"]   # cumulative, as TRL's
-    prompt_tokens = len(load_tokenizer(tiny_model_dir)(ROWS[0]["prompt"])["input_ids"])
+    prompt_tokens = len(load_tokenizer(tiny_model_dir)(helpers.ROWS[0]["prompt"])["input_ids"])
     scored = first["cppo/completions_scored"]   # every prompt here has the same length
     assert first["num_tokens"] == round(scored * (prompt_tokens + first["completions/mean_length"]))
 

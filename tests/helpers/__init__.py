@@ -13,25 +13,10 @@ import os
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 TESTS_DIR = Path(__file__).resolve().parent.parent   # tests/: children import helpers from it
 ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
-
-
-@contextmanager
-def single_thread():
-    """Run torch on one thread (restored afterwards). On the shared 2-core machine, 2 OpenMP
-    threads spin in barriers against other processes: a 32-wide linear took 19 ms instead of
-    0.03 ms. Child processes get OMP_NUM_THREADS=1 to match (same arithmetic, same results)."""
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 PARK_ENV = "CPPO_TEST_PARK_RUN"   # see park_in_training
@@ -79,7 +64,7 @@ def train_args(model_dir: str, data: Path, output_dir: Path, **overrides) -> lis
 def child_env(**extra: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH")) if p)
-    env["OMP_NUM_THREADS"] = "1"          # as the tests in this process (single_thread)
+    env["OMP_NUM_THREADS"] = "1"          # as the tests in this process (conftest.py)
     env["HF_HUB_OFFLINE"] = "1"
     env.update(extra)
     return env
@@ -122,7 +107,8 @@ def load_weights(checkpoint: Path) -> dict:
     return load_file(checkpoint / "model.safetensors")
 
 
-def make_trainer(model_dir: str, output_dir: Path, reward=odd_length_reward, rows=ROWS, **overrides):
+def make_trainer(model_dir: str, output_dir: Path, reward=odd_length_reward, rows=ROWS,
+                 callbacks=None, **overrides):
     """A CPPOTrainer on the tiny model in this process: 4 steps of B = 8 kept of Q = 4 x G = 4."""
     from cppo.config import CPPOConfig
     from cppo.models import load_model, load_tokenizer
@@ -135,7 +121,7 @@ def make_trainer(model_dir: str, output_dir: Path, reward=odd_length_reward, row
     rewards = reward if isinstance(reward, list) else [reward]
     return CPPOTrainer(model=load_model(model_dir), processing_class=load_tokenizer(model_dir),
                        reward_funcs=rewards, args=CPPOConfig(**values), train_dataset=rows,
-                       eval_dataset=rows[:4])
+                       eval_dataset=rows[:4], callbacks=callbacks)
 
 
 def raising_reward(prompts, completions, completion_ids=None, **kw):
