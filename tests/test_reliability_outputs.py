@@ -73,13 +73,28 @@ def test_reward_runner_scores_degenerate_completions(texts, conversational):
     assert ((finite == 0) | (finite == 1)).all()
 
 
-def test_extractors_on_the_largest_inputs_are_linear():
-    """A megabyte of nesting or digits: no recursion error, no quadratic time."""
-    for text in ("\\boxed{" + "{" * 200_000 + "1" + "}" * 200_000 + "}", "9" * 1_000_000,
-                 "\\boxed{" * 200_000, "<answer>" * 100_000 + "1" + "</answer>"):
-        extract_numeric_answer(text)   # returns (a number or None), does not recurse or hang
-        boxed = extract_last_boxed(text)
-        assert boxed is None or (isinstance(boxed, str) and len(boxed) <= len(text))
+def test_extractors_read_the_largest_inputs_in_one_pass(monkeypatch):
+    """A megabyte of nesting or digits: the right answer, no recursion error, and the boxed
+    parser visits each brace token once (a rescan per opening brace would be quadratic)."""
+    from cppo.rewards import answers
+    real, visits = answers._BOXED_TOKEN, []
+
+    class CountingTokens:
+        def finditer(self, text):
+            for match in real.finditer(text):
+                visits.append(match.start())
+                yield match
+    monkeypatch.setattr(answers, "_BOXED_TOKEN", CountingTokens())
+    n = 200_000
+    cases = [("\\boxed{" + "{" * n + "1" + "}" * n + "}", "{" * n + "1" + "}" * n, 1, 2 * n + 2),
+             ("9" * 1_000_000, None, None, 0),              # too long to be a number
+             ("\\boxed{" * n, None, None, n),              # never closed
+             ("<answer>" * 100_000 + "1" + "</answer>", None, 1, 0)]
+    for text, boxed, number, tokens in cases:
+        visits.clear()
+        assert extract_last_boxed(text) == boxed
+        assert len(visits) == tokens and len(set(visits)) == tokens
+        assert extract_numeric_answer(text) == number
 
 
 def test_math_verify_reward_through_the_runner_is_bounded():

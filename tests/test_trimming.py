@@ -7,7 +7,6 @@ import torch
 from cppo.models.lean import LeanForward
 from cppo.sampling.sampler import Completions, encode_prompts
 from cppo.run.batch import StepBatch
-from cppo.trainer import CPPOTrainer
 import helpers
 
 G = 4
