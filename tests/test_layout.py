@@ -1,0 +1,154 @@
+"""The house's layout holds: no import circles, at the top of the package only what a user
+calls, exceptions in one module that imports nothing of cppo, and README's Layout equal to the
+tree."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "cppo"
+USER_MODULES = {"__init__", "cli", "trainer", "evaluate", "pretrain", "errors"}
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """cppo module -> the cppo modules it imports (anywhere in it, functions included)."""
+    files = {module_name(p, package): p for p in package.rglob("*.py")}
+
+    def known(name: str) -> str:
+        while name not in files and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    graph = {}
+    for name, path in files.items():
+        package_name = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package_name.split(".")[: len(package_name.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                if base.split(".")[0] == "cppo":
+                    targets |= {known(f"{base}.{a.name}") for a in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {known(a.name) for a in node.names if a.name.split(".")[0] == "cppo"}
+        graph[name] = targets - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_circle_finder_finds_one(tmp_path):
+    package = tmp_path / "cppo"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from cppo.sub import b\n")
+    (package / "sub" / "b.py").write_text("def f():\n    from cppo import a\n")
+    assert cycles(import_graph(package)) == [["cppo.a", "cppo.sub.b"]]
+
+
+def test_top_of_the_package_holds_what_a_user_calls():
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top == USER_MODULES
+
+
+def test_errors_import_nothing_of_cppo():
+    assert import_graph()["cppo.errors"] == set()
+
+
+def layout_block() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Layout"):]
+    return section.split("```")[1].strip("\n").splitlines()
+
+
+def test_readme_layout_lists_the_package_tree():
+    listed, room = set(), None
+    lines = layout_block()
+    assert lines[0] == "src/cppo/"
+    for line in lines[1:]:
+        match = re.match(r"^( {2}| {4})(\S+)\s", line + " ")
+        if not match:
+            break   # the folders after src/cppo/
+        indent, name = match.groups()
+        if len(indent) == 2:
+            room = name.rstrip("/") if name.endswith("/") else None
+            listed.add(name)
+        else:
+            listed.add(f"{room}/{name}")
+    tree = {p.name for p in PACKAGE.glob("*.py")}
+    for room_dir in (d for d in PACKAGE.iterdir() if (d / "__init__.py").is_file()):
+        tree.add(room_dir.name + "/")
+        tree |= {f"{room_dir.name}/{p.name}" for p in room_dir.glob("*.py") if p.name != "__init__.py"}
+    assert listed == tree
+
+
+def test_readme_layout_names_every_benchmark_and_doc():
+    text = "\n".join(layout_block())
+    programs = [p.name for p in (ROOT / "benchmarks").iterdir()
+                if p.suffix in (".py", ".sh") or (p.is_dir() and p.name != "results")]
+    docs = [p.stem for p in (ROOT / "docs").glob("*.md")]
+    scripts = [p.name for p in (ROOT / "scripts").glob("*.py")]
+    missing = [name for name in programs + docs + scripts if name not in text]
+    assert missing == []
+
+
+def test_cppo_bench_from_an_installed_wheel_says_it_needs_a_checkout(tmp_path, monkeypatch, capsys):
+    import cppo.cli as cli
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "cppo" / "cli.py"))
+    assert cli.main(["bench", "--quick"]) == 2
+    assert "runs benchmarks/cppo_table.py of a source checkout" in capsys.readouterr().err
+    monkeypatch.chdir(ROOT)
+    assert cli.bench_script() == ROOT / "benchmarks" / "cppo_table.py"
+
+
+@pytest.mark.parametrize("script", ["update_docs.py"])
+def test_scripts_check_mode_agrees_with_the_docs(script):
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--check"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
