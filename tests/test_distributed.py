@@ -435,13 +435,14 @@ def test_fsdp_names_the_field_when_no_block_class_is_found(tiny_model_dir, tmp_p
 
 
 def test_a_step_the_processes_cannot_share_evenly_is_refused():
-    args = CPPOConfig(num_generations=4, per_device_train_batch_size=4, pruning_rate=0.5,
-                      generation_chunk_size=12)
     plan = plan_step(completions_per_update=4, group_size=4, pruning_rate=0.5, allocation=True,
-                     scope="step")
-    check_layout(args, plan, 1)
+                     scope="step")   # 2 questions x 4 = 8 completions per process: chunks of 12 straddle
+    layout = dict(generation_chunk_size=12, num_generations=4,
+                  questions_per_step=plan.questions_per_step)
+    check_layout(**layout, world_size=1)
     with pytest.raises(ConfigError, match="generation_chunk_size"):
-        check_layout(args, plan, 2)
+        check_layout(**layout, world_size=2)
+    check_layout(**{**layout, "generation_chunk_size": 8}, world_size=2)
 
 
 def test_one_process_is_a_no_op():

@@ -119,7 +119,9 @@ class CPPOTrainer:
                              generation_chunk_size=None if args.use_vllm else args.generation_chunk_size)
         check_generation_batch_size(args, completions_per_round=(
             self.plan.questions_per_step * args.num_generations * self.dist.world_size))
-        check_layout(args, self.plan, self.dist.world_size)
+        check_layout(generation_chunk_size=args.generation_chunk_size,
+                     num_generations=args.num_generations,
+                     questions_per_step=self.plan.questions_per_step, world_size=self.dist.world_size)
         self.total_steps = self._total_steps()
         self.optimizer = make_adamw([p for p in self.policy.parameters() if p.requires_grad], args)
         from transformers import get_scheduler

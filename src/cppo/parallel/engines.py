@@ -269,20 +269,21 @@ class Engine:
                 f"the process count as before)")
 
 
-def check_layout(args, plan, world_size: int) -> None:
+def check_layout(*, generation_chunk_size: int | None, num_generations: int,
+                 questions_per_step: int, world_size: int) -> None:
     """Raise ConfigError before training when the step cannot be cut into equal per-process
     parts that sample exactly what one process would (the generation chunks of
     generation_chunk_size completions must not straddle two processes)."""
-    if world_size <= 1 or args.generation_chunk_size is None:
+    if world_size <= 1 or generation_chunk_size is None:
         return
-    per_process = plan.questions_per_step * args.num_generations
-    chunk = questions_per_chunk(args.generation_chunk_size, args.num_generations,
-                                per_process) * args.num_generations
+    per_process = questions_per_step * num_generations
+    chunk = questions_per_chunk(generation_chunk_size, num_generations,
+                                questions_per_step) * num_generations
     if per_process % chunk:
         raise ConfigError(
-            f"'generation_chunk_size' is {args.generation_chunk_size}: each of the {world_size} "
-            f"processes generates {per_process} completions a step ({plan.questions_per_step} "
-            f"questions x {args.num_generations}), which is not a whole number of generation "
+            f"'generation_chunk_size' is {generation_chunk_size}: each of the {world_size} "
+            f"processes generates {per_process} completions a step ({questions_per_step} "
+            f"questions x {num_generations}), which is not a whole number of generation "
             f"batches of {chunk}, so the global batch cannot be cut evenly across processes. "
             f"Set generation_chunk_size to a divisor of {per_process} (or None), or change "
             f"per_device_train_batch_size")
