@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import ROWS
 from helpers import dist_worker as _dist_worker
 from cppo.run import checkpoint as ckpt
 from cppo.algorithm import group_advantages, plan_step

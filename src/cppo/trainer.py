@@ -16,7 +16,6 @@ import math
 import signal
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 

@@ -28,7 +28,6 @@ micro-batches everywhere, and no change to the loss.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 
 import torch
