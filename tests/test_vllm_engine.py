@@ -199,7 +199,7 @@ def test_bad_settings_fail_before_the_engine_starts(untied, monkeypatch):
     with pytest.raises(ConfigError, match="'vllm_max_model_length' is 300, above the model's "
                                           "max_position_embeddings = 256"):
         VLLMBackend(untied.model, untied.tokenizer, engine_args(vllm_max_model_length=300))
-    monkeypatch.setattr("cppo.config.installed_vllm_version", lambda: "0.22.1")
+    monkeypatch.setattr("cppo.config.checks.installed_vllm_version", lambda: "0.22.1")
     with pytest.raises(ConfigError, match=r"vLLM 0.22.1 is installed; cppo supports vLLM >= 0.32, < 0.33"):
         engine_args()
 
