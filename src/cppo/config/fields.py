@@ -61,8 +61,9 @@ class CPPOConfig:
     eval_dataset_split: str = option("test", "Held-out split used for evaluation.")
     prompt_style: str = option("r1", "Prompt for gsm8k/math: 'r1' (<think>/<answer>), 'boxed', 'none'.",
                            ("r1", "boxed", "none"))
-    task_level: int = option(3, "Embedded task difficulty: 1 add 2-digit, 2 mul 2x1 digit, "
-                         "3 mul 2x2 digit, 4 two-step ab*cd+ef.", arithmetic.LEVELS)
+    task_level: int = option(arithmetic.DEFAULT_LEVEL, "Embedded task difficulty: 1 add 2-digit, "
+                             "2 mul 2x1 digit, 3 mul 2x2 digit, 4 two-step ab*cd+ef.",
+                             arithmetic.LEVELS)
     num_train_questions: Optional[int] = option(None, "Use only the first N training questions "
                                             "(one pass = one epoch). None: all.")
     reward_funcs: list[str] = option(["arithmetic"], "Reward functions: registry names "

@@ -28,6 +28,7 @@ from typing import Iterable
 
 TEST_FRACTION = 0.10
 LEVELS = (1, 2, 3, 4)
+DEFAULT_LEVEL = 3   # 2x2-digit multiplication: the embedded default
 # operand digit counts and operators per level; answer width in digits
 _LEVEL_SPEC = {
     1: ((2, 2), ("+",), 3),
@@ -98,7 +99,7 @@ def _split_problems(level: int, split: str) -> tuple[Problem, ...]:
     return tuple(p for p in all_problems(level) if is_test_problem(p.prompt) == want_test)
 
 
-def generate(level: int = 3, split: str = "train", n: int | None = None, seed: int = 0) -> list[Problem]:
+def generate(level: int = DEFAULT_LEVEL, split: str = "train", n: int | None = None, seed: int = 0) -> list[Problem]:
     """n distinct problems of a split in a seeded random order (all of them when n is None)."""
     pool = split_problems(level, split)
     if n is not None and not 1 <= n <= len(pool):
