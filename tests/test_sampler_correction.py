@@ -84,9 +84,10 @@ def test_trls_fields_are_honoured_under_cppos_names():
                    "sequence_mask", "importance_sampling_clip_max": None,
                    "importance_sampling_clip_min": 0.5}
     # TRL's older name wins over clip_max, as in TRL; its default (null) sets nothing
-    out, _ = translate({"vllm_importance_sampling_clip_max": 4.0,
-                        "vllm_importance_sampling_cap": 2.0}, known)
-    assert out == {"importance_sampling_clip_max": 2.0}
+    for order in ((4.0, 2.0), (2.0, 4.0)):
+        values = dict(zip(("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap")
+                          [::1 if order[0] == 4.0 else -1], order))
+        assert translate(values, known)[0] == {"importance_sampling_clip_max": 2.0}
     assert translate({"vllm_importance_sampling_cap": None}, known) == ({}, {})
 
 
