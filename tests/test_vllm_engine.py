@@ -254,12 +254,14 @@ def test_cppo_train_with_vllm_three_steps_then_resume(tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
 
 
-def test_cppo_train_with_vllm_under_torchrun_two_processes(tmp_path):
-    """ddp, 2 processes, each with its own engine; no environment variable set by hand."""
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+def test_cppo_train_with_vllm_under_torchrun_two_processes(tmp_path, distributed):
+    """2 processes, each with its own engine (fsdp: the weights pushed from the gathered
+    policy); no environment variable set by hand."""
     out = tmp_path / "run"
     run = run_cli(["train", "--use_vllm", "true", "--output_dir", str(out), "--max_steps", "3",
                    "--eval_num_questions", "8", "--per_device_train_batch_size", "16",
-                   "--progress_bar", "false"], processes=2)
+                   "--progress_bar", "false", "--distributed", distributed], processes=2)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     assert run.stdout.count("vllm_enable_sleep_mode: vLLM has no sleep mode on cpu") == 1
     values = losses(out)
