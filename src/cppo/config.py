@@ -34,6 +34,11 @@ class VLLMUnavailableError(ConfigError, ImportError):
     """use_vllm is on but vLLM cannot be imported; the message names the extra to install."""
 
 
+class VLLMServerError(ConfigError, ConnectionError):
+    """vllm_mode: server cannot reach its server, or cannot push weights to it from here; the
+    message names the address, the fields and the fix."""
+
+
 def option(default, help: str, choices: typing.Collection | None = None, **kw):
     """A dataclass field carrying its help text (and allowed choices) in metadata; shared by
     every config dataclass of the CLI. `choices` may be a registry (a dict): it is read when a
@@ -151,6 +156,18 @@ class CPPOConfig:
         1, "colocate: devices one vLLM engine spreads the model over (TRL name). cppo runs one "
         "engine per training process: 1 only; for a model that needs more, serve it with `trl "
         "vllm-serve --tensor-parallel-size N` and use vllm_mode: server.")
+    vllm_server_base_url: Optional[str] = option(
+        None, "server: the URL of a running `trl vllm-serve` (vLLM's server with TRL's flags), e.g. "
+        "http://10.0.0.2:8000 (TRL name). None: http://vllm_server_host:vllm_server_port.")
+    vllm_server_host: str = option("0.0.0.0", "server: its host when vllm_server_base_url is None "
+                                   "(TRL name).")
+    vllm_server_port: int = option(8000, "server: its port when vllm_server_base_url is None (TRL "
+                                   "name).")
+    vllm_server_timeout: float = option(
+        240.0, "server: seconds to wait for the server to answer at start-up before the run stops "
+        "with an error naming the address (TRL name).")
+    vllm_group_port: int = option(51216, "server: the port of the NCCL group through which the "
+                                  "weights are pushed (TRL name).")
     vllm_max_model_length: Optional[int] = option(
         None, "colocate: vLLM's max_model_len, prompt + completion tokens (TRL name). None: "
         "max_prompt_length + max_completion_length, capped at the model's "
@@ -526,6 +543,13 @@ def validate(cfg: CPPOConfig) -> None:
            f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; must be >= 1")
     _check(0 < cfg.vllm_gpu_memory_utilization <= 1,
            f"'vllm_gpu_memory_utilization' is {cfg.vllm_gpu_memory_utilization}; allowed: (0, 1]")
+    _check(cfg.vllm_server_timeout >= 0,
+           f"'vllm_server_timeout' is {cfg.vllm_server_timeout}; must be >= 0 (seconds)")
+    for key in ("vllm_server_port", "vllm_group_port"):
+        _check(0 < getattr(cfg, key) < 65536, f"'{key}' is {getattr(cfg, key)}; allowed: 1..65535")
+    _check(cfg.vllm_server_base_url is None or "://" in cfg.vllm_server_base_url,
+           f"'vllm_server_base_url' is {cfg.vllm_server_base_url!r}; expected a URL such as "
+           f"http://host:8000")
     if cfg.use_vllm:
         validate_vllm(cfg)
     _check(not (cfg.generation_dtype and cfg.use_vllm),

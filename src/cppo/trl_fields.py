@@ -32,7 +32,7 @@ ALGO = "a GRPO variant cppo does not implement; the run uses the clipped GRPO lo
 VLLM = "vLLM engine settings: cppo's vLLM backend uses vLLM's defaults"
 # honoured under their own names (CPPOConfig fields): vllm_mode, vllm_model_impl,
 # vllm_enable_sleep_mode, vllm_gpu_memory_utilization, vllm_max_model_length,
-# vllm_tensor_parallel_size
+# vllm_tensor_parallel_size, vllm_server_base_url / _host / _port / _timeout, vllm_group_port
 SAMPLER = "cppo's sampler takes temperature, top_p and top_k only"
 PRECISION = "not supported; use bf16 (autocast) or torch_dtype"
 LOAD = "cppo loads models with torch_dtype and attn_implementation only"
@@ -310,11 +310,6 @@ TRL_FIELDS: dict[str, tuple] = {
     "use_transformers_paged": ignored("cppo's own sampler", False),
     "max_tool_calling_iterations": ignored("tool calling is not supported", None),
     "vllm_structured_outputs_regex": ignored(VLLM, None),
-    "vllm_server_base_url": ignored(VLLM, None),
-    "vllm_server_host": ignored(VLLM, "0.0.0.0"),
-    "vllm_server_port": ignored(VLLM, 8000),
-    "vllm_server_timeout": ignored(VLLM, 240.0),
-    "vllm_group_port": ignored(VLLM, 51216),
     "vllm_importance_sampling_correction": rename("importance_sampling_correction"),
     "vllm_importance_sampling_mode": rename("importance_sampling_mode"),
     "vllm_importance_sampling_clip_max": mapped(_clip_max, "-> importance_sampling_clip_max "
