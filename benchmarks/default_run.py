@@ -35,6 +35,7 @@ ROWS = {
     "default": [],
     "grpo": ["--pruning_rate", "0"],
     "grpo_same_time": ["--pruning_rate", "0", "--max_steps", "1000"],
+    "vllm": ["--use_vllm", "true", "--vllm_enable_sleep_mode", "false"],   # vLLM generating
 }
 RECIPE_KEYS = ("pruning_rate", "num_generations", "per_device_train_batch_size", "max_steps",
                "max_completion_length", "learning_rate", "lr_scheduler_type")
