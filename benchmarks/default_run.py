@@ -35,6 +35,7 @@ ROWS = {
     "default": [],
     "grpo": ["--pruning_rate", "0"],
     "grpo_same_time": ["--pruning_rate", "0", "--max_steps", "1000"],
+    "vllm": ["--use_vllm", "true", "--vllm_enable_sleep_mode", "false"],   # vLLM generating
 }
 RECIPE_KEYS = ("pruning_rate", "num_generations", "per_device_train_batch_size", "max_steps",
                "max_completion_length", "learning_rate", "lr_scheduler_type")
@@ -48,7 +49,7 @@ def run_env(threads: int, emulate_avx2: bool) -> dict:
 
 def describe_machine(env: dict) -> dict:
     """cppo.parallel.hardware.describe() as the runs see it (same environment, so an emulated limit shows)."""
-    code = "import json; from cppo.parallel import hardware; print(json.dumps(hardware.describe()))"
+    code = "import json; from cppo.parallel.engines import hardware; print(json.dumps(hardware.describe()))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout
     return json.loads(out.strip().splitlines()[-1])

@@ -178,3 +178,56 @@ def test_model_states_count_trainable_parameters_four_times_and_shards_locally()
     sharded = torch.nn.Module()
     sharded.weight = Shard(torch.zeros(10, 10))
     assert model_state_bytes(sharded) == 4 * 50 * 4
+
+
+def colocated(tiny_model_dir, **kw):
+    """A config with vLLM colocated (set after validation: no engine is started here)."""
+    from cppo.config import CPPOConfig
+    from cppo.models import load_model
+    cfg = CPPOConfig(num_generations=4, max_completion_length=8, max_prompt_length=24,
+                     per_device_train_batch_size=16)
+    for key, value in dict(use_vllm=True, vllm_mode="colocate", **kw).items():
+        setattr(cfg, key, value)
+    return cfg, load_model(tiny_model_dir)
+
+
+def test_a_colocated_vllm_engine_takes_its_share_of_the_budget(tiny_model_dir, monkeypatch):
+    """CPU (vLLM's CPU build): its copy of the weights plus its KV cache (cppo's size for it,
+    or VLLM_CPU_KVCACHE_SPACE); CUDA: vllm_gpu_memory_utilization of the device unless sleep
+    mode releases it; server mode: nothing on this device."""
+    import cppo.parallel.memory as memory
+    from cppo.sampling.backends import cpu_kv_cache_bytes, vllm_max_model_len
+    cfg, policy = colocated(tiny_model_dir)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    weights = sum(p.numel() * p.element_size() for p in policy.parameters())
+    cache = cpu_kv_cache_bytes(cfg, policy.config, torch.float32,
+                               vllm_max_model_len(cfg, policy.config),
+                               memory.device_memory_bytes("cpu"))
+    cpu = torch.device("cpu")
+    assert memory.vllm_engine_bytes(cfg, policy, cpu, 64 * GIB) == weights + cache
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert memory.vllm_engine_bytes(cfg, policy, cpu, 64 * GIB) == weights + 2 * GIB
+    cuda = torch.device("cuda", 0)
+    cfg.vllm_enable_sleep_mode = False
+    assert memory.vllm_engine_bytes(cfg, policy, cuda, 80 * GIB) == int(0.3 * 80 * GIB)
+    cfg.vllm_enable_sleep_mode = True
+    assert memory.vllm_engine_bytes(cfg, policy, cuda, 80 * GIB) == 0
+    cfg.vllm_mode = "server"
+    assert memory.vllm_engine_bytes(cfg, policy, cpu, 64 * GIB) == 0
+
+    # plan_for_run hands the budget less the engine's share to the batch planner
+    seen = []
+    monkeypatch.setattr(memory, "plan_batch_sizes", lambda shape, budget_bytes, **kw: seen.append(budget_bytes))
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 8 * GIB)
+    cfg.vllm_mode = "colocate"
+    memory.plan_for_run(cfg, policy, None, cpu)
+    cfg.use_vllm = False
+    memory.plan_for_run(cfg, policy, None, cpu)
+    assert seen[1] - seen[0] == weights + 2 * GIB
+
+
+def test_an_engine_share_that_leaves_nothing_is_an_error_naming_the_field():
+    with pytest.raises(ConfigError, match="colocated vLLM engine 60.0 GiB .*vllm_gpu_memory_utilization"):
+        budget_bytes(None, device_bytes=80 * GIB, state_bytes=20 * GIB, engine_bytes=60 * GIB)
+    assert budget_bytes(None, device_bytes=80 * GIB, state_bytes=20 * GIB,
+                        engine_bytes=24 * GIB) == int(0.9 * 80 * GIB) - 44 * GIB

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cppo.config import CPPOConfig
-from cppo.config.trl_fields import _MISSING, DEFAULTS_DIFFER, TRL_FIELDS, translate
+from cppo.config.trl_fields import _MISSING, DEFAULTS_DIFFER, MAPPED_DEFAULTS_DIFFER, TRL_FIELDS, translate
 
 trl = pytest.importorskip("trl")
 
@@ -69,9 +69,7 @@ def test_the_table_has_no_field_trl_lacks():
 
 def test_trls_defaults_that_make_it_behave_otherwise_are_named():
     own = OWN
-    for values, field in (({"bf16": None}, "bf16"), ({"save_total_limit": None}, "save_total_limit"),
-                          ({"vllm_importance_sampling_mode": "sequence_mask"},
-                           "vllm_importance_sampling_mode")):
+    for values, field in (({"bf16": None}, "bf16"), ({"save_total_limit": None}, "save_total_limit")):
         out, dropped = translate(values, own)
         assert field in dropped and field not in out
 
@@ -84,6 +82,21 @@ def test_honoured_defaults_that_differ_from_trl_are_listed_in_the_guide():
     guide = GUIDE.read_text()
     section = guide.split("## Defaults that differ from TRL's", 1)[1].split("\n## ", 1)[0]
     assert [n for n in DEFAULTS_DIFFER if f"`{n}`" not in section] == []
+
+
+def test_mapped_fields_whose_trl_default_differs_from_cppos_are_listed_in_the_guide():
+    """A mapped TRL field whose default maps to a value other than cppo's default: its target is
+    in DEFAULTS_DIFFER, or the TRL name in MAPPED_DEFAULTS_DIFFER, and the guide's table has it."""
+    cfg, differ = CPPOConfig(), set()
+    for name, (kind, _, _) in TRL_FIELDS.items():
+        if kind != "mapped" or FIELDS.get(name, _MISSING) is _MISSING:
+            continue
+        out, _ = translate({name: FIELDS[name]}, OWN)
+        if any(getattr(cfg, k) != v for k, v in out.items() if k not in DEFAULTS_DIFFER):
+            differ.add(name)
+    assert differ == set(MAPPED_DEFAULTS_DIFFER)
+    section = GUIDE.read_text().split("## Defaults that differ from TRL's", 1)[1].split("\n## ", 1)[0]
+    assert [n for n in MAPPED_DEFAULTS_DIFFER if f"`{n}`" not in section] == []
 
 
 def test_the_objective_fields_are_honoured_with_trls_defaults():

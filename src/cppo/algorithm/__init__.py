@@ -18,6 +18,8 @@ from cppo.algorithm.loss import (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, POLICY_
                                  per_token_policy_loss, reduce_loss)
 from cppo.algorithm.masks import high_entropy_mask, off_policy_mask
 from cppo.algorithm.reference import mix_into_reference
+from cppo.algorithm.sampler_correction import (IMPORTANCE_SAMPLING_MODES, sampler_correction_stats,
+                                               sampler_importance_weights)
 from cppo.algorithm.selection import (
     GLOBAL_SCOPE,
     RULE_TRAITS,
@@ -57,6 +59,9 @@ __all__ = [
     "combine_rewards",
     "group_advantages",
     "importance_weights",
+    "IMPORTANCE_SAMPLING_MODES",
+    "sampler_importance_weights",
+    "sampler_correction_stats",
     "keep_highest_scores",
     "masked_mean",
     "per_token_policy_loss",

@@ -79,6 +79,27 @@ def _check_objective(cfg) -> None:
                       f"loss_type: grpo (TRL warns too)", UserWarning, stacklevel=4)
 
 
+def _check_sampler_correction(cfg) -> None:
+    """The importance-sampling bounds, as TRL checks them (and vespo's token modes)."""
+    low, high, mode = cfg.importance_sampling_clip_min, cfg.importance_sampling_clip_max, \
+        cfg.importance_sampling_mode
+    check(high is None or high > 0,
+          f"'importance_sampling_clip_max' is {high}; must be > 0 or None (no upper bound)")
+    check(low is None or low >= 0,
+          f"'importance_sampling_clip_min' is {low}; must be >= 0 or None (no lower bound)")
+    check(low is None or high is None or low < high,
+          f"'importance_sampling_clip_min' ({low}) must be less than "
+          f"'importance_sampling_clip_max' ({high})")
+    if not cfg.importance_sampling_correction:
+        return
+    check(not (mode.endswith("truncate") and low is None and high is None),
+          f"'importance_sampling_mode' is {mode}, which clamps the weights: set "
+          f"importance_sampling_clip_max or importance_sampling_clip_min")
+    check(not (cfg.loss_type == "vespo" and mode.startswith("sequence")),
+          f"'importance_sampling_mode' is {mode}; loss_type vespo takes token_truncate or "
+          f"token_mask (it forms its own sequence weight; TRL refuses the same)")
+
+
 def validate(cfg) -> None:
     """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
     check_fields(cfg)
@@ -102,12 +123,18 @@ def validate(cfg) -> None:
     check(cfg.num_iterations >= 1, f"'num_iterations' is {cfg.num_iterations}; must be >= 1")
     check(0 < cfg.top_p <= 1, f"'top_p' is {cfg.top_p}; allowed: 0 < top_p <= 1")
     check(cfg.top_k >= 0, f"'top_k' is {cfg.top_k}; must be >= 0 (0: off)")
-    check(cfg.importance_sampling_clip_max >= 1,
-          f"'importance_sampling_clip_max' is {cfg.importance_sampling_clip_max}; must be >= 1")
+    _check_sampler_correction(cfg)
     check(cfg.vllm_tensor_parallel_size >= 1,
           f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; must be >= 1")
     check(0 < cfg.vllm_gpu_memory_utilization <= 1,
           f"'vllm_gpu_memory_utilization' is {cfg.vllm_gpu_memory_utilization}; allowed: (0, 1]")
+    check(cfg.vllm_server_timeout >= 0,
+          f"'vllm_server_timeout' is {cfg.vllm_server_timeout}; must be >= 0 (seconds)")
+    for key in ("vllm_server_port", "vllm_group_port"):
+        check(0 < getattr(cfg, key) < 65536, f"'{key}' is {getattr(cfg, key)}; allowed: 1..65535")
+    check(cfg.vllm_server_base_url is None or "://" in cfg.vllm_server_base_url,
+          f"'vllm_server_base_url' is {cfg.vllm_server_base_url!r}; expected a URL such as "
+          f"http://host:8000")
     if cfg.use_vllm:
         validate_vllm(cfg)
     check(not (cfg.generation_dtype and cfg.use_vllm),

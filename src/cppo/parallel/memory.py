@@ -169,18 +169,45 @@ def model_state_bytes(policy, reference=None) -> int:
     return total
 
 
-def budget_bytes(memory_budget_gib: float | None, *, device_bytes: int, state_bytes: int) -> int:
-    """The user's budget, or USABLE_FRACTION of the device less the model states."""
+def budget_bytes(memory_budget_gib: float | None, *, device_bytes: int, state_bytes: int,
+                 engine_bytes: int = 0) -> int:
+    """The user's budget, or USABLE_FRACTION of the device less the model states and a colocated
+    vLLM engine's share (`vllm_engine_bytes`)."""
     if memory_budget_gib is not None:
         return int(memory_budget_gib * GIB)
-    left = int(USABLE_FRACTION * device_bytes) - state_bytes
+    left = int(USABLE_FRACTION * device_bytes) - state_bytes - engine_bytes
     if left <= 0:
+        engine = (f" and the colocated vLLM engine {engine_bytes / GIB:.1f} GiB (lower "
+                  f"vllm_gpu_memory_utilization, or use vllm_mode: server)" if engine_bytes else "")
         raise ConfigError(
-            f"weights, gradients, optimizer state and reference take {state_bytes / GIB:.1f} GiB, "
-            f"more than {USABLE_FRACTION:.0%} of the device's {device_bytes / GIB:.1f} GiB; use "
-            f"LoRA (use_peft: true) or more devices, or set 'memory_budget_gib' to the memory "
-            f"that is really left for activations (e.g. when weights are sharded)")
+            f"weights, gradients, optimizer state and reference take {state_bytes / GIB:.1f} GiB"
+            f"{engine}, more than {USABLE_FRACTION:.0%} of the device's "
+            f"{device_bytes / GIB:.1f} GiB; use LoRA (use_peft: true) or more devices, or set "
+            f"'memory_budget_gib' to the memory that is really left for activations (e.g. when "
+            f"weights are sharded)")
     return left
+
+
+def vllm_engine_bytes(args, policy, device, device_bytes: int) -> int:
+    """What a colocated vLLM engine keeps on this device while the trainer's passes run (0 without
+    one). CUDA: vllm_gpu_memory_utilization of the device, its weights and KV cache -- 0 with
+    vllm_enable_sleep_mode, which releases both after each generation (level 2). vLLM's CPU build
+    (no sleep mode): its copy of the weights plus its KV cache (VLLM_CPU_KVCACHE_SPACE GiB when
+    set, else what cppo.sampling.backends.cpu_kv_cache_bytes gives it)."""
+    if not (args.use_vllm and args.vllm_mode == "colocate"):
+        return 0
+    if getattr(device, "type", device) == "cuda":
+        return 0 if args.vllm_enable_sleep_mode else int(args.vllm_gpu_memory_utilization * device_bytes)
+    from cppo.sampling.backends import cpu_kv_cache_bytes, vllm_max_model_len
+    dtype = next(policy.parameters()).dtype
+    weights = sum(p.numel() for p in policy.parameters()) * next(policy.parameters()).element_size()
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if space:
+        cache = int(float(space) * GIB)
+    else:
+        cache = cpu_kv_cache_bytes(args, policy.config, dtype, vllm_max_model_len(args, policy.config),
+                                   device_memory_bytes("cpu"))
+    return weights + cache
 
 
 def check_batch_settings(sizes: BatchSizes, *, per_device_train_batch_size: int,
@@ -215,8 +242,10 @@ def plan_for_run(args, policy, reference, device, *, tokenizer=None, rows=()) ->
     weight_bytes = next(policy.parameters()).element_size()
     sampling_bytes = (torch.empty(0, dtype=getattr(torch, args.generation_dtype)).element_size()
                       if args.generation_dtype else weight_bytes)
-    budget = budget_bytes(args.memory_budget_gib, device_bytes=device_memory_bytes(device),
-                          state_bytes=model_state_bytes(policy, reference))
+    device_bytes = device_memory_bytes(device)
+    budget = budget_bytes(args.memory_budget_gib, device_bytes=device_bytes,
+                          state_bytes=model_state_bytes(policy, reference),
+                          engine_bytes=vllm_engine_bytes(args, policy, device, device_bytes))
     return plan_batch_sizes(ModelShape.from_config(policy.config), budget_bytes=budget,
                             prompt_length=prompt_length,
                             completion_length=args.max_completion_length,

