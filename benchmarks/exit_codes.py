@@ -94,7 +94,7 @@ def tiny_model(path: Path) -> str:
 
 def launch(script: list[str], env: dict, log: Path) -> tuple[int, int, float]:
     """(torchrun's exit code, workers killed by SIGABRT, seconds)."""
-    from cppo.sampling.backends import free_port
+    from cppo.parallel.processes import free_port
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + script
     began = time.perf_counter()
@@ -172,7 +172,7 @@ def stop_latency(model: str, root: Path, repeats: int, load: int) -> list[dict]:
                            "--progress_bar", "false"]
                 after = 5
             else:
-                from cppo.sampling.backends import free_port
+                from cppo.parallel.processes import free_port
                 config = dict(output_dir=str(run_dir), per_device_train_batch_size=2,
                               gradient_accumulation_steps=2, num_generations=4, pruning_rate=0.5,
                               selection_scope="global", beta=0.04, num_iterations=2, max_steps=400,

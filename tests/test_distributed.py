@@ -28,7 +28,7 @@ from cppo.algorithm import group_advantages, plan_step
 from cppo.config import CPPOConfig
 from cppo.errors import ConfigError
 from cppo.parallel.processes import Distributed, check_launcher
-from cppo.sampling.backends import free_port
+from cppo.parallel.processes import free_port
 from cppo.parallel.engines import block_classes, check_layout, launcher_strategy
 from cppo.errors import ShardingError
 

@@ -77,8 +77,13 @@ def test_a_budget_too_small_for_one_sequence_is_an_error():
 
 def tiny_sizes(trainer, budget_gib):
     from cppo.parallel.memory import plan_for_run
-    trainer.args.memory_budget_gib = budget_gib
-    return plan_for_run(trainer.args, trainer.policy, trainer.reference, trainer.device)
+    args = trainer.args
+    return plan_for_run(trainer.policy, trainer.reference, trainer.device,
+                        max_prompt_length=args.max_prompt_length,
+                        max_completion_length=args.max_completion_length,
+                        num_generations=args.num_generations, generation_dtype=args.generation_dtype,
+                        bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
+                        memory_budget_gib=budget_gib)
 
 
 def test_trainer_uses_the_budget_for_generation_and_evaluation(tiny_model_dir, tmp_path,
@@ -196,7 +201,7 @@ def test_a_colocated_vllm_engine_takes_its_share_of_the_budget(tiny_model_dir, m
     or VLLM_CPU_KVCACHE_SPACE); CUDA: vllm_gpu_memory_utilization of the device unless sleep
     mode releases it; server mode: nothing on this device."""
     import cppo.parallel.memory as memory
-    from cppo.sampling.backends import cpu_kv_cache_bytes, vllm_max_model_len
+    from cppo.sampling.vllm import cpu_kv_cache_bytes, vllm_engine_bytes, vllm_max_model_len
     cfg, policy = colocated(tiny_model_dir)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     weights = sum(p.numel() * p.element_size() for p in policy.parameters())
@@ -204,26 +209,29 @@ def test_a_colocated_vllm_engine_takes_its_share_of_the_budget(tiny_model_dir, m
                                vllm_max_model_len(cfg, policy.config),
                                memory.device_memory_bytes("cpu"))
     cpu = torch.device("cpu")
-    assert memory.vllm_engine_bytes(cfg, policy, cpu, 64 * GIB) == weights + cache
+    assert vllm_engine_bytes(cfg, policy, cpu, 64 * GIB) == weights + cache
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
-    assert memory.vllm_engine_bytes(cfg, policy, cpu, 64 * GIB) == weights + 2 * GIB
+    assert vllm_engine_bytes(cfg, policy, cpu, 64 * GIB) == weights + 2 * GIB
     cuda = torch.device("cuda", 0)
     cfg.vllm_enable_sleep_mode = False
-    assert memory.vllm_engine_bytes(cfg, policy, cuda, 80 * GIB) == int(0.3 * 80 * GIB)
+    assert vllm_engine_bytes(cfg, policy, cuda, 80 * GIB) == int(0.3 * 80 * GIB)
     cfg.vllm_enable_sleep_mode = True
-    assert memory.vllm_engine_bytes(cfg, policy, cuda, 80 * GIB) == 0
+    assert vllm_engine_bytes(cfg, policy, cuda, 80 * GIB) == 0
     cfg.vllm_mode = "server"
-    assert memory.vllm_engine_bytes(cfg, policy, cpu, 64 * GIB) == 0
+    assert vllm_engine_bytes(cfg, policy, cpu, 64 * GIB) == 0
 
     # plan_for_run hands the budget less the engine's share to the batch planner
     seen = []
     monkeypatch.setattr(memory, "plan_batch_sizes", lambda shape, budget_bytes, **kw: seen.append(budget_bytes))
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 8 * GIB)
     cfg.vllm_mode = "colocate"
-    memory.plan_for_run(cfg, policy, None, cpu)
-    cfg.use_vllm = False
-    memory.plan_for_run(cfg, policy, None, cpu)
-    assert seen[1] - seen[0] == weights + 2 * GIB
+    share = vllm_engine_bytes(cfg, policy, cpu, 8 * GIB)
+    run = dict(max_prompt_length=8, max_completion_length=4, num_generations=4,
+               generation_dtype=None, bf16=False, gradient_checkpointing=False,
+               memory_budget_gib=None)
+    memory.plan_for_run(policy, None, cpu, **run, engine_bytes=share)
+    memory.plan_for_run(policy, None, cpu, **run)
+    assert seen[1] - seen[0] == share == weights + 2 * GIB
 
 
 def test_an_engine_share_that_leaves_nothing_is_an_error_naming_the_field():

@@ -240,7 +240,7 @@ def test_vllm_backend_missing_names_the_extra(monkeypatch, tiny_dirs):
 
 
 def test_token_lists_become_completions():
-    from cppo.sampling.backends import completions_from_token_lists
+    from cppo.sampling.sampler import completions_from_token_lists
     out = completions_from_token_lists([[5, 6, 2, 9], [7, 8, 8], []], eos_token_id=2, pad_token_id=0,
                                        max_new_tokens=3)
     assert out.ids.tolist() == [[5, 6, 2], [7, 8, 8], [0, 0, 0]]

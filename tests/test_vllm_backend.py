@@ -16,8 +16,9 @@ import torch
 
 from cppo.config import CPPOConfig
 from cppo.errors import VLLMUnavailableError
-from cppo.sampling.backends import (VLLMBackend, chunk_seed, completions_with_logprobs, cpu_kv_cache_bytes,
-                                    sampled_logprobs, vllm_weight_name, vllm_weights)
+from cppo.sampling.sampler import chunk_seed
+from cppo.sampling.vllm import (VLLMBackend, completions_with_logprobs, cpu_kv_cache_bytes,
+                                sampled_logprobs, vllm_weight_name, vllm_weights)
 from cppo.models import load_model, load_tokenizer
 from cppo.sampling.sampler import completion_logprobs, encode_prompts
 
@@ -219,7 +220,7 @@ def test_a_push_that_misses_weights_is_caught(fake_vllm, tiny_model_dir, monkeyp
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    monkeypatch.setattr("cppo.sampling.backends.vllm_weight_name",   # a mapping that drops q_proj
+    monkeypatch.setattr("cppo.sampling.vllm.vllm_weight_name",   # a mapping that drops q_proj
                         lambda name: None if "q_proj" in name else name)
     with pytest.raises(RuntimeError, match="after the weight push vLLM's log-probs differ"):
         backend.generate(encode_prompts(tok, ["12*34="]), round_index=0)
@@ -344,7 +345,8 @@ def test_an_unreachable_server_is_an_error_naming_the_address_and_the_timeout():
     pytest.importorskip("trl")
     pytest.importorskip("vllm")   # TRL's client refuses to start without it
     from cppo.errors import VLLMServerError
-    from cppo.sampling.backends import connect_server, free_port
+    from cppo.parallel.processes import free_port
+    from cppo.sampling.vllm import connect_server
     port = free_port()   # nothing listens there
     args = CPPOConfig(vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
                       vllm_server_timeout=0.0)

@@ -51,7 +51,8 @@ def test_server_push_over_nccl_gives_the_updated_policy(tmp_path):
     import requests
     from trl.scripts.vllm_serve import ScriptArguments, build_command
     from cppo.config import CPPOConfig
-    from cppo.sampling.backends import VLLMBackend, free_port
+    from cppo.parallel.processes import free_port
+    from cppo.sampling.vllm import VLLMBackend
     from cppo.models import load_model, load_tokenizer
     from cppo.models.tokenizer import build_tokenizer
     from cppo.sampling.sampler import completion_logprobs, encode_prompts

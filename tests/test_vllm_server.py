@@ -21,7 +21,8 @@ pytest.importorskip("trl")
 
 from cppo.config import CPPOConfig               # noqa: E402
 from cppo.errors import VLLMServerError               # noqa: E402
-from cppo.sampling.backends import VLLMBackend, free_port                # noqa: E402
+from cppo.parallel.processes import free_port                # noqa: E402
+from cppo.sampling.vllm import VLLMBackend
 from cppo.models import load_model, load_tokenizer                # noqa: E402
 from cppo.sampling.sampler import completion_logprobs, encode_prompts     # noqa: E402
 

@@ -35,7 +35,7 @@ from cppo.errors import CallbackError, ConfigError
 from cppo.evaluate import evaluate
 from cppo.parallel.engines import Engine, check_layout, pad_rows, resolve_strategy
 from cppo.parallel.hardware import warn_slow_precision
-from cppo.parallel.memory import check_batch_settings, plan_for_run
+from cppo.parallel.memory import check_batch_settings, device_memory_bytes, plan_for_run
 from cppo.parallel.processes import Distributed, launcher_restarts
 from cppo.rewards.runner import RewardRunner, unpadded_ids
 from cppo.run import checkpoint as ckpt
@@ -44,8 +44,10 @@ from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
 from cppo.run.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to,
                                length_metrics, write_plots)
-from cppo.sampling.backends import chunk_seed, make_backend
-from cppo.sampling.sampler import Completions, PromptBatch, completion_logprobs, encode_prompts
+from cppo.sampling.backends import make_backend
+from cppo.sampling.sampler import (Completions, PromptBatch, chunk_seed, completion_logprobs,
+                                   encode_prompts)
+from cppo.sampling.vllm import vllm_engine_bytes
 
 
 class QuestionStream:
@@ -102,8 +104,14 @@ class CPPOTrainer:
         self._check_generation_dtype()
         warn_slow_precision(args, self.device)   # bf16 on a CPU without native bf16
         self.task = self._load_data(train_dataset, eval_dataset)
-        self.batch_sizes = plan_for_run(args, self.policy, self.reference, self.device,  # memory
-                                        tokenizer=self.tokenizer, rows=self.task.train_rows)
+        self.batch_sizes = plan_for_run(   # how many completions fit at once, in each pass
+            self.policy, self.reference, self.device, max_prompt_length=args.max_prompt_length,
+            max_completion_length=args.max_completion_length, num_generations=args.num_generations,
+            generation_dtype=args.generation_dtype, bf16=args.bf16,
+            gradient_checkpointing=args.gradient_checkpointing,
+            memory_budget_gib=args.memory_budget_gib, tokenizer=self.tokenizer,
+            rows=self.task.train_rows, engine_bytes=vllm_engine_bytes(
+                args, self.policy, self.device, device_memory_bytes(self.device)))
         self.backend = make_backend(self.policy, self.tokenizer, args,
                                     chunk_size=args.generation_chunk_size or self.batch_sizes.generation)
         funcs = reward_funcs if reward_funcs is not None else args.reward_funcs

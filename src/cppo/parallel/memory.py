@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+import torch
+
 from cppo.errors import ConfigError
 
 
@@ -188,26 +190,29 @@ def budget_bytes(memory_budget_gib: float | None, *, device_bytes: int, state_by
     return left
 
 
-def vllm_engine_bytes(args, policy, device, device_bytes: int) -> int:
-    """What a colocated vLLM engine keeps on this device while the trainer's passes run (0 without
-    one). CUDA: vllm_gpu_memory_utilization of the device, its weights and KV cache -- 0 with
-    vllm_enable_sleep_mode, which releases both after each generation (level 2). vLLM's CPU build
-    (no sleep mode): its copy of the weights plus its KV cache (VLLM_CPU_KVCACHE_SPACE GiB when
-    set, else what cppo.sampling.backends.cpu_kv_cache_bytes gives it)."""
-    if not (args.use_vllm and args.vllm_mode == "colocate"):
-        return 0
-    if getattr(device, "type", device) == "cuda":
-        return 0 if args.vllm_enable_sleep_mode else int(args.vllm_gpu_memory_utilization * device_bytes)
-    from cppo.sampling.backends import cpu_kv_cache_bytes, vllm_max_model_len
-    dtype = next(policy.parameters()).dtype
-    weights = sum(p.numel() for p in policy.parameters()) * next(policy.parameters()).element_size()
-    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-    if space:
-        cache = int(float(space) * GIB)
-    else:
-        cache = cpu_kv_cache_bytes(args, policy.config, dtype, vllm_max_model_len(args, policy.config),
-                                   device_memory_bytes("cpu"))
-    return weights + cache
+def kv_cache_bytes_per_token(model_config, dtype: torch.dtype) -> int:
+    """Key + value bytes one token takes in every layer's KV cache."""
+    c = getattr(model_config, "text_config", None) or model_config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * (torch.finfo(dtype).bits // 8)
+
+
+CPU_BLOCK_SIZE = 128   # tokens per KV-cache block in vLLM's CPU build (its default there)
+
+
+def round_kv_cache_bytes(model_config, dtype: torch.dtype, *, max_model_len: int, sequences: int,
+                         ram_bytes: int, ram_fraction: float, max_num_seqs: int = 256) -> int:
+    """KV cache for vLLM's CPU build, whose gpu_memory_utilization is a fraction of the RAM that
+    must be free at start-up beside the trainer: the cache one generation round of `sequences`
+    completions needs (at max_model_len in whole blocks, at most max_num_seqs at once, plus 10 %),
+    at least one whole sequence, at most ram_fraction of the RAM."""
+    rows = min(sequences, max_num_seqs)
+    sequence = -(-max_model_len // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE
+    per_token = kv_cache_bytes_per_token(model_config, dtype)
+    need = int(rows * sequence * per_token * 1.1)
+    return max(sequence * per_token, min(need, int(ram_fraction * ram_bytes)))
 
 
 def check_batch_settings(sizes: BatchSizes, *, per_device_train_batch_size: int,
@@ -229,30 +234,31 @@ def check_batch_settings(sizes: BatchSizes, *, per_device_train_batch_size: int,
             f"{sizes.generation}, or None to use the largest that fits")
 
 
-def plan_for_run(args, policy, reference, device, *, tokenizer=None, rows=()) -> BatchSizes:
-    """plan_batch_sizes for a run's config and loaded models: the prompt length is
-    max_prompt_length (None: the longest of `rows`), the sampler's KV cache is in
-    generation_dtype (None: the weights' dtype), activations in bf16 under `bf16`."""
-    import torch
-    prompt_length = args.max_prompt_length
+def plan_for_run(policy, reference, device, *, max_prompt_length: int | None,
+                 max_completion_length: int, num_generations: int, generation_dtype: str | None,
+                 bf16: bool, gradient_checkpointing: bool, memory_budget_gib: float | None,
+                 engine_bytes: int = 0, tokenizer=None, rows=()) -> BatchSizes:
+    """plan_batch_sizes for a run's loaded models: the prompt length is max_prompt_length (None:
+    the longest of `rows`), the sampler's KV cache is in generation_dtype (None: the weights'
+    dtype), activations in bf16 under `bf16`; `engine_bytes` (a colocated vLLM engine's share)
+    comes off the device's memory."""
+    prompt_length = max_prompt_length
     if prompt_length is None:
         from cppo.sampling.sampler import encode_prompts
         prompt_length = (encode_prompts(tokenizer, [r["prompt"] for r in rows]).ids.shape[1]
                          if rows else 2048)
     weight_bytes = next(policy.parameters()).element_size()
-    sampling_bytes = (torch.empty(0, dtype=getattr(torch, args.generation_dtype)).element_size()
-                      if args.generation_dtype else weight_bytes)
-    device_bytes = device_memory_bytes(device)
-    budget = budget_bytes(args.memory_budget_gib, device_bytes=device_bytes,
-                          state_bytes=model_state_bytes(policy, reference),
-                          engine_bytes=vllm_engine_bytes(args, policy, device, device_bytes))
+    sampling_bytes = (torch.empty(0, dtype=getattr(torch, generation_dtype)).element_size()
+                      if generation_dtype else weight_bytes)
+    budget = budget_bytes(memory_budget_gib, device_bytes=device_memory_bytes(device),
+                          state_bytes=model_state_bytes(policy, reference), engine_bytes=engine_bytes)
     return plan_batch_sizes(ModelShape.from_config(policy.config), budget_bytes=budget,
                             prompt_length=prompt_length,
-                            completion_length=args.max_completion_length,
-                            num_generations=args.num_generations,
+                            completion_length=max_completion_length,
+                            num_generations=num_generations,
                             sampling_dtype_bytes=sampling_bytes,
-                            activation_bytes=2 if args.bf16 else weight_bytes,
-                            gradient_checkpointing=args.gradient_checkpointing)
+                            activation_bytes=2 if bf16 else weight_bytes,
+                            gradient_checkpointing=gradient_checkpointing)
 
 
 def eval_batch_size(model, tokenizer, rows, *, max_new_tokens: int, k: int,

@@ -166,6 +166,14 @@ class Distributed:
         return out
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (for a rendezvous or a server)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launcher_restarts(environ=os.environ) -> int:
     """How many times torchrun (or `accelerate launch`) has restarted this worker group
     (`--max-restarts`): 0 on the first start."""

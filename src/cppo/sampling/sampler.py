@@ -9,6 +9,7 @@ decoded together, one token per forward pass, with a cache. `transformers.genera
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -370,3 +371,23 @@ def token_entropy(logits: Tensor) -> Tensor:
         lg = lg.float()
         rows.append(torch.logsumexp(lg, -1) - (lg.softmax(-1) * lg).sum(-1))
     return torch.cat(rows).view(logits.shape[:-1]) if rows else flat.new_zeros(logits.shape[:-1], dtype=torch.float32)
+
+
+def chunk_seed(seed: int, round_index: int, question_offset: int) -> int:
+    """A 63-bit seed for the chunk of a round that starts at global question `question_offset`."""
+    digest = hashlib.sha256(f"cppo/{seed}/{round_index}/{question_offset}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def completions_from_token_lists(token_lists: list[list[int]], eos_token_id, pad_token_id: int,
+                                 max_new_tokens: int, device=None) -> Completions:
+    """Completions from per-completion token id lists (what vLLM returns)."""
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    kept, truncated = [], []
+    for tokens in token_lists:        # up to and including the first EOS, at most max_new_tokens
+        end = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
+        kept.append(list(tokens[:min(end or max_new_tokens, max_new_tokens)]))
+        truncated.append(end is None or end > max_new_tokens)
+    ids, mask = pad_token_lists(kept, pad_token_id, side="right", min_width=1)
+    truncated = torch.tensor(truncated, dtype=torch.bool)
+    return Completions(ids.to(device), mask.to(device), truncated.to(device))
