@@ -1,0 +1,1 @@
+"""Sampling completions: the KV-shared sampler, its backends, speculative decoding."""
