@@ -216,6 +216,13 @@ def test_ngram_drafts_from_own_text_and_siblings():
     drafts, counts = ngram_drafts(context, real, ends, torch.tensor([0]), 2, 4,
                                   torch.tensor([9]), max_ngram=3, min_ngram=1)
     assert counts.tolist() == [3] and drafts.tolist() == [[6, 1, 2, 0]]
+    # a suffix that would reach into left padding (pad id 9 here) does not count: "9 5" in the
+    # sibling is no match for row 0's "<pad> 5"; its "5" is (latest: followed by 8)
+    context = torch.tensor([[9, 9, 5, 9, 9, 9], [3, 9, 5, 7, 5, 8]])
+    real = torch.tensor([[False, False, True, False, False, False], [True] * 6])
+    drafts, counts = ngram_drafts(context, real, torch.tensor([3, 6]), torch.tensor([0]), 2, 1,
+                                  torch.tensor([5]), max_ngram=2, min_ngram=1)
+    assert counts.tolist() == [1] and drafts.tolist() == [[8]]
     # no match at all
     drafts, counts = ngram_drafts(torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.bool),
                                   torch.tensor([3]), torch.tensor([0]), 1, 2, torch.tensor([5]),
