@@ -239,3 +239,38 @@ def test_speculation_needs_the_lean_forward(tiny_model_dir):
                            speculative=Speculation(2))
     with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
         Speculation(2, prompt_lookup_max=1, prompt_lookup_min=2)
+
+
+def test_trainer_samples_speculatively_and_logs_it(tiny_model_dir, tmp_path):
+    import json
+    from helpers import make_trainer
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", num_speculative_tokens=3,
+                           max_completion_length=12, max_steps=2, save_steps=0)
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "speculative/acceptance_rate" in r]
+    assert steps and all(r["speculative/tokens_per_forward"] >= 1 for r in steps)
+    assert any(r["speculative/draft_tokens"] > 0 for r in steps)
+
+
+def test_speculation_config_errors(tiny_model_dir, tmp_path):
+    from cppo.config import CPPOConfig, ConfigError
+    from cppo.trainer import CPPOTrainer
+    from helpers import ROWS, odd_length_reward
+    with pytest.raises(ConfigError, match="'num_speculative_tokens' is 2 but 'lean_forward' is false"):
+        CPPOConfig(num_speculative_tokens=2, lean_forward=False)
+    with pytest.raises(ConfigError, match="'num_speculative_tokens' is 2, which applies to the "
+                                          "built-in sampler; with use_vllm"):
+        CPPOConfig(num_speculative_tokens=2, use_vllm=True)
+    with pytest.raises(ConfigError, match="'num_speculative_tokens' is -1"):
+        CPPOConfig(num_speculative_tokens=-1)
+    with pytest.raises(ConfigError, match="'prompt_lookup_min' is 3 and 'prompt_lookup_max' is 2"):
+        CPPOConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+    model = load_model(tiny_model_dir)
+    model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    with pytest.raises(ConfigError, match="'num_speculative_tokens' is 2, which needs the lean "
+                                          "forward.*forward hooks"):
+        CPPOTrainer(model=model, processing_class=load_tokenizer(tiny_model_dir),
+                    reward_funcs=[odd_length_reward], train_dataset=ROWS,
+                    args=CPPOConfig(output_dir=str(tmp_path / "run"), num_speculative_tokens=2,
+                                    max_steps=1, per_device_train_batch_size=8, num_generations=4))

@@ -117,6 +117,13 @@ class CPPOConfig:
         "bfloat16 samples faster on CPUs with AVX512-BF16/AMX and on GPUs (docs/benchmarks.md); the tokens then "
         "come from a slightly different distribution, corrected by importance sampling (below). "
         "Lean forward only (Llama/Qwen2/Mistral, no LoRA).", ("float32", "bfloat16", "float16"))
+    num_speculative_tokens: int = option(
+        0, "Speculative sampling in the built-in sampler: up to this many draft tokens per decode "
+        "step, found by n-gram look-up in the prompt and the question's other completions, "
+        "verified by the policy in one forward so that every completion keeps exactly the "
+        "policy's distribution (docs/performance.md). 0: off. Lean forward only. vLLM's name.")
+    prompt_lookup_max: int = option(3, "Speculative sampling: the longest n-gram matched (vLLM's name).")
+    prompt_lookup_min: int = option(1, "Speculative sampling: the shortest n-gram matched (vLLM's name).")
     importance_sampling_correction: bool = option(
         True, "When the sampler is not the policy itself (generation_dtype, vLLM), weight each token's "
         "loss by min(pi_policy / pi_sampler, importance_sampling_clip_max) (truncated importance "
@@ -495,6 +502,7 @@ def validate(cfg: CPPOConfig) -> None:
            f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; must be >= 1")
     _check(0 < cfg.vllm_gpu_memory_utilization <= 1,
            f"'vllm_gpu_memory_utilization' is {cfg.vllm_gpu_memory_utilization}; allowed: (0, 1]")
+    _check_speculation(cfg)
     if cfg.use_vllm:
         validate_vllm(cfg)
     _check(not (cfg.generation_dtype and cfg.use_vllm),
@@ -578,6 +586,21 @@ def installed_vllm_version() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return "unknown"   # importable, installed by another name (a source build): let it try
+
+
+def _check_speculation(cfg: CPPOConfig) -> None:
+    k = cfg.num_speculative_tokens
+    _check(k >= 0, f"'num_speculative_tokens' is {k}; must be >= 0 (0: off)")
+    _check(1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max,
+           f"'prompt_lookup_min' is {cfg.prompt_lookup_min} and 'prompt_lookup_max' is "
+           f"{cfg.prompt_lookup_max}; need 1 <= prompt_lookup_min <= prompt_lookup_max")
+    if k:
+        _check(not cfg.use_vllm,
+               f"'num_speculative_tokens' is {k}, which applies to the built-in sampler; with "
+               f"use_vllm, cppo does not pass a speculative config to vLLM: set it to 0")
+        _check(cfg.lean_forward,
+               f"'num_speculative_tokens' is {k} but 'lean_forward' is false; speculative "
+               f"sampling needs the lean forward")
 
 
 def validate_vllm(cfg: CPPOConfig) -> None:

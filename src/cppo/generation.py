@@ -30,8 +30,8 @@ import torch
 from cppo.config import ConfigError, VLLMUnavailableError
 from cppo.models.lean import lean_forward_for
 from cppo.padding import pad_token_lists
-from cppo.rollout import (Completions, PromptBatch, completion_logprobs, concat_completions,
-                          sample_completions)
+from cppo.rollout import (Completions, PromptBatch, Speculation, completion_logprobs,
+                          concat_completions, sample_completions)
 
 
 class GenerationBackend(Protocol):
@@ -76,11 +76,18 @@ class TransformersBackend:
                     max_new_tokens=args.max_completion_length, eos_token_id=tok.eos_token_id,
                     pad_token_id=tok.pad_token_id, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, generator=generator, lean=args.lean_forward,
-                    dtype=getattr(torch, args.generation_dtype) if args.generation_dtype else None))
+                    dtype=getattr(torch, args.generation_dtype) if args.generation_dtype else None,
+                    speculative=speculation(args)))
         finally:
             if toggle:
                 self.model.train(was_training)
         return concat_completions(parts, tok.pad_token_id)
+
+
+def speculation(args) -> Speculation | None:
+    """The built-in sampler's speculative settings from a config (None: off)."""
+    k = getattr(args, "num_speculative_tokens", 0)
+    return Speculation(k, args.prompt_lookup_max, args.prompt_lookup_min) if k else None
 
 
 def completions_from_token_lists(token_lists: list[list[int]], eos_token_id, pad_token_id: int,

@@ -209,6 +209,13 @@ def check_batch_settings(args, sizes: BatchSizes, *, completions_per_round: int)
             f"once, use 'generation_chunk_size'")
 
 
+def speculation_slots(args) -> int:
+    """Extra KV-cache slots per completion the speculative sampler keeps for rejected drafts."""
+    from cppo.generation import speculation
+    spec = speculation(args)
+    return spec.slack if spec is not None else 0
+
+
 def plan_for_run(args, policy, reference, device, *, tokenizer=None, rows=()) -> BatchSizes:
     """plan_batch_sizes for a run's config and loaded models: the prompt length is
     max_prompt_length (None: the longest of `rows`), the sampler's KV cache is in
@@ -226,7 +233,7 @@ def plan_for_run(args, policy, reference, device, *, tokenizer=None, rows=()) ->
                           state_bytes=model_state_bytes(policy, reference))
     return plan_batch_sizes(ModelShape.from_config(policy.config), budget_bytes=budget,
                             prompt_length=prompt_length,
-                            completion_length=args.max_completion_length,
+                            completion_length=args.max_completion_length + speculation_slots(args),
                             num_generations=args.num_generations,
                             sampling_dtype_bytes=sampling_bytes,
                             activation_bytes=2 if args.bf16 else weight_bytes,

@@ -197,14 +197,18 @@ class CPPOTrainer:
         return policy, tokenizer
 
     def _check_generation_dtype(self) -> None:
-        if self.args.generation_dtype is None:
+        """generation_dtype and num_speculative_tokens need the lean forward on this model."""
+        wants = [f"'generation_dtype' is {self.args.generation_dtype!r}"] if self.args.generation_dtype else []
+        if self.args.num_speculative_tokens and not self.args.use_vllm:
+            wants.append(f"'num_speculative_tokens' is {self.args.num_speculative_tokens}")
+        if not wants:
             return
         from cppo.models.lean import lean_forward_for
         with self.engine.gathered():   # the sampler runs on the gathered weights
             lean, reason = lean_forward_for(self.policy)
         if lean is None:
-            raise ConfigError(f"'generation_dtype' is {self.args.generation_dtype!r}, which needs "
-                              f"the lean forward, but it does not support this model: {reason}")
+            raise ConfigError(f"{' and '.join(wants)}, which needs the lean forward, but it does "
+                              f"not support this model: {reason}")
 
     def _load_reference(self, model):
         """No reference when beta = 0; with LoRA the base (adapters disabled) is the reference."""
@@ -507,6 +511,8 @@ class CPPOTrainer:
                    "cppo/kept_fraction": float(keep_mask.float().mean()),
                    "cppo/mean_abs_advantage_kept": float(abs_adv[keep_mask].mean()) if keep_mask.any() else 0.0,
                    "cppo/mean_abs_advantage_pruned": float(abs_adv[pruned].mean()) if pruned.any() else 0.0}
+        if completions.speculation is not None:
+            metrics.update(completions.speculation.metrics())
         self.counters["questions_seen"] += len(rows)
         self.counters["completions_scored"] += rewards.numel()
         self.counters["tokens_generated"] += int(lengths.sum())
