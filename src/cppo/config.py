@@ -117,6 +117,13 @@ class CPPOConfig:
         "bfloat16 samples faster on CPUs with AVX512-BF16/AMX and on GPUs (docs/benchmarks.md); the tokens then "
         "come from a slightly different distribution, corrected by importance sampling (below). "
         "Lean forward only (Llama/Qwen2/Mistral, no LoRA).", ("float32", "bfloat16", "float16"))
+    skip_zero_variance_prompts: bool = option(
+        False, "Skip rolling out questions whose latest groups all had zero reward variance (every "
+        "advantage 0): one is rolled out with probability max(skip_exploration_floor, 2^-streak), "
+        "streak = its zero-variance groups in a row; the step draws other questions instead. "
+        "The streaks are part of the checkpoint (docs/performance.md).")
+    skip_exploration_floor: float = option(
+        0.1, "skip_zero_variance_prompts: the least probability a question is rolled out with.")
     num_speculative_tokens: int = option(
         0, "Speculative sampling in the built-in sampler: up to this many draft tokens per decode "
         "step, found by n-gram look-up in the prompt and the question's other completions, "
@@ -503,6 +510,8 @@ def validate(cfg: CPPOConfig) -> None:
     _check(0 < cfg.vllm_gpu_memory_utilization <= 1,
            f"'vllm_gpu_memory_utilization' is {cfg.vllm_gpu_memory_utilization}; allowed: (0, 1]")
     _check_speculation(cfg)
+    _check(0 < cfg.skip_exploration_floor <= 1,
+           f"'skip_exploration_floor' is {cfg.skip_exploration_floor}; allowed: (0, 1]")
     if cfg.use_vllm:
         validate_vllm(cfg)
     _check(not (cfg.generation_dtype and cfg.use_vllm),

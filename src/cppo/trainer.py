@@ -29,6 +29,7 @@ from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, hi
                             off_policy_mask, per_token_policy_loss, reduce_loss, reward_stats,
                             select_completions, select_global)
 from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
+from cppo.algorithm.skipping import keep_probability, updated_streaks, zero_variance_groups
 from cppo.callbacks import CallbackError, Callbacks
 from cppo.completions_log import CompletionsLog
 from cppo.config import ConfigError, CPPOConfig
@@ -166,6 +167,8 @@ class CPPOTrainer:
         self.output_dir = Path(args.output_dir)
         self.timer = PhaseTimer()
         ckpt.RunState().apply(self)       # step, counters, history, ...: see ckpt.RunState
+        self.step_order: list[int] = []   # the step's question indices (all processes')
+        self.prompts_skipped_now = 0      # questions passed over by skip_zero_variance_prompts
         self.stop_requested = False
         self.window = MetricsWindow()     # each metric's values since the last logging step
         self.completions_log = CompletionsLog(self.output_dir, self.rewards.names,
@@ -244,10 +247,47 @@ class CPPOTrainer:
     # ---------------------------------------------------------------- one step --------------
     def take_questions(self) -> list[dict]:
         """This process's slice of the step's questions: every process walks the same seeded order
-        and takes its own contiguous part, so N processes x Q/N questions = 1 process x Q."""
+        and takes its own contiguous part, so N processes x Q/N questions = 1 process x Q. With
+        skip_zero_variance_prompts, questions predicted to have zero reward variance are passed
+        over (cppo.algorithm.skipping) and more are drawn in their place."""
         q = self.plan.questions_per_step
-        order = self.questions.take(q * self.dist.world_size)
+        want = q * self.dist.world_size
+        if self.args.skip_zero_variance_prompts:
+            order, self.prompts_skipped_now = self._draw_skipping(want)
+        else:
+            order, self.prompts_skipped_now = self.questions.take(want), 0
+        self.step_order = order
         return [self.task.train_rows[i] for i in order[self.dist.rank * q:(self.dist.rank + 1) * q]]
+
+    def _draw_skipping(self, want: int) -> tuple[list[int], int]:
+        """`want` question indices from the stream, each drawn one kept with probability
+        keep_probability(its streak) (the same draw on every process: seeded by the round); after
+        SKIP_DRAW_LIMIT x want draws the rest are taken as they come. Returns them and the count
+        passed over."""
+        gen = torch.Generator().manual_seed(chunk_seed(self.args.seed, self.round_index, -1_000))
+        order, skipped, drawn = [], 0, 0
+        while len(order) < want:
+            batch = self.questions.take(want - len(order))
+            drawn += len(batch)
+            streaks = torch.tensor([self.prompt_streaks.get(str(i), 0) for i in batch])
+            keep = torch.rand(len(batch), generator=gen, dtype=torch.float64) < keep_probability(
+                streaks, self.args.skip_exploration_floor)
+            if drawn > SKIP_DRAW_LIMIT * want:
+                keep[:] = True
+            order += [i for i, k in zip(batch, keep.tolist()) if k]
+            skipped += int((~keep).sum())
+        return order, skipped
+
+    def record_prompt_variance(self, rewards: torch.Tensor) -> None:
+        """Update the streaks of the step's questions from their rewards (Q, G) (all processes')."""
+        zero = zero_variance_groups(self.dist.gather(rewards))
+        keys = [str(i) for i in self.step_order]
+        old = torch.tensor([self.prompt_streaks.get(k, 0) for k in keys])
+        for key, streak in zip(keys, updated_streaks(old, zero.cpu()).tolist()):
+            if streak:
+                self.prompt_streaks[key] = streak
+            else:
+                self.prompt_streaks.pop(key, None)
 
     @property
     def round_index(self) -> int:
@@ -458,6 +498,8 @@ class CPPOTrainer:
             prompts, completions = self.generate(rows)
         with timer("score"):
             rewards, per_function_means = self.score(rows, completions)
+            if args.skip_zero_variance_prompts:
+                self.record_prompt_variance(rewards)
             advantages = self.advantages(rewards)
             keep_mask = self.select(advantages, rewards)
             if rule_traits(args.selection_rule).advantages_on_kept:  # question scope: local statistics
@@ -511,6 +553,9 @@ class CPPOTrainer:
                    "cppo/kept_fraction": float(keep_mask.float().mean()),
                    "cppo/mean_abs_advantage_kept": float(abs_adv[keep_mask].mean()) if keep_mask.any() else 0.0,
                    "cppo/mean_abs_advantage_pruned": float(abs_adv[pruned].mean()) if pruned.any() else 0.0}
+        metrics["cppo/skipped_prompts"] = self.prompts_skipped_now
+        metrics["cppo/skipped_completions"] = self.prompts_skipped_now * self.args.num_generations
+        self.counters["prompts_skipped"] = self.counters.get("prompts_skipped", 0) + self.prompts_skipped_now
         if completions.speculation is not None:
             metrics.update(completions.speculation.metrics())
         self.counters["questions_seen"] += len(rows)
@@ -833,6 +878,7 @@ def format_summary(summary: dict, plots: Sequence[Path] = ()) -> str:
     return "\n".join(lines)
 
 
+SKIP_DRAW_LIMIT = 8   # skip_zero_variance_prompts: draws per question a step needs, at most
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # `cppo train`'s exit code for each end of a run (summary["status"]); 143 = 128 + SIGTERM, the
