@@ -35,6 +35,8 @@ ROWS = {
     "default": [],
     "grpo": ["--pruning_rate", "0"],
     "grpo_same_time": ["--pruning_rate", "0", "--max_steps", "1000"],
+    "skip": ["--skip_zero_variance_prompts", "true"],
+    "speculative": ["--num_speculative_tokens", "4"],
 }
 RECIPE_KEYS = ("pruning_rate", "num_generations", "per_device_train_batch_size", "max_steps",
                "max_completion_length", "learning_rate", "lr_scheduler_type")

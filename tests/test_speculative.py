@@ -274,3 +274,11 @@ def test_speculation_config_errors(tiny_model_dir, tmp_path):
                     reward_funcs=[odd_length_reward], train_dataset=ROWS,
                     args=CPPOConfig(output_dir=str(tmp_path / "run"), num_speculative_tokens=2,
                                     max_steps=1, per_device_train_batch_size=8, num_generations=4))
+
+
+def test_a_draft_position_is_verified_when_half_the_rows_have_a_draft_there():
+    from cppo.sampling.speculative import quorum_width
+    assert quorum_width(torch.tensor([0, 0, 3, 4])) == 3
+    assert quorum_width(torch.tensor([0, 0, 0, 5])) == 0       # one row's draft: not worth the batch
+    assert quorum_width(torch.tensor([2, 2, 1])) == 2
+    assert quorum_width(torch.tensor([], dtype=torch.long)) == 0

@@ -9,6 +9,10 @@ policy in one forward (the lean forward, on the KV cache shared from the prompt'
 cppo.algorithm.speculative's accept / resample rule keeps each emitted token distributed exactly
 as plain sampling would draw it.
 
+Every row of the batch computes the same number of positions in a step, so a draft position is
+verified only when at least half the rows have a draft there (quorum_width); the other rows'
+drafts are cut to that length (any drafter, hence any cut, keeps the distribution exact).
+
 The KV cache is one buffer with a single fill length for the whole batch; a row's rejected draft
 positions stay in it as holes hidden by the key mask, and when the buffer fills up the visible
 slots of each row are packed together (keys carry their rotary position, so slot order does not
@@ -17,6 +21,7 @@ matter beyond causality). Rows that finish leave the batch, as in plain decoding
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -113,6 +118,19 @@ def ngram_drafts(context: Tensor, real: Tensor, ends: Tensor, rows: Tensor, grou
     return drafts, counts
 
 
+DRAFT_QUORUM = 0.5   # a draft position is verified only if this share of the rows has a draft there
+
+
+def quorum_width(counts: Tensor) -> int:
+    """Draft positions to verify this step, from the drafts each row has (n,): the largest w
+    such that DRAFT_QUORUM of the rows have at least w. Every row of the batch computes w + 1
+    positions, so a position few rows have a draft for costs the whole batch for little gain."""
+    if len(counts) == 0:
+        return 0
+    ranked = counts.sort(descending=True).values
+    return int(ranked[max(0, math.ceil(DRAFT_QUORUM * len(counts)) - 1)])
+
+
 def pack_cache(cache, keys: Tensor) -> Tensor:
     """Move each row's visible cache slots (keys (n, C) bool, up to cache.length) to the front of
     the buffer, right-aligned to the longest row; sets cache.length and returns the new keys."""
@@ -180,7 +198,8 @@ def speculative_decode(lean, first_logits: Tensor, cache, keys: Tensor, position
         budget = torch.where(finished, 0, max_new_tokens - length[active] - 1)
         drafts, counts = ngram_drafts(context, real, lp + length, active, num_generations, k,
                                       budget, prompt_lookup_max, prompt_lookup_min)
-        width = int(counts.max())
+        width = quorum_width(counts)
+        counts = counts.clamp(max=width)
         drafts = drafts[:, :width]
         if cache.length + width + 1 > cache.keys[0].shape[2]:
             keys = pack_cache(cache, keys)
