@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cppo.models.head import chunked_logprobs_and_entropy
 from cppo.models.lean import lean_forward_for
 from cppo.padding import pad_token_lists
 
@@ -343,6 +344,10 @@ def _completions(ids: Tensor, eos: Tensor) -> Completions:
 
 
 LOGITS_CHUNK = 1024   # half-precision rows upcast to float32 at a time
+# above this many logits (tokens x vocabulary) in a micro-batch, the lean packed scoring pass
+# computes log-probs and entropies over the head in chunks of tokens (cppo.models.head): the full
+# logits tensor is never built, forward or backward
+HEAD_CHUNK_ABOVE = 1 << 26
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
@@ -383,6 +388,18 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
             prompts, question = torch.unique(torch.cat([prompt_ids[rows], prompt_mask[rows]], dim=1),
                                              dim=0, return_inverse=True)
             width = prompt_ids.shape[1]
+            real = completion_mask[rows].bool()
+            if packed and int(real.sum()) * _vocab_size(model) > HEAD_CHUNK_ABOVE:
+                hidden, weight, bias = lean_forward.completion_logits(
+                    prompts[:, :width], prompts[:, width:], question, ids, completion_mask[rows],
+                    packed=True, head=False)
+                logps, entropy = chunked_logprobs_and_entropy(hidden, weight, bias, ids[real],
+                                                              temperature)
+                out.append(logps.new_zeros(ids.shape).masked_scatter(real, logps))
+                if entropies is not None:
+                    entropy = entropy if entropy_grad else entropy.detach()
+                    entropies.append(entropy.new_zeros(ids.shape).masked_scatter(real, entropy))
+                continue
             logits = lean_forward.completion_logits(prompts[:, :width], prompts[:, width:], question,
                                                     ids, completion_mask[rows], packed=packed)
         else:
@@ -406,6 +423,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         if entropies is not None:   # TRL's entropy metric: (rows, T) of the same logits
             entropies.append(entropy_of(logits) * real)
     return torch.cat(out)
+
+
+def _vocab_size(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
 
 
 def differentiable_entropy(logits: Tensor) -> Tensor:
