@@ -36,8 +36,9 @@ class _ChunkedHead(torch.autograd.Function):
             z = _block_logits(hidden[start:start + chunk], weight, bias, temperature)
             lse = torch.logsumexp(z, -1)
             logps.append(z.gather(-1, targets[start:start + chunk, None]).squeeze(-1) - lse)
-            entropies.append(lse - (torch.softmax(z, -1) * z).sum(-1))
+            entropies.append(lse - torch.sub(z, lse[:, None]).exp_().mul_(z).sum(-1))
             lses.append(lse)
+            del z
         empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
         logp = torch.cat(logps) if logps else empty
         entropy = torch.cat(entropies) if entropies else empty
@@ -59,19 +60,25 @@ class _ChunkedHead(torch.autograd.Function):
             rows = slice(start, start + chunk)
             h = hidden[rows]
             z = _block_logits(h, weight, bias, t)
-            p = torch.exp(z - lse[rows, None])
-            grad_z = torch.zeros_like(z)
-            if grad_logp is not None:
-                grad_z -= p * grad_logp[rows, None]
-                grad_z.scatter_add_(-1, targets[rows, None], grad_logp[rows, None])
+            p = torch.sub(z, lse[rows, None]).exp_()
+            # grad_z = -p * (g_logp + g_H (z - (lse - H))) + onehot(y) g_logp, in two (c, V) buffers
             if grad_entropy is not None:
-                mean_z = (lse[rows] - entropy[rows])[:, None]
-                grad_z -= grad_entropy[rows, None] * p * (z - mean_z)
-            grad_z = grad_z / t
+                z.sub_((lse[rows] - entropy[rows])[:, None]).mul_(grad_entropy[rows, None])
+                if grad_logp is not None:
+                    z.add_(grad_logp[rows, None])
+                p.mul_(z)
+            elif grad_logp is not None:
+                p.mul_(grad_logp[rows, None])
+            del z
+            grad_z = p.neg_()
+            if grad_logp is not None:
+                grad_z.scatter_add_(-1, targets[rows, None], grad_logp[rows, None])
+            if t != 1.0:
+                grad_z.div_(t)
             if need_h:
                 grad_h[rows] = (grad_z.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
-                grad_w += grad_z.t() @ h.to(acc)
+                grad_w.addmm_(grad_z.t(), h.to(acc))
             if grad_b is not None:
                 grad_b += grad_z.sum(0)
         return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
