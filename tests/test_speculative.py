@@ -203,8 +203,9 @@ def test_ngram_drafts_from_own_text_and_siblings():
     real = torch.arange(10)[None] < ends[:, None]
     drafts, counts = ngram_drafts(context, real, ends, torch.tensor([0]), 2, 3,
                                   torch.tensor([5]), max_ngram=3, min_ngram=1)
-    # longest n first: "8 5 6" is only in row 1's text? no: row 1 has "9 5 6"; so n=2 "5 6":
-    # own text first ("5 6" -> "7 8 5"), not the sibling's later "5 6" -> "1 2"
+    # longest n first: "8 5 6" is nowhere before, so n=2 "5 6": a full draft (3 tokens) first,
+    # then the row's own text ("5 6" -> "7 8 5" over the sibling's "7 8 9"), not the sibling's
+    # latest "5 6" -> "1 2" (only 2 tokens follow it)
     assert counts.tolist() == [3] and drafts.tolist() == [[7, 8, 5]]
     drafts, counts = ngram_drafts(context, real, ends, torch.tensor([0]), 2, 3,
                                   torch.tensor([1]), max_ngram=3, min_ngram=1)
@@ -223,6 +224,12 @@ def test_ngram_drafts_from_own_text_and_siblings():
     drafts, counts = ngram_drafts(context, real, torch.tensor([3, 6]), torch.tensor([0]), 2, 1,
                                   torch.tensor([5]), max_ngram=2, min_ngram=1)
     assert counts.tolist() == [1] and drafts.tolist() == [[8]]
+    # in repetitive text the match with the longest continuation wins over the latest
+    context = torch.tensor([[3, 3, 3, 3, 3, 3]])
+    drafts, counts = ngram_drafts(context, torch.ones(1, 6, dtype=torch.bool), torch.tensor([6]),
+                                  torch.tensor([0]), 1, 3, torch.tensor([9]), max_ngram=2,
+                                  min_ngram=1)
+    assert counts.tolist() == [3] and drafts.tolist() == [[3, 3, 3]]
     # no match at all
     drafts, counts = ngram_drafts(torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.bool),
                                   torch.tensor([3]), torch.tensor([0]), 1, 2, torch.tensor([5]),

@@ -4,7 +4,8 @@ Each decode step, every row still generating gets up to k draft tokens from an n
 the longest suffix of its text (n from prompt_lookup_max down to prompt_lookup_min tokens) is
 searched in its own prompt and completion so far and in its siblings' completions (the other
 G - 1 completions of the same question, which tend to say the same things), and the tokens that
-followed the latest match are the draft. The row's last token and its drafts go through the
+followed a match are the draft (the match with the longest continuation, its own text first,
+then the latest). The row's last token and its drafts go through the
 policy in one forward (the lean forward, on the KV cache shared from the prompt's prefill), and
 cppo.algorithm.speculative's accept / resample rule keeps each emitted token distributed exactly
 as plain sampling would draw it.
@@ -70,8 +71,8 @@ def ngram_drafts(context: Tensor, real: Tensor, ends: Tensor, rows: Tensor, grou
     bool: which entries are text; ends (N,): one past each row's last token; rows (n,): the rows
     to draft for; group_size: rows g*G .. g*G+G-1 are siblings; budget (n,): the most drafts each
     may take. The suffix of a row's last n tokens is matched in every sibling's text (its own
-    included), longest n first, then the row's own text, then the latest position; the draft is
-    what followed the match. Returns drafts (n, num_tokens) and their counts (n,) (0: no match)."""
+    included), longest n first; among the matches, the one followed by the most tokens (up to
+    num_tokens), then the row's own text, then the latest; the draft is what followed it. Returns drafts (n, num_tokens) and their counts (n,) (0: no match)."""
     n_rows, width = len(rows), context.shape[1]
     device = context.device
     drafts = torch.zeros(n_rows, num_tokens, dtype=torch.long, device=device)
@@ -96,9 +97,11 @@ def ngram_drafts(context: Tensor, real: Tensor, ends: Tensor, rows: Tensor, grou
         for j in range(size):
             match &= (sib_text[:, :, j:j + places] == suffix[:, j, None, None]) & sib_real[:, :, j:j + places]
         position = torch.arange(places, device=device)
-        match &= (position + size)[None, None] < sib_ends[:, :, None]   # something follows it
+        follow = (sib_ends[:, :, None] - (position + size)[None, None]).clamp(max=num_tokens)
+        match &= follow > 0                                              # something follows it
         match &= has_suffix[:, None, None] & ~found[:, None, None]
-        score = torch.where(match, position + own[:, :, None].long() * width, -1)
+        score = follow * 2 * width + own[:, :, None].long() * width + position
+        score = torch.where(match, score, -1)
         best = score.flatten(1).max(1)
         hit = best.values >= 0
         if not bool(hit.any()):
