@@ -260,10 +260,10 @@ class CPPOTrainer:
         return [self.task.train_rows[i] for i in order[self.dist.rank * q:(self.dist.rank + 1) * q]]
 
     def _draw_skipping(self, want: int) -> tuple[list[int], int]:
-        """`want` question indices from the stream, each drawn one kept with probability
-        keep_probability(its streak) (the same draw on every process: seeded by the round); after
-        SKIP_DRAW_LIMIT x want draws the rest are taken as they come. Returns them and the count
-        passed over."""
+        """`want` question indices from the stream, each drawn question kept with probability
+        keep_probability(its streak) (the same draws on every process: seeded by the round);
+        after SKIP_DRAW_LIMIT x want draws the rest are taken as they come. Returns them and how
+        many were passed over."""
         gen = torch.Generator().manual_seed(chunk_seed(self.args.seed, self.round_index, -1_000))
         order, skipped, drawn = [], 0, 0
         while len(order) < want:
