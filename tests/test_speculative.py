@@ -289,3 +289,18 @@ def test_a_draft_position_is_verified_when_half_the_rows_have_a_draft_there():
     assert quorum_width(torch.tensor([0, 0, 0, 5])) == 0       # one row's draft: not worth the batch
     assert quorum_width(torch.tensor([2, 2, 1])) == 2
     assert quorum_width(torch.tensor([], dtype=torch.long)) == 0
+
+
+def test_bfloat16_sampling_in_chunks(tiny_model_dir):
+    """Speculation composes with a sampling dtype and with chunked decoding: the counts add up
+    over the chunks and every token's sampler log-prob is recorded."""
+    model, tok = load_model(tiny_model_dir).eval(), load_tokenizer(tiny_model_dir)
+    prompts = encode_prompts(tok, ["37*42=", "1*2=", "12*34+56="])
+    out = sample_completions(model, prompts, num_generations=4, max_new_tokens=12,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                             dtype=torch.bfloat16, batch_size=4, speculative=Speculation(3),
+                             generator=torch.Generator().manual_seed(0))
+    stats = out.speculation
+    assert out.ids.shape[0] == 12 and stats.forwards >= 3 and stats.tokens > 0
+    assert stats.tokens + 12 == int(out.lengths.sum())     # the first tokens come from the prefill
+    assert (out.logprobs[out.mask.bool()] < 0).all() and (out.logprobs[~out.mask.bool()] == 0).all()
