@@ -36,6 +36,8 @@ ROWS = {
     "grpo": ["--pruning_rate", "0"],
     "grpo_same_time": ["--pruning_rate", "0", "--max_steps", "1000"],
     "vllm": ["--use_vllm", "true", "--vllm_enable_sleep_mode", "false"],   # vLLM generating
+    "skip": ["--skip_zero_variance_prompts", "true"],
+    "speculative": ["--num_speculative_tokens", "4"],
 }
 RECIPE_KEYS = ("pruning_rate", "num_generations", "per_device_train_batch_size", "max_steps",
                "max_completion_length", "learning_rate", "lr_scheduler_type")
@@ -189,6 +191,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=["default", "grpo"], choices=sorted(ROWS),
                         help="default: the 3 seeds; grpo / grpo_same_time: seed 42 only")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--every-seed", action="store_true",
+                        help="run every row with every seed (default: rows other than default with seed 42)")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time")
     parser.add_argument("--emulate-avx2", action="store_true",
                         help="hold torch's kernels and oneDNN to AVX2 (an AVX2-only CPU's code paths)")
@@ -228,7 +232,9 @@ def main() -> None:
         loads = []
     else:
         plan = [("default", s, extra) for s in args.seeds if "default" in args.rows]
-        plan += [(label, 42, ROWS[label] + extra) for label in args.rows if label != "default"]
+        other_seeds = args.seeds if args.every_seed else [42]
+        plan += [(label, s, ROWS[label] + extra) for label in args.rows if label != "default"
+                 for s in other_seeds]
         with tempfile.TemporaryDirectory(prefix="cppo_default_run_") as tmp:
             rows = run_rows(plan, env, args.parallel, Path(tmp))
         loads = [r["load_average"] for r in rows]

@@ -28,6 +28,7 @@ from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, hi
                             reduce_loss, reward_stats, select_completions, select_global)
 from cppo.algorithm.sampler_correction import sampler_correction_stats, sampler_importance_weights
 from cppo.algorithm.selection import GLOBAL_SCOPE, local_scope, rule_traits
+from cppo.algorithm.skipping import keep_probability, updated_streaks, zero_variance_groups
 from cppo.config import CPPOConfig
 from cppo.config.checks import check_generation_batch_size
 from cppo.data.sources import TaskData, TaskSource, load_task, user_task
@@ -44,7 +45,7 @@ from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
 from cppo.run.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to,
                                length_metrics, write_plots)
-from cppo.sampling.backends import make_backend
+from cppo.sampling.backends import make_backend, speculation_slots
 from cppo.sampling.sampler import (Completions, PromptBatch, chunk_seed, completion_logprobs,
                                    encode_prompts)
 from cppo.sampling.vllm import vllm_engine_bytes
@@ -110,8 +111,9 @@ class CPPOTrainer:
             generation_dtype=args.generation_dtype, bf16=args.bf16,
             gradient_checkpointing=args.gradient_checkpointing,
             memory_budget_gib=args.memory_budget_gib, tokenizer=self.tokenizer,
-            rows=self.task.train_rows, engine_bytes=vllm_engine_bytes(
-                args, self.policy, self.device, device_memory_bytes(self.device)))
+            rows=self.task.train_rows, speculation_slots=speculation_slots(args),
+            engine_bytes=vllm_engine_bytes(args, self.policy, self.device,
+                                           device_memory_bytes(self.device)))
         self.backend = make_backend(self.policy, self.tokenizer, args,
                                     chunk_size=args.generation_chunk_size or self.batch_sizes.generation)
         funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
@@ -140,6 +142,8 @@ class CPPOTrainer:
         self.output_dir = Path(args.output_dir)
         self.timer = PhaseTimer()
         self.run_state = ckpt.RunState()   # step, counters, history, ...: what a checkpoint resumes
+        self.step_order: list[int] = []   # the step's question indices (all processes')
+        self.prompts_skipped_now = 0      # questions passed over by skip_zero_variance_prompts
         self.stop_requested = False
         self.window = MetricsWindow()     # each metric's values since the last logging step
         self.completions_log = CompletionsLog(self.output_dir, self.rewards.names,
@@ -171,14 +175,18 @@ class CPPOTrainer:
         return policy, tokenizer
 
     def _check_generation_dtype(self) -> None:
-        if self.args.generation_dtype is None:
+        """generation_dtype and num_speculative_tokens need the lean forward on this model."""
+        wants = [f"'generation_dtype' is {self.args.generation_dtype!r}"] if self.args.generation_dtype else []
+        if self.args.num_speculative_tokens and not self.args.use_vllm:
+            wants.append(f"'num_speculative_tokens' is {self.args.num_speculative_tokens}")
+        if not wants:
             return
         from cppo.models.lean import lean_forward_for
         with self.engine.gathered():   # the sampler runs on the gathered weights
             lean, reason = lean_forward_for(self.policy)
         if lean is None:
-            raise ConfigError(f"'generation_dtype' is {self.args.generation_dtype!r}, which needs "
-                              f"the lean forward, but it does not support this model: {reason}")
+            raise ConfigError(f"{' and '.join(wants)}, which needs the lean forward, but it does "
+                              f"not support this model: {reason}")
 
     def _load_reference(self, model):
         """No reference when beta = 0; with LoRA the base (adapters disabled) is the reference."""
@@ -209,10 +217,47 @@ class CPPOTrainer:
     # ---------------------------------------------------------------- one step --------------
     def take_questions(self) -> list[dict]:
         """This process's slice of the step's questions: every process walks the same seeded order
-        and takes its own contiguous part, so N processes x Q/N questions = 1 process x Q."""
+        and takes its own contiguous part, so N processes x Q/N questions = 1 process x Q. With
+        skip_zero_variance_prompts, questions predicted to have zero reward variance are passed
+        over (cppo.algorithm.skipping) and more are drawn in their place."""
         q = self.plan.questions_per_step
-        order = self.questions.take(q * self.dist.world_size)
+        want = q * self.dist.world_size
+        if self.args.skip_zero_variance_prompts:
+            order, self.prompts_skipped_now = self._draw_skipping(want)
+        else:
+            order, self.prompts_skipped_now = self.questions.take(want), 0
+        self.step_order = order
         return [self.task.train_rows[i] for i in order[self.dist.rank * q:(self.dist.rank + 1) * q]]
+
+    def _draw_skipping(self, want: int) -> tuple[list[int], int]:
+        """`want` question indices from the stream, each drawn question kept with probability
+        keep_probability(its streak) (the same draws on every process: seeded by the round);
+        after SKIP_DRAW_LIMIT x want draws the rest are taken as they come. Returns them and how
+        many were passed over."""
+        gen = torch.Generator().manual_seed(chunk_seed(self.args.seed, self.round_index, -1_000))
+        order, skipped, drawn = [], 0, 0
+        while len(order) < want:
+            batch = self.questions.take(want - len(order))
+            drawn += len(batch)
+            streaks = torch.tensor([self.run_state.prompt_streaks.get(str(i), 0) for i in batch])
+            keep = torch.rand(len(batch), generator=gen, dtype=torch.float64) < keep_probability(
+                streaks, self.args.skip_exploration_floor)
+            if drawn > SKIP_DRAW_LIMIT * want:
+                keep[:] = True
+            order += [i for i, k in zip(batch, keep.tolist()) if k]
+            skipped += int((~keep).sum())
+        return order, skipped
+
+    def record_prompt_variance(self, rewards: torch.Tensor) -> None:
+        """Update the streaks of the step's questions from their rewards (Q, G) (all processes')."""
+        zero = zero_variance_groups(self.dist.gather(rewards))
+        keys = [str(i) for i in self.step_order]
+        old = torch.tensor([self.run_state.prompt_streaks.get(k, 0) for k in keys])
+        for key, streak in zip(keys, updated_streaks(old, zero.cpu()).tolist()):
+            if streak:
+                self.run_state.prompt_streaks[key] = streak
+            else:
+                self.run_state.prompt_streaks.pop(key, None)
 
     @property
     def round_index(self) -> int:
@@ -439,6 +484,8 @@ class CPPOTrainer:
             prompts, completions = self.generate(rows)
         with timer("score"):
             rewards, per_function_means = self.score(rows, completions)
+            if args.skip_zero_variance_prompts:
+                self.record_prompt_variance(rewards)
             advantages = self.advantages(rewards)
             keep_mask = self.select(advantages, rewards)
             if rule_traits(args.selection_rule).advantages_on_kept:  # question scope: local statistics
@@ -492,6 +539,11 @@ class CPPOTrainer:
                    "cppo/kept_fraction": float(keep_mask.float().mean()),
                    "cppo/mean_abs_advantage_kept": float(abs_adv[keep_mask].mean()) if keep_mask.any() else 0.0,
                    "cppo/mean_abs_advantage_pruned": float(abs_adv[pruned].mean()) if pruned.any() else 0.0}
+        metrics["cppo/skipped_prompts"] = self.prompts_skipped_now
+        metrics["cppo/skipped_completions"] = self.prompts_skipped_now * self.args.num_generations
+        self.run_state.counters["prompts_skipped"] = self.run_state.counters.get("prompts_skipped", 0) + self.prompts_skipped_now
+        if completions.speculation is not None:
+            metrics.update(completions.speculation.metrics())
         self.run_state.counters["questions_seen"] += len(rows)
         self.run_state.counters["completions_scored"] += rewards.numel()
         self.run_state.counters["tokens_generated"] += int(lengths.sum())
@@ -809,6 +861,7 @@ def format_summary(summary: dict, plots: Sequence[Path] = ()) -> str:
     return "\n".join(lines)
 
 
+SKIP_DRAW_LIMIT = 8   # skip_zero_variance_prompts: draws per question a step needs, at most
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # `cppo train`'s exit code for each end of a run (summary["status"]); 143 = 128 + SIGTERM, the

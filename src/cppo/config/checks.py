@@ -128,6 +128,9 @@ def validate(cfg) -> None:
           f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; must be >= 1")
     check(0 < cfg.vllm_gpu_memory_utilization <= 1,
           f"'vllm_gpu_memory_utilization' is {cfg.vllm_gpu_memory_utilization}; allowed: (0, 1]")
+    _check_speculation(cfg)
+    check(0 < cfg.skip_exploration_floor <= 1,
+          f"'skip_exploration_floor' is {cfg.skip_exploration_floor}; allowed: (0, 1]")
     check(cfg.vllm_server_timeout >= 0,
           f"'vllm_server_timeout' is {cfg.vllm_server_timeout}; must be >= 0 (seconds)")
     for key in ("vllm_server_port", "vllm_group_port"):
@@ -230,6 +233,21 @@ def installed_vllm_version() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return "unknown"   # importable, installed by another name (a source build): let it try
+
+
+def _check_speculation(cfg) -> None:
+    k = cfg.num_speculative_tokens
+    check(k >= 0, f"'num_speculative_tokens' is {k}; must be >= 0 (0: off)")
+    check(1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max,
+          f"'prompt_lookup_min' is {cfg.prompt_lookup_min} and 'prompt_lookup_max' is "
+          f"{cfg.prompt_lookup_max}; need 1 <= prompt_lookup_min <= prompt_lookup_max")
+    if k:
+        check(not cfg.use_vllm,
+              f"'num_speculative_tokens' is {k}, which applies to the built-in sampler; with "
+              f"use_vllm, cppo does not pass a speculative config to vLLM: set it to 0")
+        check(cfg.lean_forward,
+              f"'num_speculative_tokens' is {k} but 'lean_forward' is false; speculative "
+              f"sampling needs the lean forward")
 
 
 def validate_vllm(cfg) -> None:

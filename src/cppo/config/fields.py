@@ -99,6 +99,20 @@ class CPPOConfig:
         "bfloat16 samples faster on CPUs with AVX512-BF16/AMX and on GPUs (docs/benchmarks.md); the tokens then "
         "come from a slightly different distribution, corrected by importance sampling (below). "
         "Lean forward only (Llama/Qwen2/Mistral, no LoRA).", ("float32", "bfloat16", "float16"))
+    skip_zero_variance_prompts: bool = option(
+        False, "Skip rolling out questions whose latest groups all had zero reward variance (every "
+        "advantage 0): one is rolled out with probability max(skip_exploration_floor, 2^-streak), "
+        "streak = its zero-variance groups in a row; the step draws other questions instead. "
+        "The streaks are part of the checkpoint (docs/performance.md).")
+    skip_exploration_floor: float = option(
+        0.1, "skip_zero_variance_prompts: the least probability a question is rolled out with.")
+    num_speculative_tokens: int = option(
+        0, "Speculative sampling in the built-in sampler: up to this many draft tokens per decode "
+        "step, found by n-gram look-up in the prompt and the question's other completions, "
+        "verified by the policy in one forward so that every completion keeps exactly the "
+        "policy's distribution (docs/performance.md). 0: off. Lean forward only. vLLM's name.")
+    prompt_lookup_max: int = option(3, "Speculative sampling: the longest n-gram matched (vLLM's name).")
+    prompt_lookup_min: int = option(1, "Speculative sampling: the shortest n-gram matched (vLLM's name).")
     importance_sampling_correction: bool = option(
         True, "When the sampler is not the policy itself (generation_dtype, vLLM), weight each token's "
         "policy loss by pi_policy / pi_sampler (the sampler's own log-probs), truncated or masked "

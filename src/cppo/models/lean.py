@@ -342,7 +342,8 @@ class LeanForward:
         return self._logits(weights, h[:, -logits_to_keep:] if logits_to_keep else h), cache
 
     def completion_logits(self, prompt_ids: Tensor, prompt_mask: Tensor, question: Tensor,
-                          completion_ids: Tensor, completion_mask: Tensor, *, packed: bool = True) -> Tensor:
+                          completion_ids: Tensor, completion_mask: Tensor, *, packed: bool = True,
+                          head: bool = True):
         """Logits predicting each real completion token, with each distinct prompt run once.
 
         prompt_ids, prompt_mask (Q, Lp): the distinct left-padded prompts; question (N,): the
@@ -355,7 +356,9 @@ class LeanForward:
         which predicts nothing), as one flat batch; attention runs per part in padded layout, with
         q/k/v scattered there and its output gathered back. Returns (M, V) for the M real
         completion tokens (completion_mask's True entries, row-major).
-        packed=False: the padded layout throughout; returns (N, T, V)."""
+        packed=False: the padded layout throughout; returns (N, T, V).
+        head=False (packed only): the final-normed hidden states (M, d) instead of the logits,
+        with the head's weight (V, d) and bias (V,) or None: for cppo.models.head's chunks."""
         if not packed:
             return self._completion_logits_padded(prompt_ids, prompt_mask, question,
                                                   completion_ids, completion_mask)
@@ -398,6 +401,8 @@ class LeanForward:
         completion_rows = num_prompt_tokens + inputs.flatten().long().cumsum(0) - 1
         source = torch.cat([prompt_rows.view(num_prompts, q_len)[question, -1:],
                             completion_rows.view(n, t_len - 1)], dim=1)
+        if not head:
+            return self._norm(h[source[completion_mask]], weights.norm), weights.head, weights.head_bias
         return self._logits(weights, h[source[completion_mask]])
 
     def _qkv_packed(self, w: "LayerWeights", h: Tensor, rope: tuple[Tensor, Tensor, Tensor]) -> Tensor:

@@ -237,11 +237,13 @@ def check_batch_settings(sizes: BatchSizes, *, per_device_train_batch_size: int,
 def plan_for_run(policy, reference, device, *, max_prompt_length: int | None,
                  max_completion_length: int, num_generations: int, generation_dtype: str | None,
                  bf16: bool, gradient_checkpointing: bool, memory_budget_gib: float | None,
-                 engine_bytes: int = 0, tokenizer=None, rows=()) -> BatchSizes:
+                 engine_bytes: int = 0, speculation_slots: int = 0, tokenizer=None,
+                 rows=()) -> BatchSizes:
     """plan_batch_sizes for a run's loaded models: the prompt length is max_prompt_length (None:
     the longest of `rows`), the sampler's KV cache is in generation_dtype (None: the weights'
     dtype), activations in bf16 under `bf16`; `engine_bytes` (a colocated vLLM engine's share)
-    comes off the device's memory."""
+    comes off the device's memory; `speculation_slots` KV-cache slots per completion are kept for
+    rejected drafts."""
     prompt_length = max_prompt_length
     if prompt_length is None:
         from cppo.sampling.sampler import encode_prompts
@@ -254,7 +256,7 @@ def plan_for_run(policy, reference, device, *, max_prompt_length: int | None,
                           state_bytes=model_state_bytes(policy, reference), engine_bytes=engine_bytes)
     return plan_batch_sizes(ModelShape.from_config(policy.config), budget_bytes=budget,
                             prompt_length=prompt_length,
-                            completion_length=max_completion_length,
+                            completion_length=max_completion_length + speculation_slots,
                             num_generations=num_generations,
                             sampling_dtype_bytes=sampling_bytes,
                             activation_bytes=2 if bf16 else weight_bytes,

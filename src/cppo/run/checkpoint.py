@@ -55,12 +55,14 @@ class RunState:
     step: int = 0                       # optimizer steps done
     counters: dict = field(default_factory=lambda: {
         "skipped_steps": 0, "nonfinite_steps": 0, "questions_seen": 0, "completions_scored": 0,
-        "completions_trained": 0, "tokens_generated": 0, "num_tokens": 0})
+        "completions_trained": 0, "tokens_generated": 0, "num_tokens": 0, "prompts_skipped": 0})
     train_seconds: float = 0.0          # wall time of training phases (excludes eval, checkpoints)
     consecutive_nonfinite: int = 0      # NaN/inf steps in a row (stops the run at a limit)
     history: list = field(default_factory=list)   # held-out evaluations
     wall_offset: float = 0.0            # wall time spent so far (before a resume: earlier sessions)
     questions: dict = field(default_factory=dict)   # the question stream's position (its state())
+    prompt_streaks: dict = field(default_factory=dict)   # question index (str) -> its zero-
+    #                                     reward-variance streak, where > 0 (skip_zero_variance_prompts)
 
     def to_dict(self, **about_run) -> dict[str, Any]:
         """JSON-ready; `about_run` (config, world size, strategy) is written beside it for

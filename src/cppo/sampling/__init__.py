@@ -1,1 +1,2 @@
-"""Where completions come from: the KV-shared sampler, log-prob scoring, generation backends (transformers, vLLM), padding."""
+"""Where completions come from: the KV-shared sampler (speculative too), log-prob scoring, generation
+backends (transformers, vLLM), padding."""

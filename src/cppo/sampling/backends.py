@@ -24,8 +24,8 @@ import torch
 
 from cppo.algorithm.allocation import questions_per_chunk
 from cppo.models.lean import lean_forward_for
-from cppo.sampling.sampler import (Completions, PromptBatch, chunk_seed, concat_completions,
-                                   sample_completions)
+from cppo.sampling.sampler import (Completions, PromptBatch, Speculation, chunk_seed,
+                                   concat_completions, sample_completions)
 
 
 class GenerationBackend(Protocol):
@@ -63,11 +63,24 @@ class TransformersBackend:
                     max_new_tokens=args.max_completion_length, eos_token_id=tok.eos_token_id,
                     pad_token_id=tok.pad_token_id, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, generator=generator, lean=args.lean_forward,
-                    dtype=getattr(torch, args.generation_dtype) if args.generation_dtype else None))
+                    dtype=getattr(torch, args.generation_dtype) if args.generation_dtype else None,
+                    speculative=speculation(args)))
         finally:
             if toggle:
                 self.model.train(was_training)
         return concat_completions(parts, tok.pad_token_id)
+
+
+def speculation(args) -> Speculation | None:
+    """The built-in sampler's speculative settings from a config (None: off)."""
+    k = getattr(args, "num_speculative_tokens", 0)
+    return Speculation(k, args.prompt_lookup_max, args.prompt_lookup_min) if k else None
+
+
+def speculation_slots(args) -> int:
+    """Extra KV-cache slots per completion the speculative sampler keeps for rejected drafts."""
+    spec = speculation(args)
+    return spec.slack if spec is not None else 0
 
 
 def make_backend(model, tokenizer, args, chunk_size: int | None = None) -> GenerationBackend:

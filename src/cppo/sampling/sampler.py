@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cppo.algorithm.allocation import questions_per_chunk
+from cppo.models.head import chunked_logprobs_and_entropy
 from cppo.models.lean import lean_forward_for
 from cppo.sampling.padding import pad_token_lists
 
@@ -46,16 +47,40 @@ class Completions:
     ids (N, T) padded after EOS; mask (N, T) 1 on tokens up to and including EOS;
     truncated (N,) True where no EOS was produced within the length limit; logprobs (N, T), when
     the sampler recorded them: log-probability of each token under the distribution it was drawn
-    from (after temperature, top-k, top-p; 0 after EOS)."""
+    from (after temperature, top-k, top-p; 0 after EOS); speculation: the speculative sampler's
+    counts (cppo.sampling.speculative.SpeculationStats) when it ran."""
 
     ids: Tensor
     mask: Tensor
     truncated: Tensor
     logprobs: Tensor | None = None
+    speculation: object | None = None
 
     @property
     def lengths(self) -> Tensor:
         return self.mask.sum(-1)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative sampling settings (vLLM's n-gram names): up to num_tokens drafts per step from
+    n-grams of prompt_lookup_min..prompt_lookup_max tokens; the KV cache gets `slack` extra slots
+    for rejected drafts before it is repacked."""
+
+    num_tokens: int
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1 to speculate, got {self.num_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @property
+    def slack(self) -> int:
+        return 4 * (self.num_tokens + 1)
 
 
 def prompt_text(tokenizer, prompt) -> str:
@@ -98,13 +123,19 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     return logits
 
 
+def sampling_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """Float32 logits (N, V) whose softmax is the distribution tokens are drawn from: the model's
+    logits (N, V) after temperature, top-k and top-p. Plain and speculative sampling both use it."""
+    return filter_logits(logits.float() / temperature, top_k, top_p)
+
+
 def _next_tokens(logits: Tensor, *, greedy: bool, temperature: float, top_k: int, top_p: float,
                  generator: torch.Generator | None, logprobs: list | None = None) -> Tensor:
     """Sample (or argmax) one token per row of logits (N, V); append their log-probs under the
     sampling distribution to `logprobs` when given."""
     if greedy:
         return logits.argmax(-1)
-    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+    logits = sampling_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     tok = sample_categorical(logits.softmax(-1), generator)
     if logprobs is not None:
         logprobs.append(torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
@@ -134,22 +165,29 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
                        top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
                        generator: torch.Generator | None = None,
                        batch_size: int | None = None, lean: bool = True,
-                       dtype: torch.dtype | None = None) -> Completions:
+                       dtype: torch.dtype | None = None, speculative: "Speculation | None" = None
+                       ) -> Completions:
     """G completions for each of Q prompts: prefill each prompt once, share its KV cache.
 
     batch_size bounds the number of completions decoded together (None: all Q*G at once).
     lean: use cppo.models.lean's forward when it supports the model (same logits up to rounding).
     dtype: sample from a copy of the weights in this dtype (e.g. bfloat16: faster on CPUs with
     AVX512-BF16/AMX and on GPUs; lean forward only) and record each token's log-prob under it
-    (Completions.logprobs) so that the trainer can correct for the mismatch."""
+    (Completions.logprobs) so that the trainer can correct for the mismatch.
+    speculative: draft tokens by n-gram look-up and verify them with the policy
+    (cppo.sampling.speculative; the same distribution, fewer forwards; lean forward only)."""
     q = len(prompts)
     per_chunk = questions_per_chunk(batch_size, num_generations, q)
     lean_forward = lean_forward_for(model)[0] if lean else None
     if dtype is not None and lean_forward is None:
         raise ValueError(f"sampling in {dtype} needs the lean forward, which does not support this "
                          f"model: {lean_forward_for(model)[1] if lean else 'lean=False'}")
+    if speculative is not None and lean_forward is None:
+        raise ValueError(f"speculative sampling (num_speculative_tokens={speculative.num_tokens}) "
+                         f"needs the lean forward, which does not support this model: "
+                         f"{lean_forward_for(model)[1] if lean else 'lean=False'}")
     sample_chunk = (_sample_chunk if lean_forward is None
-                    else functools.partial(_sample_chunk_lean, lean_forward, dtype))
+                    else functools.partial(_sample_chunk_lean, lean_forward, dtype, speculative))
     parts = [sample_chunk(model, prompts.select(slice(s, s + per_chunk)), num_generations,
                           max_new_tokens, eos_token_id, pad_token_id, temperature, top_p, top_k,
                           greedy, generator)
@@ -165,10 +203,13 @@ def concat_completions(parts: list[Completions], pad_token_id: int) -> Completio
     logprobs = None
     if all(p.logprobs is not None for p in parts):
         logprobs = torch.cat([F.pad(p.logprobs, (0, width - p.logprobs.shape[1])) for p in parts])
+    speculation = None
+    if all(p.speculation is not None for p in parts):
+        speculation = functools.reduce(lambda a, b: a + b, [p.speculation for p in parts])
     return Completions(
         ids=torch.cat([F.pad(p.ids, (0, width - p.ids.shape[1]), value=pad_token_id) for p in parts]),
         mask=torch.cat([F.pad(p.mask, (0, width - p.mask.shape[1])) for p in parts]),
-        truncated=torch.cat([p.truncated for p in parts]), logprobs=logprobs)
+        truncated=torch.cat([p.truncated for p in parts]), logprobs=logprobs, speculation=speculation)
 
 
 def _cache_kwarg(model) -> str:
@@ -213,23 +254,38 @@ def _sample_chunk(model, prompts, num_generations, max_new_tokens, eos_token_id,
                    temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
 
 
-def _sample_chunk_lean(lean, dtype, model, prompts, num_generations, max_new_tokens, eos_token_id,
-                       pad_token_id, temperature, top_p, top_k, greedy, generator) -> Completions:
+def _sample_chunk_lean(lean, dtype, speculative, model, prompts, num_generations, max_new_tokens,
+                       eos_token_id, pad_token_id, temperature, top_p, top_k, greedy,
+                       generator) -> Completions:
     """_sample_chunk on cppo.models.lean's forward (weights cast to `dtype` if given, and then
-    each token's sampler log-prob recorded), with a preallocated KV cache."""
+    each token's sampler log-prob recorded), with a preallocated KV cache; with `speculative`
+    (a Speculation), decoding drafts and verifies several tokens per forward."""
     device = lean.device
     prompts = prompts.to(device)
     width = prompts.ids.shape[1]
     positions = (prompts.mask.cumsum(-1) - 1).clamp(min=0)
+    capacity = width + max_new_tokens + (speculative.slack if speculative is not None else 0)
     with lean.frozen(dtype):
         logits, cache = lean(prompts.ids, positions, prompts.mask.bool(), logits_to_keep=1,
                              new_cache_capacity=width)
-        cache = cache.repeat_interleave(num_generations, width + max_new_tokens)
-        keys = torch.ones(len(prompts) * num_generations, width + max_new_tokens, dtype=torch.bool,
+        cache = cache.repeat_interleave(num_generations, capacity)
+        keys = torch.ones(len(prompts) * num_generations, capacity, dtype=torch.bool,
                           device=device)
         keys[:, :width] = prompts.mask.bool().repeat_interleave(num_generations, 0)
         state = {"position": positions[:, -1:].repeat_interleave(num_generations, 0) + 1,
                  "cache": cache, "keys": keys}
+        if speculative is not None:
+            from cppo.sampling.speculative import speculative_decode
+            return speculative_decode(
+                lean, logits[:, -1].repeat_interleave(num_generations, 0), cache, keys,
+                state["position"], prompts.ids.repeat_interleave(num_generations, 0),
+                prompts.mask.repeat_interleave(num_generations, 0),
+                num_generations=num_generations, max_new_tokens=max_new_tokens,
+                eos=_eos_tensor(eos_token_id, device), pad_token_id=pad_token_id,
+                record=dtype is not None, greedy=greedy, temperature=temperature, top_k=top_k,
+                top_p=top_p, generator=generator, num_speculative_tokens=speculative.num_tokens,
+                prompt_lookup_max=speculative.prompt_lookup_max,
+                prompt_lookup_min=speculative.prompt_lookup_min)
 
         def advance(tok: Tensor, rows: Tensor | None) -> Tensor:
             if rows is not None:   # drop finished rows from the batch and the cache
@@ -290,6 +346,10 @@ def _completions(ids: Tensor, eos: Tensor) -> Completions:
 
 
 LOGITS_CHUNK = 1024   # half-precision rows upcast to float32 at a time
+# above this many logits (tokens x vocabulary) in a micro-batch, the lean packed scoring pass
+# computes log-probs and entropies over the head in chunks of tokens (cppo.models.head): the full
+# logits tensor is never built, forward or backward
+HEAD_CHUNK_ABOVE = 1 << 26
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
@@ -330,6 +390,18 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
             prompts, question = torch.unique(torch.cat([prompt_ids[rows], prompt_mask[rows]], dim=1),
                                              dim=0, return_inverse=True)
             width = prompt_ids.shape[1]
+            real = completion_mask[rows].bool()
+            if packed and int(real.sum()) * _vocab_size(model) > HEAD_CHUNK_ABOVE:
+                hidden, weight, bias = lean_forward.completion_logits(
+                    prompts[:, :width], prompts[:, width:], question, ids, completion_mask[rows],
+                    packed=True, head=False)
+                logps, entropy = chunked_logprobs_and_entropy(hidden, weight, bias, ids[real],
+                                                              temperature)
+                out.append(logps.new_zeros(ids.shape).masked_scatter(real, logps))
+                if entropies is not None:
+                    entropy = entropy if entropy_grad else entropy.detach()
+                    entropies.append(entropy.new_zeros(ids.shape).masked_scatter(real, entropy))
+                continue
             logits = lean_forward.completion_logits(prompts[:, :width], prompts[:, width:], question,
                                                     ids, completion_mask[rows], packed=packed)
         else:
@@ -353,6 +425,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         if entropies is not None:   # TRL's entropy metric: (rows, T) of the same logits
             entropies.append(entropy_of(logits) * real)
     return torch.cat(out)
+
+
+def _vocab_size(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
 
 
 def differentiable_entropy(logits: Tensor) -> Tensor:
