@@ -53,7 +53,6 @@ def test_command_line_lists_parse():
     ({"temperature": 0}, "'temperature' is 0.0; must be > 0"),
     ({"top_p": 1.5}, "'top_p' is 1.5"),
     ({"learning_rate": float("nan")}, "'learning_rate' must be a finite number"),
-    ({"reward_weights": [1.0, 2.0]}, "'reward_weights' has 2 values but 'reward_funcs' has 1"),
     ({"max_steps": 0}, "'max_steps' is 0"),
     ({"model": None}, "'model' may not be None"),
     ({"report_to": ["mlflow"]}, "'report_to' has 'mlflow'"),

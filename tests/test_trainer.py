@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cppo.config import CPPOConfig
+from cppo.config import ConfigError, CPPOConfig
 from cppo.models import load_model, load_tokenizer
 from cppo.rewards_runner import RewardError
 from cppo.trainer import CPPOTrainer
@@ -290,3 +290,16 @@ def test_a_rules_traits_decide_whether_advantages_are_recomputed(tiny_model_dir,
     finally:
         del SELECTION_RULES["first_half_test_only"]
     assert calls == ([1] if advantages_on_kept else [])
+
+
+def test_reward_weights_are_checked_against_the_trainers_reward_functions(tiny_model_dir, tmp_path):
+    """TRL's habit: the config names no functions (its default is the embedded task's one), the
+    trainer gets two, and the two weights fit them; a count that fits neither is refused."""
+    def length_reward(completions, **kw):
+        return [float(len(c)) for c in completions]
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", reward=[odd_length_reward, length_reward],
+                           reward_weights=[1, 0.5])
+    assert trainer.rewards.weights.tolist() == [1.0, 0.5]
+    with pytest.raises(ConfigError, match="'reward_weights' has 3 values but 'reward_funcs' has 2"):
+        make_trainer(tiny_model_dir, tmp_path / "run", reward=[odd_length_reward, length_reward],
+                     reward_weights=[1, 0.5, 2])

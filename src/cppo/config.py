@@ -464,6 +464,14 @@ def _check_objective(cfg: CPPOConfig) -> None:
                       f"loss_type: grpo (TRL warns too)", UserWarning, stacklevel=4)
 
 
+def check_reward_weights(weights, num_funcs: int) -> None:
+    """One weight per reward function. Checked where the functions are known (the trainer, whose
+    reward_funcs argument replaces the config's names), as TRL's GRPOTrainer does."""
+    _check(weights is None or len(weights) == num_funcs,
+           f"'reward_weights' has {len(weights or [])} values but 'reward_funcs' has {num_funcs}; "
+           f"give one weight per function")
+
+
 def validate(cfg: CPPOConfig) -> None:
     """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
     check_fields(cfg)
@@ -516,10 +524,6 @@ def validate(cfg: CPPOConfig) -> None:
     _check(cfg.eval_num_questions is None or cfg.eval_num_questions >= 1,
            f"'eval_num_questions' is {cfg.eval_num_questions}; must be >= 1 or None")
     _check(len(cfg.reward_funcs) >= 1, "'reward_funcs' is empty; name at least one reward function")
-    if cfg.reward_weights is not None:
-        _check(len(cfg.reward_weights) == len(cfg.reward_funcs),
-               f"'reward_weights' has {len(cfg.reward_weights)} values but 'reward_funcs' has "
-               f"{len(cfg.reward_funcs)}; give one weight per function")
     for key in ("eval_steps", "save_steps", "logging_steps"):
         _check(getattr(cfg, key) >= 0, f"'{key}' is {getattr(cfg, key)}; must be >= 0")
     _check(cfg.save_total_limit >= 1, f"'save_total_limit' is {cfg.save_total_limit}; must be >= 1")

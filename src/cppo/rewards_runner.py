@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from cppo.config import ConfigError
+from cppo.config import ConfigError, check_reward_weights
 from cppo.errors import snippet
 
 PREFLIGHT_COMPLETIONS = ("", "0")   # an empty answer and a number: reaches gold parsing too
@@ -59,8 +59,7 @@ class RewardRunner:
         for name, fn in zip(self.names, self.funcs):
             if not callable(fn):
                 raise ValueError(f"reward function '{name}' is not callable")
-        if weights is not None and len(weights) != len(self.funcs):
-            raise ValueError(f"{len(weights)} reward_weights for {len(self.funcs)} reward functions")
+        check_reward_weights(weights, len(self.funcs))
         self.weights = torch.tensor(weights if weights is not None else [1.0] * len(self.funcs))
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, hi
 from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
 from cppo.callbacks import CallbackError, Callbacks
 from cppo.completions_log import CompletionsLog
-from cppo.config import ConfigError, CPPOConfig
+from cppo.config import ConfigError, CPPOConfig, check_reward_weights
 from cppo.data.sources import TaskData, check_rows, load_task
 from cppo.distributed import Distributed, launcher_restarts
 from cppo.evaluate import evaluate
@@ -129,6 +129,9 @@ class CPPOTrainer:
                  peft_config=None, callbacks=None, reward_processing_classes=None) -> None:
         self.args = args = args or CPPOConfig()
         check_report_to(args.report_to)   # a tracker's missing library, before any loading
+        funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
+        funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+        check_reward_weights(args.reward_weights, len(funcs))   # before any loading too
         self.dist = Distributed.from_environment()
         self.device = self.dist.device
         torch.manual_seed(args.seed)   # same LoRA init everywhere; rank 0's is broadcast anyway
@@ -147,9 +150,7 @@ class CPPOTrainer:
                                         tokenizer=self.tokenizer, rows=self.task.train_rows)
         self.backend = make_backend(self.policy, self.tokenizer, args,
                                     chunk_size=args.generation_chunk_size or self.batch_sizes.generation)
-        funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
-        self.rewards = RewardRunner(funcs if isinstance(funcs, (list, tuple)) else [funcs],
-                                    args.reward_weights,
+        self.rewards = RewardRunner(funcs, args.reward_weights,
                                     processing_classes=reward_processing_classes, device=self.device)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
         self.plan = args.step_plan()

@@ -162,9 +162,7 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
                       max_completion_length=MAX_LEN, lr_scheduler_type="constant",
                       adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=0.0,
                       seed=0, logging_steps=1, eval_steps=0, save_steps=0, progress_bar=False,
-                      # CPPOConfig checks reward_weights against its reward_funcs' count, even
-                      # when the trainer is given the functions themselves
-                      reward_funcs=["arithmetic"] * len(feed.functions(two_rewards)), **options)
+                      **options)
     trainer = trainer_module.CPPOTrainer(
         model=load_model(model_dir), processing_class=tokenizer, reward_funcs=feed.functions(two_rewards),
         args=args, train_dataset=[{"prompt": p} for p in PROMPTS])
