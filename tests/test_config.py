@@ -52,6 +52,8 @@ def test_command_line_lists_parse():
     ({"selection_rule": "max_variance"}, "'selection_scope' is 'step': set selection_scope=question"),
     ({"temperature": 0}, "'temperature' is 0.0; must be > 0"),
     ({"top_p": 1.5}, "'top_p' is 1.5"),
+    ({"min_p": 1.5}, "'min_p' is 1.5; allowed: 0 <= min_p <= 1, or None (off)"),
+    ({"repetition_penalty": 0}, "'repetition_penalty' is 0.0; must be > 0 (1.0: off)"),
     ({"learning_rate": float("nan")}, "'learning_rate' must be a finite number"),
     ({"max_steps": 0}, "'max_steps' is 0"),
     ({"model": None}, "'model' may not be None"),

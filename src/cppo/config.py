@@ -100,6 +100,13 @@ class CPPOConfig:
     temperature: float = option(1.0, "Sampling temperature.")
     top_p: float = option(1.0, "Nucleus sampling threshold (1.0: off).")
     top_k: int = option(0, "Top-k sampling (0: off).")
+    min_p: Optional[float] = option(None, "Min-p sampling: drop tokens less likely than min_p x "
+                                    "the most likely token, after temperature, top-k and top-p "
+                                    "(None or 0: off).")
+    repetition_penalty: float = option(1.0, "Divide a positive logit (multiply a negative one) by "
+                                       "this for every token already in the prompt or the "
+                                       "completion, before temperature (> 1 discourages repeats; "
+                                       "1.0: off).")
     generation_batch_size: Optional[int] = option(
         None, "Completions generated per generation round over all processes (TRL's meaning: "
         "per_device_train_batch_size x processes x gradient_accumulation_steps without pruning; "
@@ -497,6 +504,10 @@ def validate(cfg: CPPOConfig) -> None:
     _check(cfg.temperature > 0, f"'temperature' is {cfg.temperature}; must be > 0")
     _check(0 < cfg.top_p <= 1, f"'top_p' is {cfg.top_p}; allowed: 0 < top_p <= 1")
     _check(cfg.top_k >= 0, f"'top_k' is {cfg.top_k}; must be >= 0 (0: off)")
+    _check(cfg.min_p is None or 0 <= cfg.min_p <= 1,
+           f"'min_p' is {cfg.min_p}; allowed: 0 <= min_p <= 1, or None (off)")
+    _check(cfg.repetition_penalty > 0,
+           f"'repetition_penalty' is {cfg.repetition_penalty}; must be > 0 (1.0: off)")
     _check(cfg.importance_sampling_clip_max >= 1,
            f"'importance_sampling_clip_max' is {cfg.importance_sampling_clip_max}; must be >= 1")
     _check(cfg.vllm_tensor_parallel_size >= 1,

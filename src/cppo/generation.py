@@ -75,7 +75,8 @@ class TransformersBackend:
                     self.model, chunk, num_generations=args.num_generations,
                     max_new_tokens=args.max_completion_length, eos_token_id=tok.eos_token_id,
                     pad_token_id=tok.pad_token_id, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, generator=generator, lean=args.lean_forward,
+                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                    generator=generator, lean=args.lean_forward,
                     dtype=getattr(torch, args.generation_dtype) if args.generation_dtype else None))
         finally:
             if toggle:
@@ -147,10 +148,12 @@ def vllm_weights(model):
 
 def sampling_kwargs(args) -> dict:
     """vLLM SamplingParams (and TRL server) arguments for one prompt's G completions. logprobs=0
-    returns the sampled token's log-prob (after temperature/top-k/top-p: the engine runs with
-    logprobs_mode='processed_logprobs'), which the importance-sampling correction needs."""
+    returns the sampled token's log-prob (after the repetition penalty, temperature, top-k,
+    top-p, min-p: the engine runs with logprobs_mode='processed_logprobs'), which the
+    importance-sampling correction needs."""
     return dict(n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, max_tokens=args.max_completion_length, logprobs=0)
+                top_k=args.top_k, min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty,
+                max_tokens=args.max_completion_length, logprobs=0)
 
 
 def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:

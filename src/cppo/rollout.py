@@ -18,6 +18,8 @@ from torch import Tensor
 
 from cppo.models.lean import lean_forward_for
 from cppo.padding import pad_token_lists
+from cppo.sampling.logits import (filter_logits, greedy_logits, mark_seen,  # noqa: F401 (re-export)
+                                  sampling_logits, seen_tokens)
 
 
 @dataclass
@@ -82,27 +84,16 @@ def encode_prompts(tokenizer, prompts: Sequence, max_prompt_length: int | None =
     return PromptBatch(*pad_token_lists(rows, tokenizer.pad_token_id, side="left"))
 
 
-def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Mask logits (N, V) outside the top-k set and outside the top-p nucleus with -inf."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set whose mass reaches top_p
-        drop_orig = torch.zeros_like(drop).scatter(-1, order, drop)
-        logits = logits.masked_fill(drop_orig, float("-inf"))
-    return logits
-
-
-def _next_tokens(logits: Tensor, *, greedy: bool, temperature: float, top_k: int, top_p: float,
-                 generator: torch.Generator | None, logprobs: list | None = None) -> Tensor:
-    """Sample (or argmax) one token per row of logits (N, V); append their log-probs under the
+def _next_tokens(logits: Tensor, *, greedy: bool, generator: torch.Generator | None,
+                 logprobs: list | None = None, seen: Tensor | None = None, **transforms) -> Tensor:
+    """Sample (or argmax) one token per row of logits (N, V) after the logit transforms of
+    cppo.sampling.logits (`transforms`: temperature, top_k, top_p, min_p, repetition_penalty; seen
+    (N, V): the tokens the repetition penalty looks at); append their log-probs under the
     sampling distribution to `logprobs` when given."""
     if greedy:
-        return logits.argmax(-1)
-    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+        return greedy_logits(logits, repetition_penalty=transforms["repetition_penalty"],
+                             seen=seen).argmax(-1)
+    logits = sampling_logits(logits, seen=seen, **transforms)
     tok = sample_categorical(logits.softmax(-1), generator)
     if logprobs is not None:
         logprobs.append(torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
@@ -130,12 +121,15 @@ def sample_categorical(probs: Tensor, generator: torch.Generator | None = None) 
 def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max_new_tokens: int,
                        eos_token_id: int | Sequence[int], pad_token_id: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
-                       generator: torch.Generator | None = None,
+                       generator: torch.Generator | None = None, min_p: float | None = None,
+                       repetition_penalty: float = 1.0,
                        batch_size: int | None = None, lean: bool = True,
                        dtype: torch.dtype | None = None) -> Completions:
     """G completions for each of Q prompts: prefill each prompt once, share its KV cache.
 
     batch_size bounds the number of completions decoded together (None: all Q*G at once).
+    min_p, repetition_penalty (over the prompt's and the completion's tokens): as transformers'
+    generate applies them (cppo.sampling.logits).
     lean: use cppo.models.lean's forward when it supports the model (same logits up to rounding).
     dtype: sample from a copy of the weights in this dtype (e.g. bfloat16: faster on CPUs with
     AVX512-BF16/AMX and on GPUs; lean forward only) and record each token's log-prob under it
@@ -148,9 +142,10 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
                          f"model: {lean_forward_for(model)[1] if lean else 'lean=False'}")
     sample_chunk = (_sample_chunk if lean_forward is None
                     else functools.partial(_sample_chunk_lean, lean_forward, dtype))
+    transforms = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                      repetition_penalty=repetition_penalty)
     parts = [sample_chunk(model, prompts.select(slice(s, s + per_chunk)), num_generations,
-                          max_new_tokens, eos_token_id, pad_token_id, temperature, top_p, top_k,
-                          greedy, generator)
+                          max_new_tokens, eos_token_id, pad_token_id, greedy, generator, transforms)
              for s in range(0, q, per_chunk)]
     return concat_completions(parts, pad_token_id)
 
@@ -181,8 +176,16 @@ def _eos_tensor(eos_token_id: int | Sequence[int], device) -> Tensor:
                         device=device)
 
 
-def _sample_chunk(model, prompts, num_generations, max_new_tokens, eos_token_id, pad_token_id, temperature,
-                  top_p, top_k, greedy, generator) -> Completions:
+def _prompt_tokens_seen(prompts: PromptBatch, num_generations: int, vocab_size: int,
+                        transforms: dict) -> Tensor | None:
+    """(Q*G, V) the prompt tokens the repetition penalty starts from (None: no penalty)."""
+    if transforms["repetition_penalty"] == 1.0:
+        return None
+    return seen_tokens(prompts.ids, prompts.mask, vocab_size).repeat_interleave(num_generations, 0)
+
+
+def _sample_chunk(model, prompts, num_generations, max_new_tokens, eos_token_id, pad_token_id, greedy,
+                  generator, transforms) -> Completions:
     """Prefill with the model's own forward, repeat its cache G times, decode with it."""
     device = next(model.parameters()).device
     prompts = prompts.to(device)
@@ -205,14 +208,17 @@ def _sample_chunk(model, prompts, num_generations, max_new_tokens, eos_token_id,
                     position_ids=state["position"], use_cache=True, **{cache_arg: cache})
         state["position"] = state["position"] + 1
         return out.logits[:, -1]
-    return _decode(out.logits[:, -1].repeat_interleave(num_generations, 0), advance, max_new_tokens,
+    first = out.logits[:, -1]
+    return _decode(first.repeat_interleave(num_generations, 0), advance, max_new_tokens,
                    _eos_tensor(eos_token_id, device), pad_token_id, record=False,
                    compact=hasattr(cache, "batch_select_indices"), greedy=greedy,
-                   temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+                   generator=generator,
+                   seen=_prompt_tokens_seen(prompts, num_generations, first.shape[-1], transforms),
+                   **transforms)
 
 
 def _sample_chunk_lean(lean, dtype, model, prompts, num_generations, max_new_tokens, eos_token_id,
-                       pad_token_id, temperature, top_p, top_k, greedy, generator) -> Completions:
+                       pad_token_id, greedy, generator, transforms) -> Completions:
     """_sample_chunk on cppo.models.lean's forward (weights cast to `dtype` if given, and then
     each token's sampler log-prob recorded), with a preallocated KV cache."""
     device = lean.device
@@ -236,21 +242,22 @@ def _sample_chunk_lean(lean, dtype, model, prompts, num_generations, max_new_tok
             logits, _ = lean(tok[:, None], state["position"], state["keys"], cache=state["cache"])
             state["position"] = state["position"] + 1
             return logits[:, -1]
+        seen = _prompt_tokens_seen(prompts, num_generations, logits.shape[-1], transforms)
         return _decode(logits[:, -1].repeat_interleave(num_generations, 0), advance, max_new_tokens,
                        _eos_tensor(eos_token_id, device), pad_token_id, record=dtype is not None,
-                       compact=True, greedy=greedy, temperature=temperature, top_k=top_k,
-                       top_p=top_p, generator=generator)
+                       compact=True, greedy=greedy, generator=generator, seen=seen, **transforms)
 
 
 def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token_id: int, *,
-            record: bool, compact: bool, **sampling) -> Completions:
+            record: bool, compact: bool, seen: Tensor | None = None, **sampling) -> Completions:
     """Sample up to max_new_tokens tokens per row from first logits (N, V).
 
     advance(tokens (n,), rows) runs one decode step of the n rows still in the batch and returns
     their next logits (n, V); rows (n,) is None, or the positions of the rows to keep in the
     batch (the others have produced EOS): with `compact`, finished rows leave the batch once they
     are an eighth of it, so no work is spent on them. Finished rows get padding; with `record`,
-    each token's log-prob under the sampling distribution is kept."""
+    each token's log-prob under the sampling distribution is kept. seen (N, V): the tokens the
+    repetition penalty looks at (the prompt's), each sampled token added (None: no penalty)."""
     n, device = logits.shape[0], logits.device
     ids = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     recorded = torch.zeros(n, max_new_tokens, device=device) if record and not sampling["greedy"] else None
@@ -259,8 +266,10 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
     width = 0
     for step in range(max_new_tokens):
         logprobs = [] if recorded is not None else None
-        tok = _next_tokens(logits, logprobs=logprobs, **sampling)
+        tok = _next_tokens(logits, logprobs=logprobs, seen=seen, **sampling)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
+        if seen is not None:
+            mark_seen(seen, tok)
         ids[active, step] = tok
         if logprobs is not None:
             recorded[active, step] = logprobs[0].float()
@@ -273,6 +282,7 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
         if compact and done and 8 * done >= len(finished):
             rows = (~finished).nonzero().squeeze(1)
             active, tok, finished = active[rows], tok[rows], finished[rows]
+            seen = seen[rows] if seen is not None else None
         logits = advance(tok, rows)
     completions = _completions(ids[:, :width], eos)
     if recorded is not None:

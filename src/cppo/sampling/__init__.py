@@ -1,0 +1,1 @@
+"""Sampling: the sampler, its generation backends and the logit transforms they share."""
