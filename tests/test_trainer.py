@@ -303,3 +303,33 @@ def test_reward_weights_are_checked_against_the_trainers_reward_functions(tiny_m
     with pytest.raises(ConfigError, match="'reward_weights' has 3 values but 'reward_funcs' has 2"):
         make_trainer(tiny_model_dir, tmp_path / "run", reward=[odd_length_reward, length_reward],
                      reward_weights=[1, 0.5, 2])
+
+
+@pytest.mark.parametrize("num_generations_eval, sampled", [(0, 0), (3, 3), (None, 4)])
+def test_num_generations_eval_samples_and_scores_the_held_out_questions(tiny_model_dir, tmp_path,
+                                                                         num_generations_eval,
+                                                                         sampled):
+    """TRL's evaluation: num_generations_eval completions per held-out question (None:
+    num_generations), scored by the reward functions, logged as TRL's eval_* metrics."""
+    calls = []
+
+    def reward(prompts, completions, **kw):
+        calls.append(len(completions))
+        return odd_length_reward(prompts, completions, **kw)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", reward=reward, max_steps=1,
+                           num_generations_eval=num_generations_eval)
+    preflight = len(calls)
+    trainer.train()
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if "eval/accuracy" in r]
+    assert len(evals) == 2       # before and after
+    # each evaluation: greedy accuracy (4 held-out questions), then `sampled` x 4; the step: 4 x 4
+    evaluation = [4, 4 * sampled] if sampled else [4]
+    assert calls[preflight:] == evaluation + [16] + evaluation
+    if not sampled:
+        assert all("eval_reward" not in r for r in evals)
+        return
+    for r in evals:
+        assert 0 <= r["eval_reward"] <= 1 and r["eval_rewards/reward/mean"] == r["eval_reward"]
+        assert {"eval_reward_std", "eval_frac_reward_zero_std", "eval_completions/mean_length",
+                "eval_completions/clipped_ratio"} <= set(r)

@@ -232,6 +232,10 @@ class CPPOConfig:
     output_dir: str = option("runs/cppo", "Run directory: metrics, plots, checkpoints, summary.")
     eval_steps: int = option(75, "Held-out evaluation every N steps (0: only before and after).")
     eval_num_questions: Optional[int] = option(None, "Held-out questions per evaluation (None: all).")
+    num_generations_eval: Optional[int] = option(
+        0, "TRL's evaluation too: at each evaluation, sample this many completions per held-out "
+        "question as in training and log TRL's eval_reward, eval_rewards/<name>/mean, ... "
+        "None: num_generations (TRL's default). 0: greedy accuracy only.")
     logging_steps: int = option(1, "Write metrics every N steps.")
     save_steps: int = option(100, "Checkpoint every N steps (and always at the end).")
     save_total_limit: int = option(2, "Keep this many most recent checkpoints.")
@@ -534,6 +538,9 @@ def validate(cfg: CPPOConfig) -> None:
            f"'num_train_questions' is {cfg.num_train_questions}; must be >= 1 or None")
     _check(cfg.eval_num_questions is None or cfg.eval_num_questions >= 1,
            f"'eval_num_questions' is {cfg.eval_num_questions}; must be >= 1 or None")
+    _check(cfg.num_generations_eval is None or cfg.num_generations_eval >= 0,
+           f"'num_generations_eval' is {cfg.num_generations_eval}; must be >= 0 (0: off) or None "
+           f"(num_generations)")
     _check(len(cfg.reward_funcs) >= 1, "'reward_funcs' is empty; name at least one reward function")
     for key in ("eval_steps", "save_steps", "logging_steps"):
         _check(getattr(cfg, key) >= 0, f"'{key}' is {getattr(cfg, key)}; must be >= 0")

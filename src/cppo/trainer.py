@@ -40,7 +40,8 @@ from cppo.hardware import warn_slow_precision
 from cppo.memory import check_batch_settings, plan_for_run
 from cppo.parallel import Engine, check_layout, pad_rows, resolve_strategy
 from cppo.rewards_runner import RewardRunner, unpadded_ids
-from cppo.rollout import Completions, PromptBatch, completion_logprobs, encode_prompts
+from cppo.rollout import (Completions, PromptBatch, completion_logprobs, encode_prompts,
+                          sample_completions)
 from cppo.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to, length_metrics,
                            write_plots)
 
@@ -663,6 +664,7 @@ class CPPOTrainer:
                               max_new_tokens=self.args.max_completion_length,
                               max_prompt_length=self.args.max_prompt_length, progress=False,
                               batch_size=self.batch_sizes.evaluation)
+            sampled = self.sampled_eval_metrics(rows)
         self.timer.pop_last()
         entry = {"step": self.step, "accuracy": result.greedy_accuracy,
                  "wall_time": round(time.perf_counter() - start_wall, 3),
@@ -670,8 +672,41 @@ class CPPOTrainer:
         self.history.append(entry)
         if log is not None:
             log.log({"step": self.step, "wall_time": entry["wall_time"],
-                     "train_seconds": entry["train_seconds"], "eval/accuracy": result.greedy_accuracy})
-        self.callbacks.event("on_evaluate", metrics={"eval_accuracy": result.greedy_accuracy})
+                     "train_seconds": entry["train_seconds"], "eval/accuracy": result.greedy_accuracy,
+                     **sampled})
+        self.callbacks.event("on_evaluate", metrics={"eval_accuracy": result.greedy_accuracy, **sampled})
+
+    @torch.no_grad()
+    def sampled_eval_metrics(self, rows: list[dict]) -> dict:
+        """TRL's evaluation: num_generations_eval completions per held-out question (None:
+        num_generations), sampled with the training settings by cppo's sampler, scored by the
+        reward functions; TRL's metrics with its eval_ prefix ({} when num_generations_eval is 0)."""
+        args = self.args
+        g = args.num_generations if args.num_generations_eval is None else args.num_generations_eval
+        if g == 0:
+            return {}
+        prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
+                                 args.max_prompt_length).to(self.device)
+        generator = torch.Generator(device=self.device).manual_seed(
+            chunk_seed(args.seed, -1 - self.step, 0))   # apart from the training rounds' seeds
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            completions = sample_completions(
+                self.policy, prompts, num_generations=g, max_new_tokens=args.max_completion_length,
+                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, generator=generator,
+                batch_size=self.batch_sizes.evaluation, lean=args.lean_forward)
+        finally:
+            self.policy.train(was_training)
+        texts = self.tokenizer.batch_decode(completions.ids.cpu(), skip_special_tokens=True)
+        per_function = self.rewards(rows, texts, unpadded_ids(completions.ids, completions.mask), g,
+                                    conversational=not isinstance(rows[0]["prompt"], str))
+        rewards = combine_rewards(per_function, self.rewards.weights).view(len(rows), g)
+        metrics = {**reward_stats(rewards, args.scale_rewards), **self.rewards.means(per_function),
+                   **length_metrics(completions.lengths.float(), completions.truncated)}
+        return {f"eval_{key}": value for key, value in metrics.items()}
 
     # ---------------------------------------------------------------- checkpoints -----------
     def _rng_state(self) -> dict:

@@ -234,7 +234,6 @@ TRL_FIELDS: dict[str, tuple] = {
     "eval_accumulation_steps": ignored(EVAL, None),
     "include_for_metrics": ignored(EVAL, []),
     "batch_eval_metrics": ignored(EVAL, False),
-    "num_generations_eval": ignored(EVAL, None),
     "load_best_model_at_end": ignored("cppo keeps the last checkpoints; each evaluation's "
                                       "accuracy is in metrics.jsonl", False),
     "metric_for_best_model": ignored("no best-model selection", None),
@@ -379,6 +378,8 @@ DEFAULTS_DIFFER: dict[str, str] = {
     "lora_target_modules": "the attention projections",
     "dataset_name": "the embedded task",
     "reward_funcs": "the embedded task's reward",
+    "num_generations_eval": "0: cppo's held-out greedy accuracy only; TRL's null samples "
+                            "num_generations completions per question (null does so in cppo too)",
 }
 
 MERGED = {"reward_model_name_or_path"}   # mapped onto a field it extends, not replaces
