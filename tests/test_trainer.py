@@ -333,3 +333,15 @@ def test_num_generations_eval_samples_and_scores_the_held_out_questions(tiny_mod
         assert 0 <= r["eval_reward"] <= 1 and r["eval_rewards/reward/mean"] == r["eval_reward"]
         assert {"eval_reward_std", "eval_frac_reward_zero_std", "eval_completions/mean_length",
                 "eval_completions/clipped_ratio"} <= set(r)
+
+
+def test_adaptive_entropy_coefficient_is_logged_and_checkpointed(tiny_model_dir, tmp_path):
+    """Every step's entropy is below a target of 100 nats: the coefficient rises by delta per
+    optimizer step (logged as TRL's entropy_coef) and the checkpoint carries it for a resume."""
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, use_adaptive_entropy=True,
+                           entropy_coef=0.0, entropy_coef_delta=0.25, entropy_target=100.0)
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["entropy_coef"] for r in records if "entropy_coef" in r] == [0.25, 0.5]
+    state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["entropy_coef"] == 0.5 and 0 < state["last_world_entropy"] <= 100

@@ -64,6 +64,8 @@ class RunState:
     consecutive_nonfinite: int = 0      # NaN/inf steps in a row (stops the run at a limit)
     history: list = field(default_factory=list)   # held-out evaluations
     wall_offset: float = 0.0            # wall time spent so far (before a resume: earlier sessions)
+    entropy_coef: float | None = None   # use_adaptive_entropy: the coefficient now (None: the config's)
+    last_world_entropy: float = float("inf")   # use_adaptive_entropy: the last step's mean entropy
 
     @classmethod
     def of(cls, owner) -> "RunState":

@@ -176,6 +176,17 @@ class CPPOConfig:
                                          "tokens by entropy only (1.0: every token).")
     entropy_coef: float = option(0.0, "Entropy bonus: subtract entropy_coef x the mean token "
                                  "entropy (over the tokens the policy term trains) from the loss.")
+    use_adaptive_entropy: bool = option(False, "Adaptive entropy control (Skywork-OR1): entropy_coef "
+                                        "is the starting coefficient; after each optimizer step it "
+                                        "rises by entropy_coef_delta when the step's mean token "
+                                        "entropy was <= entropy_target, else falls; the bonus applies "
+                                        "only after a step at or below the target.")
+    entropy_coef_min: float = option(0.0, "use_adaptive_entropy: lower bound of the coefficient.")
+    entropy_coef_max: float = option(1.0, "use_adaptive_entropy: upper bound of the coefficient.")
+    entropy_coef_delta: float = option(0.005, "use_adaptive_entropy: the coefficient's step per "
+                                       "optimizer step.")
+    entropy_target: float = option(0.2, "use_adaptive_entropy: target mean token entropy (nats) "
+                                   "over the tokens the policy term trains.")
     sync_ref_model: bool = option(False, "Mix the policy into the reference model every "
                                   "ref_model_sync_steps steps (TR-DPO; needs beta > 0, no LoRA).")
     ref_model_mixup_alpha: float = option(0.6, "sync_ref_model: ref = alpha * policy + (1 - alpha)"
@@ -454,6 +465,11 @@ def _check_objective(cfg: CPPOConfig) -> None:
            f"'ref_model_mixup_alpha' is {cfg.ref_model_mixup_alpha}; allowed: [0, 1]")
     _check(cfg.ref_model_sync_steps >= 1,
            f"'ref_model_sync_steps' is {cfg.ref_model_sync_steps}; must be >= 1")
+    _check(0 <= cfg.entropy_coef_min <= cfg.entropy_coef_max,
+           f"'entropy_coef_min' is {cfg.entropy_coef_min} and 'entropy_coef_max' "
+           f"{cfg.entropy_coef_max}; need 0 <= entropy_coef_min <= entropy_coef_max")
+    _check(cfg.entropy_coef_delta >= 0,
+           f"'entropy_coef_delta' is {cfg.entropy_coef_delta}; must be >= 0")
     _check(cfg.entropy_coef >= 0, f"'entropy_coef' is {cfg.entropy_coef}; must be >= 0 (a "
            f"bonus for entropy)")
     for key in ("sapo_temperature_pos", "sapo_temperature_neg"):

@@ -24,10 +24,11 @@ import torch
 from tqdm.auto import tqdm
 
 from cppo import checkpoint as ckpt
-from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, high_entropy_mask,
-                            importance_weights, mix_into_reference, normalized_reward_sum,
-                            off_policy_mask, per_token_policy_loss, reduce_loss, reward_stats,
-                            select_completions, select_global)
+from cppo.algorithm import (adapted_entropy_coef, applied_entropy_coef, combine_rewards,
+                            entropy_bonus, group_advantages, high_entropy_mask, importance_weights,
+                            mix_into_reference, normalized_reward_sum, off_policy_mask,
+                            per_token_policy_loss, reduce_loss, reward_stats, select_completions,
+                            select_global)
 from cppo.algorithm.selection import recompute_advantages_on_kept, rule_traits
 from cppo.callbacks import CallbackError, Callbacks
 from cppo.completions_log import CompletionsLog
@@ -327,7 +328,30 @@ class CPPOTrainer:
                                    batch.completion_mask, temperature=self.args.temperature,
                                    batch_size=self.args.per_device_train_batch_size,
                                    lean=self.args.lean_forward, entropies=entropies,
-                                   entropy_grad=entropies is not None and self.args.entropy_coef > 0)
+                                   entropy_grad=entropies is not None and self.entropy_bonus_on)
+
+    @property
+    def entropy_bonus_on(self) -> bool:
+        """TRL: a fixed coefficient > 0, or adaptive control (on even while its coefficient is 0)."""
+        return self.args.entropy_coef > 0 or self.args.use_adaptive_entropy
+
+    def entropy_coef_now(self) -> float:
+        """The coefficient this step applies (adaptive: gated by the last step's entropy)."""
+        args = self.args
+        coef = args.entropy_coef if self.entropy_coef is None else self.entropy_coef
+        if not args.use_adaptive_entropy:
+            return coef
+        return applied_entropy_coef(coef, self.last_world_entropy, args.entropy_target)
+
+    def adapt_entropy_coef(self, entropy: float) -> float:
+        """Adaptive control's update after an optimizer step; returns the new coefficient."""
+        args = self.args
+        coef = args.entropy_coef if self.entropy_coef is None else self.entropy_coef
+        self.entropy_coef = adapted_entropy_coef(
+            coef, entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
+            coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
+        self.last_world_entropy = entropy
+        return self.entropy_coef
 
     def autocast(self):
         """The one precision of every pass of a step (old policy, reference, policy): bf16
@@ -375,7 +399,9 @@ class CPPOTrainer:
         total_tokens = self.dist.sum(int(batch.completion_mask.sum()))
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0,
-                "is_ratio": 0.0, "logp_diff": 0.0, "entropy": 0.0}
+                "is_ratio": 0.0, "logp_diff": 0.0, "entropy": 0.0, "bonus_entropy": 0.0,
+                "bonus_tokens": 0.0}
+        entropy_coef = self.entropy_coef_now() if self.entropy_bonus_on else 0.0
         num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
         # gradients are reduced by the engine once per step, in the last micro-batch's backward
         for micro in self.engine.accumulate(batch.micro_batches(args.per_device_train_batch_size)):
@@ -399,12 +425,14 @@ class CPPOTrainer:
                                max_completion_length=args.max_completion_length,
                                total_sequences=total_sequences, total_tokens=total_tokens,
                                accumulation_steps=num_micro)
-            if args.entropy_coef > 0:   # on the tokens the policy term trains (TRL)
+            if self.entropy_bonus_on:   # on the tokens the policy term trains (TRL)
                 trained = micro.completion_mask if args.top_entropy_quantile >= 1.0 \
                     else micro.completion_mask * high_entropy_mask(
                         torch.cat(entropies).detach(), micro.completion_mask,
                         args.top_entropy_quantile)
-                loss = loss - args.entropy_coef * entropy_bonus(torch.cat(entropies), trained, num_micro)
+                loss = loss - entropy_coef * entropy_bonus(torch.cat(entropies), trained, num_micro)
+                sums["bonus_entropy"] += float((torch.cat(entropies).detach() * trained).sum())
+                sums["bonus_tokens"] += float(trained.sum())
             loss = loss * self.dist.world_size   # the engines average gradients over processes
             loss.backward()
             sums["loss"] += loss.item() / self.dist.world_size
@@ -429,6 +457,11 @@ class CPPOTrainer:
                    "learning_rate": self.scheduler.get_last_lr()[0]}
         if args.beta > 0:
             metrics["kl"] = sums["kl"] / tokens
+        if args.use_adaptive_entropy:   # the whole step's tokens, every process's (TRL)
+            metrics["entropy_coef"] = self.adapt_entropy_coef(
+                sums["bonus_entropy"] / max(sums["bonus_tokens"], 1.0))
+        elif self.entropy_bonus_on:
+            metrics["entropy_coef"] = entropy_coef
         if batch.sampler_logps is not None:
             metrics["sampling/importance_sampling_ratio/mean"] = sums["is_ratio"] / tokens
             metrics["sampling/sampling_logp_difference/mean"] = sums["logp_diff"] / tokens

@@ -37,7 +37,6 @@ SAMPLER = "cppo's samplers take temperature, top_p, top_k, min_p and repetition_
 PRECISION = "not supported; use bf16 (autocast) or torch_dtype"
 LOAD = "cppo loads models with torch_dtype and attn_implementation only"
 LORA = "cppo's LoRA takes lora_r, lora_alpha, lora_dropout and lora_target_modules"
-ADAPTIVE = "adaptive entropy control is not implemented; entropy_coef stays fixed"
 
 
 def ignored(reason: str, behaves_as: Any = _MISSING) -> tuple:
@@ -348,11 +347,6 @@ TRL_FIELDS: dict[str, tuple] = {
     "vllm_importance_sampling_clip_min": ignored("cppo's importance weights are only capped above",
                                                  None),
     # --- loss variants -------------------------------------------------------------------------
-    "use_adaptive_entropy": ignored(ADAPTIVE, False),
-    "entropy_coef_min": ignored(ADAPTIVE, 0.0),
-    "entropy_coef_max": ignored(ADAPTIVE, 1.0),
-    "entropy_coef_delta": ignored(ADAPTIVE, 0.005),
-    "entropy_target": ignored(ADAPTIVE, 0.2),
 }
 
 

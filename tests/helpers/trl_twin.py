@@ -200,7 +200,7 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
 
     def spy_bonus(*a, **kw):   # the loss TRL returns includes the entropy bonus
         value = bonus(*a, **kw)
-        record.losses[-1] -= args.entropy_coef * value.item()
+        record.losses[-1] -= trainer.entropy_coef_now() * value.item()   # adaptive: gated
         return value
     monkeypatch.setattr(trainer_module, "entropy_bonus", spy_bonus)
     step = trainer.optimizer.step
