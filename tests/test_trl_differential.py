@@ -84,6 +84,11 @@ OPTIONS = {
     "normalize_then_sum": dict(loss_type="dapo", two_rewards=True,
                                multi_objective_aggregation="normalize_then_sum"),
     "two_rewards_summed": dict(loss_type="dapo", two_rewards=True, reward_weights=[1.0, 0.5]),
+    "tool_mask_dapo": dict(loss_type="dapo", tool_mask=True),
+    "tool_mask_grpo_gspo": dict(loss_type="grpo", importance_sampling_level="sequence",
+                                tool_mask=True, accumulation=2),
+    "tool_mask_entropy": dict(loss_type="bnpo", tool_mask=True, top_entropy_quantile=0.5,
+                              entropy_coef=0.05),
     "bnpo_accumulation": dict(loss_type="bnpo", accumulation=2),
     "grpo_accumulation": dict(loss_type="grpo", accumulation=2),
 }

@@ -331,4 +331,4 @@ def pad_rows(batch, dist_info):
         completion_ids=grow(batch.completion_ids, 0), completion_mask=grow(batch.completion_mask, 0),
         advantages=grow(batch.advantages, 0.0), old_logps=grow(batch.old_logps, 0.0),
         ref_logps=grow(batch.ref_logps, 0.0), sampler_logps=grow(batch.sampler_logps, 0.0),
-        filler_rows=batch.filler_rows + extra)
+        tool_mask=grow(batch.tool_mask, 1), filler_rows=batch.filler_rows + extra)

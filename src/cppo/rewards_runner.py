@@ -68,17 +68,20 @@ class RewardRunner:
         math_rewards.close_default_verifier()
 
     def __call__(self, rows: list[dict], texts: list[str], completion_ids: list[list[int]] | None,
-                 num_generations: int, conversational: bool = False) -> torch.Tensor:
+                 num_generations: int, conversational: bool = False,
+                 extra_columns: dict[str, list] | None = None) -> torch.Tensor:
         """Rewards (N, F), N = len(rows) * num_generations, NaN where a function returned None.
 
         completion_ids: one unpadded token-id list per completion (TRL's convention; see
-        `unpadded_ids`), or None (empty lists are passed)."""
+        `unpadded_ids`), or None (empty lists are passed). extra_columns: more reward columns,
+        one value per completion (a rollout function's extra keys)."""
         n = len(rows) * num_generations
         if len(texts) != n:
             raise ValueError(f"{len(texts)} completions for {len(rows)} questions x {num_generations}")
         prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
         columns = {k: [r[k] for r in rows for _ in range(num_generations)]
                    for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        columns.update(extra_columns or {})   # a rollout function's own (one value per completion)
         completions = ([[{"role": "assistant", "content": t}] for t in texts]
                        if conversational else list(texts))
         if torch.is_tensor(completion_ids):

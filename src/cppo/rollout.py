@@ -46,12 +46,15 @@ class Completions:
     ids (N, T) padded after EOS; mask (N, T) 1 on tokens up to and including EOS;
     truncated (N,) True where no EOS was produced within the length limit; logprobs (N, T), when
     the sampler recorded them: log-probability of each token under the distribution it was drawn
-    from (after temperature, top-k, top-p; 0 after EOS)."""
+    from (after temperature, top-k, top-p; 0 after EOS); tool_mask (N, T), for multi-turn
+    completions (cppo.sampling.multi_turn): 0 on the tokens a tool or environment wrote (in the
+    context, out of the loss), 1 elsewhere."""
 
     ids: Tensor
     mask: Tensor
     truncated: Tensor
     logprobs: Tensor | None = None
+    tool_mask: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:

@@ -43,6 +43,7 @@ from cppo.parallel import Engine, check_layout, pad_rows, resolve_strategy
 from cppo.rewards_runner import RewardRunner, unpadded_ids
 from cppo.rollout import (Completions, PromptBatch, completion_logprobs, encode_prompts,
                           sample_completions)
+from cppo.sampling.multi_turn import rollout_from_output
 from cppo.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to, length_metrics,
                            write_plots)
 
@@ -60,6 +61,13 @@ class StepBatch:
     ref_logps: torch.Tensor | None = None  # (K, T), only when beta > 0
     sampler_logps: torch.Tensor | None = None  # (K, T), when the sampler is not the policy
     filler_rows: int = 0   # trailing rows that only align collectives across processes (no loss)
+    tool_mask: torch.Tensor | None = None  # (K, T) multi-turn: 0 on tokens a tool wrote
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """(K, T) the tokens the loss trains: completion_mask (which the forward passes attend
+        to), less the tokens a tool or environment wrote (TRL: completion_mask * tool_mask)."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -72,7 +80,8 @@ class StepBatch:
             sl = slice(s, s + size)
             yield StepBatch(self.prompt_ids[sl], self.prompt_mask[sl], self.completion_ids[sl],
                             self.completion_mask[sl], self.advantages[sl], part(self.old_logps, sl),
-                            part(self.ref_logps, sl), part(self.sampler_logps, sl)).trimmed()
+                            part(self.ref_logps, sl), part(self.sampler_logps, sl),
+                            tool_mask=part(self.tool_mask, sl)).trimmed()
 
     def trimmed(self) -> "StepBatch":
         """The same rows without the columns no row uses: prompt columns left of the longest
@@ -88,7 +97,8 @@ class StepBatch:
             return None if t is None else t[:, :width]
         return StepBatch(self.prompt_ids[:, start:], self.prompt_mask[:, start:],
                          cut(self.completion_ids), cut(self.completion_mask), self.advantages,
-                         cut(self.old_logps), cut(self.ref_logps), cut(self.sampler_logps))
+                         cut(self.old_logps), cut(self.ref_logps), cut(self.sampler_logps),
+                         self.filler_rows, cut(self.tool_mask))
 
 
 class QuestionStream:
@@ -128,8 +138,14 @@ class CPPOTrainer:
 
     def __init__(self, model=None, reward_funcs=None, args: CPPOConfig | None = None,
                  train_dataset=None, eval_dataset=None, processing_class=None,
-                 peft_config=None, callbacks=None, reward_processing_classes=None) -> None:
+                 peft_config=None, callbacks=None, reward_processing_classes=None,
+                 rollout_func=None) -> None:
         self.args = args = args or CPPOConfig()
+        if rollout_func is not None and not callable(rollout_func):
+            raise ConfigError(f"rollout_func is {rollout_func!r}; expected a function "
+                              f"(prompts, trainer) -> dict (TRL's rollout_func)")
+        self.rollout_func = rollout_func
+        self.rollout_columns: dict[str, list] = {}   # a rollout's extra reward columns
         check_report_to(args.report_to)   # a tracker's missing library, before any loading
         funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
         funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
@@ -255,7 +271,10 @@ class CPPOTrainer:
 
     def generate(self, rows: list[dict]) -> tuple[PromptBatch, Completions]:
         """G completions per row through the generation backend (cppo.generation), seeded by
-        (seed, round, the rows' place in the global step batch)."""
+        (seed, round, the rows' place in the global step batch); or, with rollout_func, its
+        rollouts (then one prompt row per completion)."""
+        if self.rollout_func is not None:
+            return self.rollout(rows)
         prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
                                  self.args.max_prompt_length).to(self.device)
         with self.engine.gathered():      # fsdp: full weights once per round, not per token
@@ -263,12 +282,28 @@ class CPPOTrainer:
                                                 question_offset=self.dist.rank * len(rows))
         return prompts, completions
 
+    def rollout(self, rows: list[dict]) -> tuple[PromptBatch, Completions]:
+        """TRL's rollout_func: called with each row's prompt num_generations times (a copy) and
+        the trainer; its output checked and padded (cppo.sampling.multi_turn)."""
+        import copy
+        prompts = [copy.deepcopy(r["prompt"]) for r in rows for _ in range(self.args.num_generations)]
+        if hasattr(self.backend, "_sync_weights") and prompts:   # a rollout that uses vLLM
+            probe = encode_prompts(self.tokenizer, prompts[:1], self.args.max_prompt_length)
+            self.backend._sync_weights(self.round_index, probe=probe.ids[0].tolist())
+        with self.engine.gathered():
+            output = self.rollout_func(prompts, self)
+        out = rollout_from_output(output, len(prompts), eos_token_id=self.tokenizer.eos_token_id,
+                                  pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+        self.rollout_columns = out.columns
+        return out.prompts, out.completions
+
     def score(self, rows: list[dict], completions: Completions) -> tuple[torch.Tensor, dict]:
         """Rewards (Q, G) of the weighted reward functions, plus per-function means."""
         texts = self.tokenizer.batch_decode(completions.ids.cpu(), skip_special_tokens=True)
         per_function = self.rewards(rows, texts, unpadded_ids(completions.ids, completions.mask),
                                     self.args.num_generations,
-                                    conversational=not isinstance(rows[0]["prompt"], str))
+                                    conversational=not isinstance(rows[0]["prompt"], str),
+                                    extra_columns=self.rollout_columns)
         rewards = combine_rewards(per_function, self.rewards.weights)
         self.rewards_per_function = per_function.view(len(rows), self.args.num_generations, -1)
         if self.completions_log is not None:
@@ -310,16 +345,18 @@ class CPPOTrainer:
     def build_batch(self, prompts: PromptBatch, completions: Completions, advantages: torch.Tensor,
                     keep_mask: torch.Tensor) -> StepBatch:
         kept = keep_mask.flatten().nonzero().squeeze(1).to(completions.ids.device)  # of Q*G rows
-        question = kept // self.args.num_generations
+        # the prompt row of each kept completion: its question's, or (rollouts) its own
+        question = kept if len(prompts) == len(completions.ids) else kept // self.args.num_generations
         mask = completions.mask[kept]
         if self.args.mask_truncated_completions:
             mask = mask * (~completions.truncated[kept]).long()[:, None]
         sampler_logps = None
         if completions.logprobs is not None and self.args.importance_sampling_correction:
             sampler_logps = completions.logprobs[kept].float()
+        tool_mask = None if completions.tool_mask is None else completions.tool_mask[kept]
         return StepBatch(prompts.ids[question], prompts.mask[question], completions.ids[kept],
                          mask, advantages.flatten().to(kept.device)[kept].float(),
-                         sampler_logps=sampler_logps).trimmed()  # no pass runs on pruned widths
+                         sampler_logps=sampler_logps, tool_mask=tool_mask).trimmed()  # no pass runs on pruned widths
 
     def logprobs(self, model, batch: StepBatch, entropies: list | None = None) -> torch.Tensor:
         if len(batch) == 0:  # global selection can leave a process nothing to train on
@@ -382,12 +419,12 @@ class CPPOTrainer:
         else the old policy's); None when neither is on."""
         args, mask = self.args, None
         if args.top_entropy_quantile < 1.0:
-            mask = high_entropy_mask(torch.cat(entropies), micro.completion_mask,
+            mask = high_entropy_mask(torch.cat(entropies), micro.loss_mask,
                                      args.top_entropy_quantile).float()
         if args.off_policy_mask_threshold is not None:
             sampler = next(t for t in (micro.sampler_logps, micro.old_logps, logps.detach())
                            if t is not None)
-            keep = off_policy_mask(micro.advantages, logps, sampler, micro.completion_mask.float(),
+            keep = off_policy_mask(micro.advantages, logps, sampler, micro.loss_mask.float(),
                                    args.off_policy_mask_threshold)
             mask = keep if mask is None else mask * keep
         return mask
@@ -396,7 +433,7 @@ class CPPOTrainer:
         """One optimizer step over the kept batch, in micro-batches (gradient accumulation)."""
         args = self.args
         total_sequences = self.dist.sum(len(batch) - batch.filler_rows)
-        total_tokens = self.dist.sum(int(batch.completion_mask.sum()))
+        total_tokens = self.dist.sum(int(batch.loss_mask.sum()))
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0,
                 "is_ratio": 0.0, "logp_diff": 0.0, "entropy": 0.0, "bonus_entropy": 0.0,
@@ -408,7 +445,7 @@ class CPPOTrainer:
             entropies = []
             with self.autocast():
                 logps = self.engine.forward(self.logprobs, micro, entropies)
-            m = micro.completion_mask.bool()
+            m = micro.loss_mask.bool()
             weights = None
             if micro.sampler_logps is not None:   # the sampler was a cast copy: truncated IS
                 old = logps.detach().float() if micro.old_logps is None else micro.old_logps
@@ -419,16 +456,16 @@ class CPPOTrainer:
             per_token, stats = per_token_policy_loss(   # IS weights on the policy term only (TRL)
                 logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
                 epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps,
-                sampling_weights=weights, completion_mask=micro.completion_mask,
+                sampling_weights=weights, completion_mask=micro.loss_mask,
                 policy_mask=policy_mask, **args.loss_options())
-            loss = reduce_loss(per_token, micro.completion_mask, args.loss_type,
+            loss = reduce_loss(per_token, micro.loss_mask, args.loss_type,
                                max_completion_length=args.max_completion_length,
                                total_sequences=total_sequences, total_tokens=total_tokens,
                                accumulation_steps=num_micro)
             if self.entropy_bonus_on:   # on the tokens the policy term trains (TRL)
-                trained = micro.completion_mask if args.top_entropy_quantile >= 1.0 \
-                    else micro.completion_mask * high_entropy_mask(
-                        torch.cat(entropies).detach(), micro.completion_mask,
+                trained = micro.loss_mask if args.top_entropy_quantile >= 1.0 \
+                    else micro.loss_mask * high_entropy_mask(
+                        torch.cat(entropies).detach(), micro.loss_mask,
                         args.top_entropy_quantile)
                 loss = loss - entropy_coef * entropy_bonus(torch.cat(entropies), trained, num_micro)
                 sums["bonus_entropy"] += float((torch.cat(entropies).detach() * trained).sum())
@@ -530,7 +567,8 @@ class CPPOTrainer:
 
     def step_metrics(self, rows, rewards, per_function_means, advantages, keep_mask,
                      completions, prompts=None) -> dict:
-        lengths = completions.lengths.float()
+        lengths = completions.lengths.float() if completions.tool_mask is None else \
+            (completions.mask * completions.tool_mask).sum(-1).float()   # TRL: the model's tokens
         abs_adv = advantages.abs()
         pruned = ~keep_mask
         metrics = {**reward_stats(self.dist.gather(rewards), self.args.scale_rewards),
@@ -546,8 +584,9 @@ class CPPOTrainer:
         self.counters["completions_scored"] += rewards.numel()
         self.counters["tokens_generated"] += int(lengths.sum())
         if prompts is not None:   # TRL's num_tokens: prompt + completion tokens, all processes
-            self.counters["num_tokens"] += int(self.dist.sum(
-                int(prompts.mask.sum()) * self.args.num_generations + int(lengths.sum())))
+            per_question = len(prompts) != len(completions.ids)   # rollouts: a prompt each
+            prompt_tokens = int(prompts.mask.sum()) * (self.args.num_generations if per_question else 1)
+            self.counters["num_tokens"] += int(self.dist.sum(prompt_tokens + int(lengths.sum())))
         return metrics
 
     # ---------------------------------------------------------------- the loop --------------

@@ -87,8 +87,14 @@ def _grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def tool_masks(completion_ids: list[list[int]]) -> list[list[int]]:
+    """A multi-turn shape for forced completions: in each completion of 4+ tokens, tokens 1 and
+    2 were written by a tool (0: in the context, out of the loss)."""
+    return [[0 if len(c) >= 4 and i in (1, 2) else 1 for i in range(len(c))] for c in completion_ids]
+
+
 def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
-            two_rewards=False, **options) -> Record:
+            two_rewards=False, tool_mask=False, **options) -> Record:
     import trl.trainer.grpo_trainer as grpo_module
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -105,7 +111,8 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
                                 for i in rnd.prompt_ids]   # the same questions, in order
         prompt_ids = [ids for ids in rnd.prompt_ids for _ in range(G)]
         texts = tokenizer.batch_decode(rnd.completion_ids, skip_special_tokens=True)
-        return prompt_ids, rnd.completion_ids, None, texts, None, {}, None, []
+        masks = tool_masks(rnd.completion_ids) if tool_mask else None
+        return prompt_ids, rnd.completion_ids, masks, texts, None, {}, None, []
 
     class Grads(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
@@ -145,7 +152,7 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
 
 
 def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
-             two_rewards=False, **options) -> Record:
+             two_rewards=False, tool_mask=False, **options) -> Record:
     import cppo.trainer as trainer_module
     from cppo.config import CPPOConfig
     from cppo.models import load_model, load_tokenizer
@@ -174,7 +181,10 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
         prompts = PromptBatch(*pad_token_lists(rnd.prompt_ids, tokenizer.pad_token_id, side="left"))
         ids, mask = pad_token_lists(rnd.completion_ids, tokenizer.pad_token_id, side="right")
         truncated = torch.tensor([c[-1] != tokenizer.eos_token_id for c in rnd.completion_ids])
-        return prompts, Completions(ids, mask, truncated)
+        masks = None
+        if tool_mask:
+            masks = pad_token_lists(tool_masks(rnd.completion_ids), 1, side="right")[0]
+        return prompts, Completions(ids, mask, truncated, tool_mask=masks)
     trainer.generate = fake_generate
     build, fill = trainer.build_batch, trainer.fill_old_and_ref_logprobs
 
