@@ -135,3 +135,161 @@ def test_calculator_rollouts_train_with_tool_tokens_out_of_the_loss(tiny_model_d
                               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
                if "loss" in r]
     assert len(metrics) == 2 and all(r["completions/mean_length"] > 0 for r in metrics)
+
+
+# ---------------------------------------------------------------- tools= (TRL's tool loop) ----
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory):
+    """A tiny Qwen2 with a byte-level tokenizer and a Qwen-style chat template that renders tools,
+    tool calls and tool results."""
+    from helpers.tiny_hf import build_model, build_tokenizer
+    tok = build_tokenizer("qwen2")
+    tok.chat_template = TOOL_TEMPLATE
+    path = tmp_path_factory.mktemp("tool_model")
+    build_model("qwen2", tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_tool_calls_are_parsed_run_and_rendered(tool_model_dir):
+    from cppo.models import load_tokenizer
+    from cppo.sampling.tools import parse_tool_calls, run_tool_calls, tool_suffix_ids
+    tok = load_tokenizer(tool_model_dir)
+    ids = tok('<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call>'
+              '<tool_call>{"name": "divide", "arguments": {}}</tool_call><tool_call>{bad</tool_call>'
+              )["input_ids"]
+    calls = parse_tool_calls(tok, ids)
+    assert [c["function"]["name"] for c in calls] == ["multiply", "divide"]   # {bad: not a call
+    messages, failures = run_tool_calls(calls, {"multiply": multiply})
+    assert messages[0] == {"role": "tool", "name": "multiply", "content": "408"}
+    assert failures == 1 and "Tool divide not found" in messages[1]["content"]
+    suffix = tok.decode(tool_suffix_ids(tok, messages[:1]))
+    assert suffix == "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n" \
+                     "<|im_start|>assistant\n"
+
+
+def tool_trainer(model_dir, tmp_path, lean, **overrides):
+    from cppo.config import CPPOConfig
+    from cppo.models import load_model, load_tokenizer
+    from cppo.trainer import CPPOTrainer
+    rows = [{"prompt": [{"role": "user", "content": f"{a}*{b}="}], "answer": str(a * b)}
+            for a, b in [(12, 34), (5, 6), (7, 8), (21, 3)]]
+    values = dict(model=model_dir, output_dir=str(tmp_path / "run"), max_steps=1,
+                  per_device_train_batch_size=8, num_generations=4, pruning_rate=0.5,
+                  max_completion_length=160, eval_steps=0, save_steps=0, progress_bar=False,
+                  eval_num_questions=1, learning_rate=1e-3, seed=3, lean_forward=lean)
+    values.update(overrides)
+
+    def reward(prompts, completions, **kw):
+        return [float(len(c[-1]["content"]) % 3) for c in completions]
+    return CPPOTrainer(model=load_model(model_dir), processing_class=load_tokenizer(model_dir),
+                       reward_funcs=[reward], args=CPPOConfig(**values), train_dataset=rows,
+                       tools=[multiply])
+
+
+def script_first_turn(trainer):
+    """A random model does not call tools: the first turn of every other completion is written
+    for it (a multiply call with the question's numbers); every later turn is sampled."""
+    loop, tok = trainer.rollout_func, trainer.tokenizer
+    sample, calls = loop.sample, []
+
+    def scripted(trainer, contexts, num_generations, max_new_tokens):
+        calls.append(len(contexts))
+        turns = sample(trainer, contexts, num_generations, max_new_tokens)
+        if len(calls) > 1:
+            return turns
+        for i in range(0, len(turns), 2):
+            a, b = tok.decode(contexts[i // num_generations]).split("user\n")[-1].split("=")[0].split("*")
+            call = f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+            turns[i] = tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return turns
+    loop.sample = scripted
+    return calls
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_tools_run_between_turns_and_their_results_leave_the_loss(tool_model_dir, tmp_path, lean):
+    import json
+    trainer = tool_trainer(tool_model_dir, tmp_path, lean)
+    calls = script_first_turn(trainer)
+    batches, generated = [], []
+    build, generate = trainer.build_batch, trainer.generate
+    trainer.build_batch = lambda *a, **kw: batches.append(build(*a, **kw)) or batches[-1]
+    trainer.generate = lambda rows: generated.append(generate(rows)) or generated[-1]
+    trainer.train()
+    assert calls == [4, 8]      # 4 prompts x G 4, then one more turn for the 8 that called
+    prompts, completions = generated[0]
+    texts = trainer.tokenizer.batch_decode(completions.ids, skip_special_tokens=False)
+    for i, (text, tool_mask, mask) in enumerate(zip(texts, completions.tool_mask, completions.mask)):
+        if i % 2:
+            assert "<tool_response>" not in text and bool(tool_mask[mask.bool()].all())
+            continue
+        question = trainer.tokenizer.decode(prompts.ids[i][prompts.mask[i].bool()])
+        a, b = map(int, question.split("user\n")[-1].split("=")[0].split("*"))
+        assert f"<tool_response>\n{a * b}\n</tool_response>" in text     # the tool ran
+        written = trainer.tokenizer.decode(completions.ids[i][(tool_mask == 0) & mask.bool()])
+        assert written.startswith("\n<|im_start|>user\n<tool_response>") and \
+            written.endswith("<|im_start|>assistant\n")                  # exactly the tool's part
+    assert all(n <= 160 for n in completions.mask.sum(1).tolist())
+    batch = batches[0]
+    assert len(batch) == 8 and batch.tool_mask is not None
+    record = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if "loss" in line][0]
+    assert record["tools/call_frequency"] == 0.5 and record["tools/failure_frequency"] == 0.0
+
+
+def test_max_tool_calling_iterations_zero_runs_no_tool(tool_model_dir, tmp_path):
+    trainer = tool_trainer(tool_model_dir, tmp_path, True, max_tool_calling_iterations=0)
+    calls = script_first_turn(trainer)
+    generated, generate = [], trainer.generate
+    trainer.generate = lambda rows: generated.append(generate(rows)) or generated[-1]
+    trainer.train()
+    assert calls == [4] and bool(generated[0][1].tool_mask[generated[0][1].mask.bool()].all())
+
+
+def test_multi_turn_options_are_checked(tool_model_dir, tmp_path):
+    from cppo.config import ConfigError
+    with pytest.raises(ConfigError, match="environment_factory is not supported yet"):
+        from cppo.trainer import CPPOTrainer
+        CPPOTrainer(environment_factory=object)
+    with pytest.raises(ConfigError, match="give tools or rollout_func, not both"):
+        CPPOTrainer(tools=[multiply], rollout_func=calculator_rollout)
+    with pytest.raises(ConfigError, match="rollout_func is 3"):
+        CPPOTrainer(rollout_func=3)
+
+
+def test_tool_results_that_would_not_fit_end_the_completion(tool_model_dir, tmp_path):
+    """TRL: a round of tool results that would pass max_completion_length is dropped and the
+    completion ends with the call."""
+    trainer = tool_trainer(tool_model_dir, tmp_path, True, max_completion_length=100)
+    calls = script_first_turn(trainer)
+    generated, generate = [], trainer.generate
+    trainer.generate = lambda rows: generated.append(generate(rows)) or generated[-1]
+    trainer.train()
+    completions = generated[0][1]
+    texts = trainer.tokenizer.batch_decode(completions.ids, skip_special_tokens=False)
+    assert calls == [4] and not any("<tool_response>" in t for t in texts)
+    assert trainer.rollout_func.metrics["tools/call_frequency"] == 0.5

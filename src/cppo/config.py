@@ -201,6 +201,9 @@ class CPPOConfig:
         "normalise (scale_rewards); or normalise each within its group, sum, and normalise the "
         "sums over the batch (normalize_then_sum, GDPO; scale_rewards is then not used).",
         AGGREGATIONS)
+    max_tool_calling_iterations: Optional[int] = option(
+        None, "CPPOTrainer(tools=...): rounds of tool calls (each followed by a model turn) a "
+        "completion may take (None: until no turn calls a tool or max_completion_length).")
     num_iterations: int = option(1, "mu: optimizer steps per generation batch.")
     mask_truncated_completions: bool = option(False, "Exclude completions without EOS from the loss.")
 
@@ -521,6 +524,9 @@ def validate(cfg: CPPOConfig) -> None:
            f"'epsilon_high' is {cfg.epsilon_high}; must be > 0 or None")
     _check_objective(cfg)
     _check(cfg.num_iterations >= 1, f"'num_iterations' is {cfg.num_iterations}; must be >= 1")
+    _check(cfg.max_tool_calling_iterations is None or cfg.max_tool_calling_iterations >= 0,
+           f"'max_tool_calling_iterations' is {cfg.max_tool_calling_iterations}; must be >= 0 "
+           f"or None")
     _check(cfg.temperature > 0, f"'temperature' is {cfg.temperature}; must be > 0")
     _check(0 < cfg.top_p <= 1, f"'top_p' is {cfg.top_p}; allowed: 0 < top_p <= 1")
     _check(cfg.top_k >= 0, f"'top_k' is {cfg.top_k}; must be >= 0 (0: off)")

@@ -139,12 +139,9 @@ class CPPOTrainer:
     def __init__(self, model=None, reward_funcs=None, args: CPPOConfig | None = None,
                  train_dataset=None, eval_dataset=None, processing_class=None,
                  peft_config=None, callbacks=None, reward_processing_classes=None,
-                 rollout_func=None) -> None:
+                 rollout_func=None, tools=None, environment_factory=None) -> None:
         self.args = args = args or CPPOConfig()
-        if rollout_func is not None and not callable(rollout_func):
-            raise ConfigError(f"rollout_func is {rollout_func!r}; expected a function "
-                              f"(prompts, trainer) -> dict (TRL's rollout_func)")
-        self.rollout_func = rollout_func
+        self.rollout_func = self._multi_turn(rollout_func, tools, environment_factory)
         self.rollout_columns: dict[str, list] = {}   # a rollout's extra reward columns
         check_report_to(args.report_to)   # a tracker's missing library, before any loading
         funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
@@ -197,6 +194,29 @@ class CPPOTrainer:
         self.callbacks.event("on_init_end")
 
     # ---------------------------------------------------------------- setup -----------------
+    def _multi_turn(self, rollout_func, tools, environment_factory):
+        """TRL's rollout_func, or cppo's tool loop for tools (cppo.sampling.tools); None: one
+        sampled turn per completion."""
+        if environment_factory is not None:
+            raise ConfigError("environment_factory is not supported yet: write the environment's "
+                              "loop as a rollout_func (docs/migrating-from-trl.md, multi-turn)")
+        if rollout_func is not None and not callable(rollout_func):
+            raise ConfigError(f"rollout_func is {rollout_func!r}; expected a function "
+                              f"(prompts, trainer) -> dict (TRL's rollout_func)")
+        if not tools:
+            return rollout_func
+        if rollout_func is not None:
+            raise ConfigError("give tools or rollout_func, not both (a rollout function runs its "
+                              "own tools)")
+        if self.args.use_vllm:
+            raise ConfigError("tools run on cppo's own sampler; set use_vllm: false (or run "
+                              "vLLM inside a rollout_func)")
+        from cppo.sampling.tools import ToolLoop
+        try:
+            return ToolLoop(tools, self.args.max_tool_calling_iterations)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
     def _load_policy(self, model, processing_class, peft_config):
         from cppo.models import load_model, load_tokenizer, ready_for_generation
         args = self.args
@@ -535,6 +555,7 @@ class CPPOTrainer:
             self.completions_log.capture_selection(rewards, advantages, keep_mask)
         metrics = self.step_metrics(rows, rewards, per_function_means, advantages, keep_mask,
                                     completions, prompts)
+        metrics.update(getattr(self.rollout_func, "metrics", {}))   # tools/*: the tool loop's
         # every process must take part in the collectives, even one that kept nothing;
         # (with beta > 0 the KL term still has a gradient: the step runs, as in TRL)
         nothing_to_learn = args.beta == 0 and self.dist.all_zero(batch.advantages)

@@ -333,7 +333,6 @@ TRL_FIELDS: dict[str, tuple] = {
     "use_transformers_continuous_batching": ignored("cppo's own sampler", False),
     "transformers_continuous_batching_config": ignored("cppo's own sampler", None),
     "use_transformers_paged": ignored("cppo's own sampler", False),
-    "max_tool_calling_iterations": ignored("tool calling is not supported", None),
     "vllm_structured_outputs_regex": ignored(VLLM, None),
     "vllm_server_base_url": ignored(VLLM, None),
     "vllm_server_host": ignored(VLLM, "0.0.0.0"),

@@ -1,0 +1,199 @@
+"""Tool calls as TRL 1.16's GRPOTrainer runs them (`tools=[...]`, `max_tool_calling_iterations`).
+
+For conversational prompts: each prompt is rendered with the tools' schemas by the tokenizer's
+chat template, the model writes a turn, and every turn that calls tools gets the tools' results
+appended as tool messages (their tokens rendered by the chat template, as TRL's
+`_get_tool_suffix_ids` does) and one more model turn, until no turn calls a tool,
+`max_tool_calling_iterations` rounds have run, or the completion would pass
+`max_completion_length` (then the tool results of that round are dropped and the completion ends
+as it is). The tool results' tokens are in the completion, hence in the context of every later
+forward pass, and out of the loss (`env_mask` 0). The whole multi-turn completion is one
+completion for rewards, advantages and pruning.
+
+A turn's tool calls are read with the tokenizer's own parser (`tokenizer.parse_response`, when the
+tokenizer carries a `response_template` or `response_schema`), else in the Hermes / Qwen format
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from typing import Callable, Sequence
+
+import torch
+
+from cppo.padding import pad_token_lists
+from cppo.rollout import PromptBatch, sample_completions
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(tokenizer, ids: list[int], prefix: list[int] | None = None,
+                     tools: Sequence[Callable] | None = None) -> list[dict]:
+    """The tool calls of one model turn (token ids), as chat messages' `tool_calls` entries
+    ({"type": "function", "function": {"name", "arguments"}}); [] when it calls none. A call that
+    does not parse is not a call (TRL falls back to plain text too)."""
+    if getattr(tokenizer, "response_template", None) is not None or \
+            getattr(tokenizer, "response_schema", None) is not None:
+        try:
+            parsed = tokenizer.parse_response(ids, prefix=prefix, tools=list(tools or []) or None)
+        except Exception:   # noqa: BLE001 -- malformed output is plain text, as in TRL
+            return []
+        return [c for c in parsed.get("tool_calls") or [] if _is_call(c)]
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            arguments = call.get("arguments", {})
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    continue
+            if isinstance(arguments, dict):
+                calls.append({"type": "function",
+                              "function": {"name": call["name"], "arguments": arguments}})
+    return calls
+
+
+def _is_call(call) -> bool:
+    return isinstance(call, dict) and isinstance(call.get("function"), dict) and \
+        isinstance(call["function"].get("name"), str)
+
+
+def run_tool_calls(calls: list[dict], tools: dict[str, Callable]) -> tuple[list[dict], int]:
+    """Run each call; returns the tool messages ({"role": "tool", "name", "content"}) and the number
+    that failed (unknown tool, bad arguments, an exception: the message says so, as in TRL)."""
+    messages, failures = [], 0
+    for call in calls:
+        name = call.get("function", {}).get("name", "unknown")
+        try:
+            if call.get("type") != "function":
+                raise ValueError(f"Unsupported tool call type: {call.get('type')}")
+            if name not in tools:
+                raise ValueError(f"Tool {name} not found.")
+            result = tools[name](**call["function"].get("arguments", {}))
+        except Exception as err:   # noqa: BLE001 -- the model sees the error, as in TRL
+            failures += 1
+            result = {"error": str(err)}
+        messages.append({"role": "tool", "name": name, "content": str(result)})
+    return messages, failures
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
+    """The tokens the chat template puts after an assistant turn for these tool messages, up to
+    and including the next assistant header (TRL's `_get_tool_suffix_ids`: a dummy
+    conversation rendered with and without them, cut after the assistant turn's EOS)."""
+    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    dummy = [{"role": "user", "content": "dummy"},
+             {"role": "assistant", "content": "", "tool_calls": calls}]
+    prefix = tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True,
+                                           return_dict=False)
+    full = tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    if eos:
+        prefix = prefix[:eos[-1] + 1]
+    if full[:len(prefix)] != prefix:
+        raise ValueError("the chat template is not prefix-preserving (an assistant turn renders "
+                         "differently once tool messages follow it): tool calling needs one that is")
+    return full[len(prefix):]
+
+
+def check_tools(tools) -> list[Callable]:
+    """TRL's `tools`: plain functions (their names, type hints and docstrings become the schema the
+    chat template renders); async ones are not supported here."""
+    tools = list(tools)
+    for tool in tools:
+        if not callable(tool) or not hasattr(tool, "__name__"):
+            raise ValueError(f"tools: {tool!r} is not a function")
+        if inspect.iscoroutinefunction(tool):
+            raise ValueError(f"tools: {tool.__name__} is async; cppo runs synchronous tools only")
+    names = [t.__name__ for t in tools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tools: two tools share a name ({sorted(names)})")
+    return tools
+
+
+class ToolLoop:
+    """A rollout function (cppo.sampling.multi_turn's contract) that samples with cppo's sampler
+    and runs tools between turns. `sample(contexts, num_generations, max_new_tokens)` draws the
+    turns: contexts are token-id lists, the result one token-id list per completion (question-major)."""
+
+    def __init__(self, tools: Sequence[Callable], max_iterations: int | None = None) -> None:
+        self.tools = check_tools(tools)
+        self.by_name = {t.__name__: t for t in self.tools}
+        self.max_iterations = max_iterations
+        self.metrics: dict[str, float] = {}
+
+    def sample(self, trainer, contexts: list[list[int]], num_generations: int,
+               max_new_tokens: list[int] | int) -> list[list[int]]:
+        args, tok = trainer.args, trainer.tokenizer
+        limit = max(max_new_tokens) if isinstance(max_new_tokens, list) else max_new_tokens
+        prompts = PromptBatch(*pad_token_lists(contexts, tok.pad_token_id, side="left"))
+        generator = torch.Generator(device=trainer.device).manual_seed(
+            (args.seed * 1_000_003 + trainer.step * 7919 + len(contexts)) % 2**63)
+        with torch.no_grad():
+            out = sample_completions(
+                trainer.policy, prompts.to(trainer.device), num_generations=num_generations,
+                max_new_tokens=limit, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, generator=generator,
+                lean=args.lean_forward)
+        turns = [ids[mask.bool()].tolist() for ids, mask in zip(out.ids.cpu(), out.mask.cpu())]
+        if isinstance(max_new_tokens, list):
+            turns = [t[:n] for t, n in zip(turns, max_new_tokens)]
+        return turns
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        args, tok = trainer.args, trainer.tokenizer
+        g = args.num_generations
+        if not all(isinstance(p, list) for p in prompts):
+            raise ValueError("tools need conversational prompts (lists of chat messages), as in TRL")
+        questions = prompts[::g]
+        prompt_ids = [tok.apply_chat_template(p, tools=self.tools, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False) for p in questions]
+        if args.max_prompt_length is not None:
+            prompt_ids = [ids[-args.max_prompt_length:] for ids in prompt_ids]
+        completions = self.sample(trainer, prompt_ids, g, args.max_completion_length)
+        prompt_ids = [ids for ids in prompt_ids for _ in range(g)]
+        env_mask = [[1] * len(c) for c in completions]
+        calls = [parse_tool_calls(tok, c, prompt_ids[i], self.tools) for i, c in enumerate(completions)]
+        pending = [i for i, c in enumerate(calls) if c]
+        max_len = getattr(trainer.policy.config, "max_position_embeddings", None) or 1 << 30
+        count = failures = rounds = 0
+        while pending and (self.max_iterations is None or rounds < self.max_iterations):
+            contexts, budgets, ready = [], [], []
+            for i in pending:
+                messages, failed = run_tool_calls(calls[i], self.by_name)
+                count, failures = count + len(calls[i]), failures + failed
+                suffix = tool_suffix_ids(tok, messages)
+                grown = completions[i] + suffix
+                if len(grown) > args.max_completion_length or \
+                        len(prompt_ids[i]) + len(grown) >= max_len:
+                    continue   # the results would not fit: the completion ends as it is (TRL)
+                contexts.append(prompt_ids[i] + grown)
+                budgets.append(args.max_completion_length - len(grown))
+                completions[i] = grown
+                env_mask[i] += [0] * len(suffix)
+                ready.append(i)
+            if not ready:
+                break
+            turns = self.sample(trainer, contexts, 1, budgets)
+            for i, turn in zip(ready, turns):
+                completions[i] = completions[i] + turn
+                env_mask[i] += [1] * len(turn)
+                calls[i] = parse_tool_calls(tok, turn, contexts[ready.index(i)], self.tools) \
+                    if turn else []
+            pending = [i for i in ready if calls[i]]
+            rounds += 1
+        self.metrics = {"tools/call_frequency": count / max(len(completions), 1),
+                        "tools/failure_frequency": failures / count if count else 0.0}
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None,
+                "env_mask": env_mask}
