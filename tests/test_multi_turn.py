@@ -191,6 +191,9 @@ def test_tool_calls_are_parsed_run_and_rendered(tool_model_dir):
                      "<|im_start|>assistant\n"
 
 
+seen_completions = []   # what the reward function of tool_trainer was given
+
+
 def tool_trainer(model_dir, tmp_path, lean, **overrides):
     from cppo.config import CPPOConfig
     from cppo.models import load_model, load_tokenizer
@@ -204,6 +207,7 @@ def tool_trainer(model_dir, tmp_path, lean, **overrides):
     values.update(overrides)
 
     def reward(prompts, completions, **kw):
+        seen_completions.append(completions)
         return [float(len(c[-1]["content"]) % 3) for c in completions]
     return CPPOTrainer(model=load_model(model_dir), processing_class=load_tokenizer(model_dir),
                        reward_funcs=[reward], args=CPPOConfig(**values), train_dataset=rows,
@@ -242,14 +246,20 @@ def test_tools_run_between_turns_and_their_results_leave_the_loss(tool_model_dir
     trainer.train()
     assert calls == [4, 8]      # 4 prompts x G 4, then one more turn for the 8 that called
     prompts, completions = generated[0]
+    given = [c for c in seen_completions if len(c) == 16][-1]   # the reward function's completions
     texts = trainer.tokenizer.batch_decode(completions.ids, skip_special_tokens=False)
     for i, (text, tool_mask, mask) in enumerate(zip(texts, completions.tool_mask, completions.mask)):
         if i % 2:
             assert "<tool_response>" not in text and bool(tool_mask[mask.bool()].all())
+            assert [m["role"] for m in given[i]] == ["assistant"]
             continue
         question = trainer.tokenizer.decode(prompts.ids[i][prompts.mask[i].bool()])
         a, b = map(int, question.split("user\n")[-1].split("=")[0].split("*"))
         assert f"<tool_response>\n{a * b}\n</tool_response>" in text     # the tool ran
+        # the reward functions see TRL's messages: the call, the tool's result, the next turn
+        assert given[i][0]["tool_calls"][0]["function"] == {"name": "multiply",
+                                                            "arguments": {"a": a, "b": b}}
+        assert given[i][1] == {"role": "tool", "name": "multiply", "content": str(a * b)}
         written = trainer.tokenizer.decode(completions.ids[i][(tool_mask == 0) & mask.bool()])
         assert written.startswith("\n<|im_start|>user\n<tool_response>") and \
             written.endswith("<|im_start|>assistant\n")                  # exactly the tool's part

@@ -69,12 +69,14 @@ class RewardRunner:
 
     def __call__(self, rows: list[dict], texts: list[str], completion_ids: list[list[int]] | None,
                  num_generations: int, conversational: bool = False,
-                 extra_columns: dict[str, list] | None = None) -> torch.Tensor:
+                 extra_columns: dict[str, list] | None = None,
+                 messages: list[list[dict]] | None = None) -> torch.Tensor:
         """Rewards (N, F), N = len(rows) * num_generations, NaN where a function returned None.
 
         completion_ids: one unpadded token-id list per completion (TRL's convention; see
         `unpadded_ids`), or None (empty lists are passed). extra_columns: more reward columns,
-        one value per completion (a rollout function's extra keys)."""
+        one value per completion (a rollout function's extra keys). messages: each conversational
+        completion as its chat messages (a tool loop's turns and tool results; TRL's form)."""
         n = len(rows) * num_generations
         if len(texts) != n:
             raise ValueError(f"{len(texts)} completions for {len(rows)} questions x {num_generations}")
@@ -84,6 +86,8 @@ class RewardRunner:
         columns.update(extra_columns or {})   # a rollout function's own (one value per completion)
         completions = ([[{"role": "assistant", "content": t}] for t in texts]
                        if conversational else list(texts))
+        if conversational and messages is not None and len(messages) == n:
+            completions = messages
         if torch.is_tensor(completion_ids):
             raise TypeError("completion_ids must be unpadded lists of token ids (TRL); turn a "
                             "padded (N, T) tensor into them with unpadded_ids(ids, mask)")

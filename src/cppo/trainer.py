@@ -323,7 +323,8 @@ class CPPOTrainer:
         per_function = self.rewards(rows, texts, unpadded_ids(completions.ids, completions.mask),
                                     self.args.num_generations,
                                     conversational=not isinstance(rows[0]["prompt"], str),
-                                    extra_columns=self.rollout_columns)
+                                    extra_columns=self.rollout_columns,
+                                    messages=getattr(self.rollout_func, "messages", None))
         rewards = combine_rewards(per_function, self.rewards.weights)
         self.rewards_per_function = per_function.view(len(rows), self.args.num_generations, -1)
         if self.completions_log is not None:

@@ -131,6 +131,16 @@ class ToolLoop:
         self.by_name = {t.__name__: t for t in self.tools}
         self.max_iterations = max_iterations
         self.metrics: dict[str, float] = {}
+        self.messages: list[list[dict]] = []   # the last rollouts as chat messages (for rewards)
+
+    @staticmethod
+    def assistant_message(tokenizer, turn: list[int], calls: list[dict]) -> dict:
+        """A model turn as TRL hands it to reward functions: its text, and its tool calls."""
+        text = tokenizer.decode(turn, skip_special_tokens=True)
+        if calls:
+            text = TOOL_CALL.sub("", text).strip()
+            return {"role": "assistant", "content": text, "tool_calls": calls}
+        return {"role": "assistant", "content": text}
 
     def sample(self, trainer, contexts: list[list[int]], num_generations: int,
                max_new_tokens: list[int] | int) -> list[list[int]]:
@@ -165,15 +175,17 @@ class ToolLoop:
         prompt_ids = [ids for ids in prompt_ids for _ in range(g)]
         env_mask = [[1] * len(c) for c in completions]
         calls = [parse_tool_calls(tok, c, prompt_ids[i], self.tools) for i, c in enumerate(completions)]
+        messages = [[self.assistant_message(tok, c, calls[i])] for i, c in enumerate(completions)]
         pending = [i for i, c in enumerate(calls) if c]
         max_len = getattr(trainer.policy.config, "max_position_embeddings", None) or 1 << 30
         count = failures = rounds = 0
         while pending and (self.max_iterations is None or rounds < self.max_iterations):
             contexts, budgets, ready = [], [], []
+            results = {}
             for i in pending:
-                messages, failed = run_tool_calls(calls[i], self.by_name)
+                results[i], failed = run_tool_calls(calls[i], self.by_name)
                 count, failures = count + len(calls[i]), failures + failed
-                suffix = tool_suffix_ids(tok, messages)
+                suffix = tool_suffix_ids(tok, results[i])
                 grown = completions[i] + suffix
                 if len(grown) > args.max_completion_length or \
                         len(prompt_ids[i]) + len(grown) >= max_len:
@@ -182,6 +194,7 @@ class ToolLoop:
                 budgets.append(args.max_completion_length - len(grown))
                 completions[i] = grown
                 env_mask[i] += [0] * len(suffix)
+                messages[i] += results[i]
                 ready.append(i)
             if not ready:
                 break
@@ -191,8 +204,11 @@ class ToolLoop:
                 env_mask[i] += [1] * len(turn)
                 calls[i] = parse_tool_calls(tok, turn, contexts[ready.index(i)], self.tools) \
                     if turn else []
+                if turn:
+                    messages[i].append(self.assistant_message(tok, turn, calls[i]))
             pending = [i for i in ready if calls[i]]
             rounds += 1
+        self.messages = messages
         self.metrics = {"tools/call_frequency": count / max(len(completions), 1),
                         "tools/failure_frequency": failures / count if count else 0.0}
         return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None,
