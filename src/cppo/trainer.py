@@ -312,6 +312,10 @@ class CPPOTrainer:
             self.backend._sync_weights(self.round_index, probe=probe.ids[0].tolist())
         with self.engine.gathered():
             output = self.rollout_func(prompts, self)
+        backend = self.backend
+        if getattr(backend, "sleep_mode", False) and getattr(backend, "llm", None) is not None:
+            backend.llm.sleep(level=2)    # as after the backend's own generation
+            backend.sleeping, backend.synced_round = True, None
         out = rollout_from_output(output, len(prompts), eos_token_id=self.tokenizer.eos_token_id,
                                   pad_token_id=self.tokenizer.pad_token_id, device=self.device)
         self.rollout_columns = out.columns
