@@ -349,3 +349,20 @@ def test_min_p_and_repetition_penalty_sample_as_cppos_sampler(untied):
                        torch.nn.functional.pad(ours.ids, (0, width - ours.ids.shape[1]), value=pad))
     assert not torch.equal(ours.ids, plain.ids)            # the penalty changed the completions
     assert float(out.logprobs.abs().max()) < 1e-5           # certainty: one token left each step
+
+
+def test_a_rollout_func_samples_with_vllm_holding_the_current_weights(tmp_path):
+    """TRL's rollout_func with vLLM: two turns vLLM samples around a calculator whose tokens are
+    masked out of the loss; at each step's call vLLM's log-probs equal the policy's (the weights
+    were pushed first: the second step's policy has moved)."""
+    import subprocess
+    import sys
+    from helpers import child_env
+    env = {k: v for k, v in child_env().items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run([sys.executable, "-m", "helpers.vllm_rollout", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    report = json.loads(run.stdout.split("REPORT ", 1)[1])
+    assert len(report["differences"]) == 2 and max(report["differences"]) <= 1e-3
+    assert report["tool_calls"] > 0 and len(report["losses"]) == 2

@@ -1,0 +1,84 @@
+"""A child process for test_vllm_engine.py: the embedded task trained for 2 steps with vLLM and a
+rollout_func that runs a calculator between two turns vLLM samples. Every rollout compares
+vLLM's log-probs of its tokens with the policy's at that moment (the weights must have been
+pushed before the call). Prints one JSON line: the differences, the tool calls, the losses.
+
+    python -m helpers.vllm_rollout <output_dir>
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def main(output_dir: str) -> None:
+    from vllm import SamplingParams
+
+    from cppo.config import CPPOConfig
+    from cppo.rollout import completion_logprobs, encode_prompts
+    from cppo.trainer import CPPOTrainer
+    report = {"differences": [], "tool_calls": 0}
+
+    def vllm_turns(trainer, contexts, max_tokens):
+        params = [SamplingParams(n=1, max_tokens=max_tokens, logprobs=0, seed=1000 * trainer.step + i,
+                                 stop_token_ids=[trainer.tokenizer.eos_token_id], detokenize=False)
+                  for i in range(len(contexts))]   # one seed per completion: the G differ
+        outs = trainer.backend.llm.generate([{"prompt_token_ids": c} for c in contexts], params,
+                                            use_tqdm=False)
+        return [(list(o.outputs[0].token_ids),
+                 [float(step[t].logprob) for t, step in zip(o.outputs[0].token_ids,
+                                                            o.outputs[0].logprobs)]) for o in outs]
+
+    def rollout(prompts, trainer):
+        tok = trainer.tokenizer
+        batch = encode_prompts(tok, prompts)
+        prompt_ids = [row[m.bool()].tolist() for row, m in zip(batch.ids, batch.mask)]
+        first = vllm_turns(trainer, prompt_ids, 2)
+        completions, logprobs, env_mask, contexts, later = [], [], [], [], []
+        for i, (turn, lps) in enumerate(first):
+            tool = []
+            if turn and turn[-1] != tok.eos_token_id:   # the calculator answers
+                a, b = prompts[i].rstrip("=").split("*")
+                tool = tok(f"{int(a) * int(b)};", add_special_tokens=False)["input_ids"]
+                contexts.append(prompt_ids[i] + turn + tool)
+                later.append(i)
+            completions.append(turn + tool)
+            logprobs.append(lps + [0.0] * len(tool))
+            env_mask.append([1] * len(turn) + [0] * len(tool))
+        report["tool_calls"] += len(later)
+        for i, (turn, lps) in zip(later, vllm_turns(trainer, contexts, 3)):
+            completions[i] += turn
+            logprobs[i] += lps
+            env_mask[i] += [1] * len(turn)
+        # vLLM's log-probs of the model's tokens against the policy's, now
+        from cppo.padding import pad_token_lists
+        ids, mask = pad_token_lists(completions, tok.pad_token_id, side="right", min_width=1)
+        p_ids, p_mask = pad_token_lists(prompt_ids, tok.pad_token_id, side="left")
+        with torch.no_grad():
+            ours = completion_logprobs(trainer.policy, p_ids, p_mask, ids, mask)
+        model = pad_token_lists(env_mask, 0, side="right", min_width=ids.shape[1])[0].bool()
+        theirs = torch.zeros_like(ours)
+        for i, lps in enumerate(logprobs):
+            theirs[i, :len(lps)] = torch.tensor(lps)
+        report["differences"].append(float((ours - theirs).abs()[model & mask.bool()].max()))
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs,
+                "env_mask": env_mask}
+
+    args = CPPOConfig(use_vllm=True, output_dir=output_dir, max_steps=2, eval_num_questions=4,
+                      per_device_train_batch_size=16, progress_bar=False, learning_rate=1e-2,
+                      lr_scheduler_type="constant")
+    def digit_parity(completions, **kw):   # varied rewards, so that both steps train
+        return [float(sum(map(ord, c)) % 2) for c in completions]
+    trainer = CPPOTrainer(args=args, reward_funcs=[digit_parity], rollout_func=rollout)
+    trainer.train()
+    trainer.close()
+    rows = [json.loads(line) for line in open(f"{output_dir}/metrics.jsonl")]
+    report["losses"] = [r["loss"] for r in rows if "loss" in r]
+    print("REPORT " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
