@@ -282,10 +282,10 @@ def test_max_tool_calling_iterations_zero_runs_no_tool(tool_model_dir, tmp_path)
 
 def test_multi_turn_options_are_checked(tool_model_dir, tmp_path):
     from cppo.config import ConfigError
-    with pytest.raises(ConfigError, match="environment_factory is not supported yet"):
+    with pytest.raises(ConfigError, match="environment_factory as a dict"):
         from cppo.trainer import CPPOTrainer
-        CPPOTrainer(environment_factory=object)
-    with pytest.raises(ConfigError, match="give tools or rollout_func, not both"):
+        CPPOTrainer(environment_factory={"a": object})
+    with pytest.raises(ConfigError, match="or rollout_func, not both"):
         CPPOTrainer(tools=[multiply], rollout_func=calculator_rollout)
     with pytest.raises(ConfigError, match="rollout_func is 3"):
         CPPOTrainer(rollout_func=3)
@@ -303,3 +303,67 @@ def test_tool_results_that_would_not_fit_end_the_completion(tool_model_dir, tmp_
     texts = trainer.tokenizer.batch_decode(completions.ids, skip_special_tokens=False)
     assert calls == [4] and not any("<tool_response>" in t for t in texts)
     assert trainer.rollout_func.metrics["tools/call_frequency"] == 0.5
+
+
+class CalculatorEnv:
+    """TRL's environment contract: reset per rollout, public methods as tools, get_reward."""
+
+    def __init__(self):
+        self.answer, self.result = None, None
+
+    def reset(self, **row):
+        self.answer, self.result = row.get("answer"), None
+        return " (a calculator is available)"
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: The first factor.
+            b: The second factor.
+        """
+        self.result = a * b
+        return self.result
+
+    def get_reward(self) -> float:
+        return 1.0 if str(self.result) == self.answer else 0.0
+
+
+def test_environment_factory_resets_serves_tools_and_rewards(tool_model_dir, tmp_path):
+    import json
+    from cppo.config import CPPOConfig
+    from cppo.models import load_model, load_tokenizer
+    from cppo.trainer import CPPOTrainer
+    rows = [{"prompt": [{"role": "user", "content": f"{a}*{b}="}], "answer": str(a * b)}
+            for a, b in [(12, 34), (5, 6), (7, 8), (21, 3)]]
+    given = []
+
+    def sees_environments(completions, environments=None, **kw):
+        if environments is not None:
+            given.append((list(environments), [e.get_reward() for e in environments]))
+        return [0.0] * len(completions)
+    args = CPPOConfig(model=tool_model_dir, output_dir=str(tmp_path / "run"), max_steps=2,
+                      per_device_train_batch_size=8, num_generations=4, pruning_rate=0.5,
+                      max_completion_length=160, eval_steps=0, save_steps=0, progress_bar=False,
+                      learning_rate=1e-3, seed=3, reward_weights=[1.0])
+    trainer = CPPOTrainer(model=load_model(tool_model_dir), processing_class=load_tokenizer(tool_model_dir),
+                          reward_funcs=[sees_environments], args=args, train_dataset=rows,
+                          environment_factory=CalculatorEnv)
+    assert trainer.rewards.names == ["sees_environments", "CalculatorEnv"]
+    assert trainer.rewards.weights.tolist() == [1.0, 1.0]
+    calls = script_first_turn(trainer)
+    generated, generate = [], trainer.generate
+    trainer.generate = lambda rows: generated.append(generate(rows)) or generated[-1]
+    trainer.train()
+    assert calls[:2] == [16, 8]   # one environment per rollout: each prompt sampled on its own
+    prompts, completions = generated[0]
+    assert "(a calculator is available)" in trainer.tokenizer.decode(prompts.ids[0])
+    texts = trainer.tokenizer.batch_decode(completions.ids, skip_special_tokens=False)
+    assert all(("<tool_response>" in t) == (i % 2 == 0) for i, t in enumerate(texts))
+    envs, env_rewards = given[0]
+    assert len(envs) == 16 and len({id(e) for e in envs}) == 16
+    assert env_rewards == [1.0, 0.0] * 8                       # the calls computed the answer
+    assert [id(e) for e in given[1][0]] == [id(e) for e in envs]   # reused in the second step
+    assert len(trainer.rollout_func.pool) == 16
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rewards/CalculatorEnv/mean"] for r in records if "loss" in r or "cppo/skipped" in r][0] == 0.5

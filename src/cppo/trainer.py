@@ -144,9 +144,16 @@ class CPPOTrainer:
         self.rollout_func = self._multi_turn(rollout_func, tools, environment_factory)
         self.rollout_columns: dict[str, list] = {}   # a rollout's extra reward columns
         check_report_to(args.report_to)   # a tracker's missing library, before any loading
-        funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
+        env_reward = getattr(self.rollout_func, "env_reward", None)   # an environment's get_reward
+        funcs = reward_funcs if reward_funcs is not None else \
+            ([] if env_reward is not None else args.reward_funcs)
         funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
         check_reward_weights(args.reward_weights, len(funcs))   # before any loading too
+        weights = args.reward_weights
+        if env_reward is not None:   # TRL: one more reward source, weight 1
+            funcs, weights = funcs + [env_reward], None if weights is None else [*weights, 1.0]
+            if isinstance(reward_processing_classes, (list, tuple)):
+                reward_processing_classes = [*reward_processing_classes, None]
         self.dist = Distributed.from_environment()
         self.device = self.dist.device
         torch.manual_seed(args.seed)   # same LoRA init everywhere; rank 0's is broadcast anyway
@@ -165,7 +172,7 @@ class CPPOTrainer:
                                         tokenizer=self.tokenizer, rows=self.task.train_rows)
         self.backend = make_backend(self.policy, self.tokenizer, args,
                                     chunk_size=args.generation_chunk_size or self.batch_sizes.generation)
-        self.rewards = RewardRunner(funcs, args.reward_weights,
+        self.rewards = RewardRunner(funcs, weights,
                                     processing_classes=reward_processing_classes, device=self.device)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
         self.plan = args.step_plan()
@@ -197,23 +204,27 @@ class CPPOTrainer:
     def _multi_turn(self, rollout_func, tools, environment_factory):
         """TRL's rollout_func, or cppo's tool loop for tools (cppo.sampling.tools); None: one
         sampled turn per completion."""
-        if environment_factory is not None:
-            raise ConfigError("environment_factory is not supported yet: write the environment's "
-                              "loop as a rollout_func (docs/migrating-from-trl.md, multi-turn)")
+        if isinstance(environment_factory, dict):
+            raise ConfigError("environment_factory as a dict (several environments) is not "
+                              "supported yet: give one factory, or write the loop as a rollout_func")
+        if environment_factory is not None and not callable(environment_factory):
+            raise ConfigError(f"environment_factory is {environment_factory!r}; expected a "
+                              f"callable that returns an environment (TRL's environment_factory)")
         if rollout_func is not None and not callable(rollout_func):
             raise ConfigError(f"rollout_func is {rollout_func!r}; expected a function "
                               f"(prompts, trainer) -> dict (TRL's rollout_func)")
-        if not tools:
+        if not tools and environment_factory is None:
             return rollout_func
         if rollout_func is not None:
-            raise ConfigError("give tools or rollout_func, not both (a rollout function runs its "
-                              "own tools)")
+            raise ConfigError("give tools (or environment_factory) or rollout_func, not both (a "
+                              "rollout function runs its own tools)")
         if self.args.use_vllm:
             raise ConfigError("tools run on cppo's own sampler; set use_vllm: false (or run "
                               "vLLM inside a rollout_func)")
         from cppo.sampling.tools import ToolLoop
         try:
-            return ToolLoop(tools, self.args.max_tool_calling_iterations)
+            return ToolLoop(tools or [], self.args.max_tool_calling_iterations,
+                            environment_factory=environment_factory)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
@@ -310,8 +321,13 @@ class CPPOTrainer:
         if hasattr(self.backend, "_sync_weights") and prompts:   # a rollout that uses vLLM
             probe = encode_prompts(self.tokenizer, prompts[:1], self.args.max_prompt_length)
             self.backend._sync_weights(self.round_index, probe=probe.ids[0].tolist())
+        from cppo.sampling.tools import ToolLoop
         with self.engine.gathered():
-            output = self.rollout_func(prompts, self)
+            if isinstance(self.rollout_func, ToolLoop):   # environments are reset with the rows
+                output = self.rollout_func(prompts, self, rows=[r for r in rows for _ in
+                                                                range(self.args.num_generations)])
+            else:
+                output = self.rollout_func(prompts, self)
         backend = self.backend
         if getattr(backend, "sleep_mode", False) and getattr(backend, "llm", None) is not None:
             backend.llm.sleep(level=2)    # as after the backend's own generation

@@ -124,13 +124,50 @@ def check_tools(tools) -> list[Callable]:
 class ToolLoop:
     """A rollout function (cppo.sampling.multi_turn's contract) that samples with cppo's sampler
     and runs tools between turns. `sample(contexts, num_generations, max_new_tokens)` draws the
-    turns: contexts are token-id lists, the result one token-id list per completion (question-major)."""
+    turns: contexts are token-id lists, the result one token-id list per completion (question-major).
 
-    def __init__(self, tools: Sequence[Callable], max_iterations: int | None = None) -> None:
+    environment_factory (TRL's, one factory): each rollout gets its own instance (created once,
+    reused across steps), `reset(**row)` before its first turn (a returned string is appended to
+    the last user message), and the instance's public methods as tools besides `tools`; an
+    instance's `get_reward()` scores its rollout (`env_reward`, a reward function named after the
+    class, weight 1). Reward functions get the instances as `environments`."""
+
+    def __init__(self, tools: Sequence[Callable], max_iterations: int | None = None,
+                 environment_factory: Callable | None = None) -> None:
         self.tools = check_tools(tools)
         self.by_name = {t.__name__: t for t in self.tools}
         self.max_iterations = max_iterations
         self.metrics: dict[str, float] = {}
+        self.factory, self.pool, self.env_methods, self.env_reward = environment_factory, [], [], None
+        if environment_factory is not None:
+            self._probe(environment_factory)
+
+    def _probe(self, factory: Callable) -> None:
+        """TRL's checks on one instance: a `reset`; its public methods become tools."""
+        instance = factory()
+        names = [n for n, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)]
+        if "reset" not in names:
+            raise ValueError("environment_factory: each environment must define a callable `reset` "
+                             "(TRL's contract)")
+        self.env_methods = [n for n in names if n not in ("reset", "get_reward") and not n.startswith("_")]
+        clash = set(self.env_methods) & set(self.by_name)
+        if clash:
+            raise ValueError(f"environment_factory: methods {sorted(clash)} share a name with tools")
+        self.pool = [instance]
+        if "get_reward" in names:
+            env_type = type(instance)
+
+            def env_reward(completions, environments=None, **kw):
+                if environments is None:   # scored before training (no rollout yet): no opinion
+                    return [None] * len(completions)
+                return [e.get_reward() if type(e) is env_type else None for e in environments]
+            env_reward.__name__ = env_type.__name__
+            self.env_reward = env_reward
+
+    def environments(self, n: int) -> list:
+        while len(self.pool) < n:
+            self.pool.append(self.factory())
+        return self.pool[:n]
         self.messages: list[list[dict]] = []   # the last rollouts as chat messages (for rewards)
 
     @staticmethod
@@ -161,20 +198,30 @@ class ToolLoop:
             turns = [t[:n] for t, n in zip(turns, max_new_tokens)]
         return turns
 
-    def __call__(self, prompts: list, trainer) -> dict:
+    def __call__(self, prompts: list, trainer, rows: list[dict] | None = None) -> dict:
+        """rows: each prompt's dataset row (environments are reset with it)."""
         args, tok = trainer.args, trainer.tokenizer
         g = args.num_generations
         if not all(isinstance(p, list) for p in prompts):
             raise ValueError("tools need conversational prompts (lists of chat messages), as in TRL")
-        questions = prompts[::g]
-        prompt_ids = [tok.apply_chat_template(p, tools=self.tools, add_generation_prompt=True,
-                                              tokenize=True, return_dict=False) for p in questions]
+        tools = [self.tools] * len(prompts)
+        environments = None
+        if self.factory is not None:   # one environment per rollout: prompts and tools differ
+            environments = self.environments(len(prompts))
+            prompts = [self._reset(env, p, row) for env, p, row in
+                       zip(environments, prompts, rows or [{}] * len(prompts))]
+            tools = [self.tools + [getattr(env, n) for n in self.env_methods] for env in environments]
+        by_name = [{t.__name__: t for t in ts} for ts in tools]
+        shared = environments is None   # G completions of a question share its prompt
+        rendered = [tok.apply_chat_template(p, tools=ts or None, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+                    for p, ts in (zip(prompts[::g], tools[::g]) if shared else zip(prompts, tools))]
         if args.max_prompt_length is not None:
-            prompt_ids = [ids[-args.max_prompt_length:] for ids in prompt_ids]
-        completions = self.sample(trainer, prompt_ids, g, args.max_completion_length)
-        prompt_ids = [ids for ids in prompt_ids for _ in range(g)]
+            rendered = [ids[-args.max_prompt_length:] for ids in rendered]
+        completions = self.sample(trainer, rendered, g if shared else 1, args.max_completion_length)
+        prompt_ids = [ids for ids in rendered for _ in range(g)] if shared else rendered
         env_mask = [[1] * len(c) for c in completions]
-        calls = [parse_tool_calls(tok, c, prompt_ids[i], self.tools) for i, c in enumerate(completions)]
+        calls = [parse_tool_calls(tok, c, prompt_ids[i], tools[i]) for i, c in enumerate(completions)]
         messages = [[self.assistant_message(tok, c, calls[i])] for i, c in enumerate(completions)]
         pending = [i for i, c in enumerate(calls) if c]
         max_len = getattr(trainer.policy.config, "max_position_embeddings", None) or 1 << 30
@@ -183,7 +230,7 @@ class ToolLoop:
             contexts, budgets, ready = [], [], []
             results = {}
             for i in pending:
-                results[i], failed = run_tool_calls(calls[i], self.by_name)
+                results[i], failed = run_tool_calls(calls[i], by_name[i])
                 count, failures = count + len(calls[i]), failures + failed
                 suffix = tool_suffix_ids(tok, results[i])
                 grown = completions[i] + suffix
@@ -202,7 +249,7 @@ class ToolLoop:
             for i, turn in zip(ready, turns):
                 completions[i] = completions[i] + turn
                 env_mask[i] += [1] * len(turn)
-                calls[i] = parse_tool_calls(tok, turn, contexts[ready.index(i)], self.tools) \
+                calls[i] = parse_tool_calls(tok, turn, contexts[ready.index(i)], tools[i]) \
                     if turn else []
                 if turn:
                     messages[i].append(self.assistant_message(tok, turn, calls[i]))
@@ -211,5 +258,16 @@ class ToolLoop:
         self.messages = messages
         self.metrics = {"tools/call_frequency": count / max(len(completions), 1),
                         "tools/failure_frequency": failures / count if count else 0.0}
-        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None,
-                "env_mask": env_mask}
+        out = {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None,
+               "env_mask": env_mask}
+        if environments is not None:
+            out["environments"] = list(environments)   # a reward column, as TRL passes them
+        return out
+
+    @staticmethod
+    def _reset(environment, prompt: list[dict], row: dict) -> list[dict]:
+        """TRL: reset(**row); a string it returns is appended to the last message's content."""
+        observation = environment.reset(**row)
+        if observation is None:
+            return prompt
+        return prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + str(observation)}]
