@@ -351,18 +351,20 @@ def test_min_p_and_repetition_penalty_sample_as_cppos_sampler(untied):
     assert float(out.logprobs.abs().max()) < 1e-5           # certainty: one token left each step
 
 
-def test_a_rollout_func_samples_with_vllm_holding_the_current_weights(tmp_path):
+def test_a_rollout_func_samples_with_vllm_holding_the_current_weights(untied, tmp_path):
     """TRL's rollout_func with vLLM: two turns vLLM samples around a calculator whose tokens are
     masked out of the loss; at each step's call vLLM's log-probs equal the policy's (the weights
-    were pushed first: the second step's policy has moved)."""
-    import subprocess
-    import sys
-    from helpers import child_env
-    env = {k: v for k, v in child_env().items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    run = subprocess.run([sys.executable, "-m", "helpers.vllm_rollout", str(tmp_path / "run")],
-                         capture_output=True, text=True, timeout=600, env=env)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    report = json.loads(run.stdout.split("REPORT ", 1)[1])
+    were pushed first: the second step's policy has moved). The module's engine serves the
+    trainer; its model's weights are put back afterwards."""
+    from helpers.vllm_rollout import train_with_vllm_rollouts
+    saved = {k: v.clone() for k, v in untied.model.state_dict().items()}
+    was_training = untied.model.training
+    try:
+        report = train_with_vllm_rollouts(untied.model, untied.tokenizer, untied.backend,
+                                          str(tmp_path / "run"))
+    finally:
+        untied.model.load_state_dict(saved)
+        untied.model.train(was_training)
+        untied.backend.synced_round = None   # pushed again before the next generation
     assert len(report["differences"]) == 2 and max(report["differences"]) <= 1e-3
     assert report["tool_calls"] > 0 and len(report["losses"]) == 2

@@ -1,20 +1,17 @@
-"""A child process for test_vllm_engine.py: the embedded task trained for 2 steps with vLLM and a
-rollout_func that runs a calculator between two turns vLLM samples. Every rollout compares
-vLLM's log-probs of its tokens with the policy's at that moment (the weights must have been
-pushed before the call). Prints one JSON line: the differences, the tool calls, the losses.
-
-    python -m helpers.vllm_rollout <output_dir>
-"""
+"""For test_vllm_engine.py: the arithmetic rows trained for 2 steps with a rollout_func that runs
+a calculator between two turns a vLLM engine samples (the test module's, put in as the trainer's
+backend). Every rollout compares vLLM's log-probs of its tokens with the policy's at that moment
+(the weights must have been pushed before the call). Returns the differences, the tool calls and
+the losses."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import torch
 
 
-def main(output_dir: str) -> None:
+def train_with_vllm_rollouts(model, tokenizer, backend, output_dir: str) -> dict:
     from vllm import SamplingParams
 
     from cppo.config import CPPOConfig
@@ -67,18 +64,17 @@ def main(output_dir: str) -> None:
         return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs,
                 "env_mask": env_mask}
 
-    args = CPPOConfig(use_vllm=True, output_dir=output_dir, max_steps=2, eval_num_questions=4,
+    from helpers import ROWS
+    args = CPPOConfig(output_dir=output_dir, max_steps=2, eval_num_questions=4, num_generations=8,
                       per_device_train_batch_size=16, progress_bar=False, learning_rate=1e-2,
-                      lr_scheduler_type="constant")
+                      lr_scheduler_type="constant", save_steps=0, eval_steps=0)
     def digit_parity(completions, **kw):   # varied rewards, so that both steps train
         return [float(sum(map(ord, c)) % 2) for c in completions]
-    trainer = CPPOTrainer(args=args, reward_funcs=[digit_parity], rollout_func=rollout)
+    trainer = CPPOTrainer(model=model, processing_class=tokenizer, args=args,
+                          reward_funcs=[digit_parity], rollout_func=rollout, train_dataset=ROWS,
+                          eval_dataset=ROWS[:4])
+    trainer.backend = backend   # the engine the test module started, on this very model
     trainer.train()
-    trainer.close()
     rows = [json.loads(line) for line in open(f"{output_dir}/metrics.jsonl")]
     report["losses"] = [r["loss"] for r in rows if "loss" in r]
-    print("REPORT " + json.dumps(report), flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return report
