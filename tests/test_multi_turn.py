@@ -282,9 +282,11 @@ def test_max_tool_calling_iterations_zero_runs_no_tool(tool_model_dir, tmp_path)
 
 def test_multi_turn_options_are_checked(tool_model_dir, tmp_path):
     from cppo.config import ConfigError
-    with pytest.raises(ConfigError, match="environment_factory as a dict"):
-        from cppo.trainer import CPPOTrainer
-        CPPOTrainer(environment_factory={"a": object})
+    from cppo.trainer import CPPOTrainer
+    with pytest.raises(ConfigError, match="environment_factory\\['a'\\] is 3; expected a callable"):
+        CPPOTrainer(environment_factory={"a": 3})
+    with pytest.raises(ConfigError, match="must define a callable `reset`"):
+        CPPOTrainer(environment_factory=dict)
     with pytest.raises(ConfigError, match="or rollout_func, not both"):
         CPPOTrainer(tools=[multiply], rollout_func=calculator_rollout)
     with pytest.raises(ConfigError, match="rollout_func is 3"):
@@ -364,6 +366,63 @@ def test_environment_factory_resets_serves_tools_and_rewards(tool_model_dir, tmp
     assert len(envs) == 16 and len({id(e) for e in envs}) == 16
     assert env_rewards == [1.0, 0.0] * 8                       # the calls computed the answer
     assert [id(e) for e in given[1][0]] == [id(e) for e in envs]   # reused in the second step
-    assert len(trainer.rollout_func.pool) == 16
+    assert len(trainer.rollout_func.pools[None]) == 16
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rewards/CalculatorEnv/mean"] for r in records if "loss" in r or "cppo/skipped" in r][0] == 0.5
+
+
+class AdderEnv:
+    """A second environment: adds, and is rewarded when the sum is the answer."""
+
+    def __init__(self):
+        self.answer, self.result = None, None
+
+    def reset(self, **row):
+        assert "environment" not in row   # TRL: the routing column is not a reset argument
+        self.answer, self.result = row.get("answer"), None
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first term.
+            b: The second term.
+        """
+        self.result = a + b
+        return self.result
+
+    def get_reward(self) -> float:
+        return 1.0 if str(self.result) == self.answer else 0.0
+
+
+def test_several_environments_are_picked_by_each_rows_environment(tool_model_dir, tmp_path):
+    """TRL's dict of factories: each row's `environment` picks one; only its tools are served, and
+    each environment class is a reward source of its own."""
+    from cppo.config import CPPOConfig
+    from cppo.models import load_model, load_tokenizer
+    from cppo.trainer import CPPOTrainer
+    rows = [{"prompt": [{"role": "user", "content": f"{a}*{b}="}], "answer": str(a * b),
+             "environment": env} for (a, b), env in [((12, 34), "calc"), ((5, 6), "add"),
+                                                      ((7, 8), "calc"), ((21, 3), "add")]]
+    args = CPPOConfig(model=tool_model_dir, output_dir=str(tmp_path / "run"), max_steps=1,
+                      per_device_train_batch_size=8, num_generations=4, pruning_rate=0.5,
+                      max_completion_length=160, eval_steps=0, save_steps=0, progress_bar=False,
+                      learning_rate=1e-3, seed=3)
+    trainer = CPPOTrainer(model=load_model(tool_model_dir), processing_class=load_tokenizer(tool_model_dir),
+                          args=args, train_dataset=rows,
+                          environment_factory={"calc": CalculatorEnv, "add": AdderEnv})
+    assert trainer.rewards.names == ["CalculatorEnv", "AdderEnv"]   # reward_funcs may be left out
+    script_first_turn(trainer)   # every other completion calls multiply
+    scored = []
+    score = trainer.score
+    trainer.score = lambda rows, completions: scored.append(rows) or score(rows, completions)
+    trainer.train()
+    per_function = trainer.rewards_per_function.reshape(-1, 2)
+    environments = [r["environment"] for r in scored[0] for _ in range(4)]
+    for i, env in enumerate(environments):
+        calc, add = per_function[i].tolist()
+        if env == "calc":   # multiply is served: the even completions compute the answer
+            assert calc == float(i % 2 == 0) and add != add          # NaN: not its environment
+        else:               # multiply is not one of AdderEnv's tools: the call fails
+            assert add == 0.0 and calc != calc
+    assert trainer.rollout_func.metrics["tools/failure_frequency"] == 0.5

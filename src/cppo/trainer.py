@@ -144,16 +144,18 @@ class CPPOTrainer:
         self.rollout_func = self._multi_turn(rollout_func, tools, environment_factory)
         self.rollout_columns: dict[str, list] = {}   # a rollout's extra reward columns
         check_report_to(args.report_to)   # a tracker's missing library, before any loading
-        env_reward = getattr(self.rollout_func, "env_reward", None)   # an environment's get_reward
+        env_rewards = getattr(self.rollout_func, "env_rewards", [])   # environments' get_reward
         funcs = reward_funcs if reward_funcs is not None else \
-            ([] if env_reward is not None else args.reward_funcs)
+            ([] if env_rewards else args.reward_funcs)
         funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
         check_reward_weights(args.reward_weights, len(funcs))   # before any loading too
         weights = args.reward_weights
-        if env_reward is not None:   # TRL: one more reward source, weight 1
-            funcs, weights = funcs + [env_reward], None if weights is None else [*weights, 1.0]
+        if env_rewards:   # TRL: one more reward source per environment class, weight 1
+            extra = len(env_rewards)
+            funcs = funcs + env_rewards
+            weights = None if weights is None else [*weights, *[1.0] * extra]
             if isinstance(reward_processing_classes, (list, tuple)):
-                reward_processing_classes = [*reward_processing_classes, None]
+                reward_processing_classes = [*reward_processing_classes, *[None] * extra]
         self.dist = Distributed.from_environment()
         self.device = self.dist.device
         torch.manual_seed(args.seed)   # same LoRA init everywhere; rank 0's is broadcast anyway
@@ -204,10 +206,8 @@ class CPPOTrainer:
     def _multi_turn(self, rollout_func, tools, environment_factory):
         """TRL's rollout_func, or cppo's tool loop for tools (cppo.sampling.tools); None: one
         sampled turn per completion."""
-        if isinstance(environment_factory, dict):
-            raise ConfigError("environment_factory as a dict (several environments) is not "
-                              "supported yet: give one factory, or write the loop as a rollout_func")
-        if environment_factory is not None and not callable(environment_factory):
+        if environment_factory is not None and not callable(environment_factory) \
+                and not isinstance(environment_factory, dict):
             raise ConfigError(f"environment_factory is {environment_factory!r}; expected a "
                               f"callable that returns an environment (TRL's environment_factory)")
         if rollout_func is not None and not callable(rollout_func):

@@ -126,49 +126,74 @@ class ToolLoop:
     and runs tools between turns. `sample(contexts, num_generations, max_new_tokens)` draws the
     turns: contexts are token-id lists, the result one token-id list per completion (question-major).
 
-    environment_factory (TRL's, one factory): each rollout gets its own instance (created once,
-    reused across steps), `reset(**row)` before its first turn (a returned string is appended to
-    the last user message), and the instance's public methods as tools besides `tools`; an
-    instance's `get_reward()` scores its rollout (`env_reward`, a reward function named after the
-    class, weight 1). Reward functions get the instances as `environments`."""
+    environment_factory (TRL's): each rollout gets its own instance (created once, reused across
+    steps), `reset(**row)` before its first turn (a returned string is appended to the last user
+    message), and the instance's public methods as tools besides `tools`; an instance's
+    `get_reward()` scores its rollout (`env_rewards`: one reward function per environment class,
+    named after it, weight 1). A dict of factories: each row's `environment` column picks one.
+    Reward functions get the instances as `environments`."""
 
     def __init__(self, tools: Sequence[Callable], max_iterations: int | None = None,
-                 environment_factory: Callable | None = None) -> None:
+                 environment_factory: Callable | dict[str, Callable] | None = None) -> None:
         self.tools = check_tools(tools)
         self.by_name = {t.__name__: t for t in self.tools}
         self.max_iterations = max_iterations
         self.metrics: dict[str, float] = {}
-        self.factory, self.pool, self.env_methods, self.env_reward = environment_factory, [], [], None
-        if environment_factory is not None:
-            self._probe(environment_factory)
+        self.messages: list[list[dict]] = []   # the last rollouts as chat messages (for rewards)
+        self.multi = isinstance(environment_factory, dict)
+        self.factories = environment_factory if self.multi else \
+            ({} if environment_factory is None else {None: environment_factory})
+        self.pools: dict = {}          # environment name -> its instances, reused across steps
+        self.env_methods: dict = {}    # environment name -> the method names served as tools
+        self.env_rewards: list[Callable] = []
+        for name, factory in self.factories.items():
+            if not callable(factory):
+                raise ValueError(f"environment_factory[{name!r}] is {factory!r}; expected a callable "
+                                 f"that returns an environment")
+            self._probe(name, factory)
 
-    def _probe(self, factory: Callable) -> None:
-        """TRL's checks on one instance: a `reset`; its public methods become tools."""
+    @property
+    def factory(self):
+        return self.factories or None
+
+    def _probe(self, name, factory: Callable) -> None:
+        """TRL's checks on one instance: a `reset`; its public methods become tools; a
+        `get_reward` makes its class a reward source (once per class)."""
         instance = factory()
         names = [n for n, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)]
         if "reset" not in names:
             raise ValueError("environment_factory: each environment must define a callable `reset` "
                              "(TRL's contract)")
-        self.env_methods = [n for n in names if n not in ("reset", "get_reward") and not n.startswith("_")]
-        clash = set(self.env_methods) & set(self.by_name)
+        methods = [n for n in names if n not in ("reset", "get_reward") and not n.startswith("_")]
+        clash = set(methods) & set(self.by_name)
         if clash:
             raise ValueError(f"environment_factory: methods {sorted(clash)} share a name with tools")
-        self.pool = [instance]
-        if "get_reward" in names:
-            env_type = type(instance)
-
+        self.env_methods[name], self.pools[name] = methods, [instance]
+        env_type = type(instance)
+        if "get_reward" in names and all(f.env_type is not env_type for f in self.env_rewards):
             def env_reward(completions, environments=None, **kw):
                 if environments is None:   # scored before training (no rollout yet): no opinion
                     return [None] * len(completions)
                 return [e.get_reward() if type(e) is env_type else None for e in environments]
-            env_reward.__name__ = env_type.__name__
-            self.env_reward = env_reward
+            env_reward.__name__, env_reward.env_type = env_type.__name__, env_type
+            self.env_rewards.append(env_reward)
 
-    def environments(self, n: int) -> list:
-        while len(self.pool) < n:
-            self.pool.append(self.factory())
-        return self.pool[:n]
-        self.messages: list[list[dict]] = []   # the last rollouts as chat messages (for rewards)
+    def environments(self, rows: list[dict]) -> tuple[list, list]:
+        """One instance per rollout (rows: each rollout's row) and its environment's name."""
+        names = [row.get("environment") if self.multi else None for row in rows]
+        for name in set(names) - set(self.factories):
+            raise ValueError(f"a row has environment={name!r}, which is not among the environments "
+                             f"passed to environment_factory: {sorted(map(str, self.factories))}")
+        cursor: dict = {}
+        out = []
+        for name in names:
+            index = cursor.get(name, 0)
+            pool = self.pools[name]
+            if index == len(pool):
+                pool.append(self.factories[name]())
+            cursor[name] = index + 1
+            out.append(pool[index])
+        return out, names
 
     @staticmethod
     def assistant_message(tokenizer, turn: list[int], calls: list[dict]) -> dict:
@@ -206,11 +231,14 @@ class ToolLoop:
             raise ValueError("tools need conversational prompts (lists of chat messages), as in TRL")
         tools = [self.tools] * len(prompts)
         environments = None
-        if self.factory is not None:   # one environment per rollout: prompts and tools differ
-            environments = self.environments(len(prompts))
-            prompts = [self._reset(env, p, row) for env, p, row in
-                       zip(environments, prompts, rows or [{}] * len(prompts))]
-            tools = [self.tools + [getattr(env, n) for n in self.env_methods] for env in environments]
+        if self.factories:   # one environment per rollout: prompts and tools differ
+            rows = rows or [{}] * len(prompts)
+            environments, names = self.environments(rows)
+            prompts = [self._reset(env, p, {k: v for k, v in row.items()
+                                            if not (self.multi and k == "environment")})
+                       for env, p, row in zip(environments, prompts, rows)]
+            tools = [self.tools + [getattr(env, n) for n in self.env_methods[name]]
+                     for env, name in zip(environments, names)]
         by_name = [{t.__name__: t for t in ts} for ts in tools]
         shared = environments is None   # G completions of a question share its prompt
         rendered = [tok.apply_chat_template(p, tools=ts or None, add_generation_prompt=True,
