@@ -4,7 +4,7 @@ The last step of the scoring pass (forward and backward): hidden states (M, d) t
 head (V, d) to each token's log-probability and entropy, with the gradient of their sum to the
 hidden states and the head. `full` is what cppo's scoring pass did before (the (M, V) logits,
 selective_log_softmax, the differentiable entropy); `chunked` is cppo.models.head (the scoring pass
-takes it above rollout.HEAD_CHUNK_ABOVE logits). Each variant runs in a fresh process; the
+takes it above logprobs.HEAD_CHUNK_ABOVE logits). Each variant runs in a fresh process; the
 figure is the growth of the process's peak resident memory over what it held after allocating the
 inputs and the head (ru_maxrss), so the head's weights, gradients and inputs are not counted.
 
@@ -34,7 +34,7 @@ def worker(variant: str, vocab: int, hidden_size: int, tokens: int, threads: int
     import torch
     torch.set_num_threads(threads)
     from cppo.models.head import chunked_logprobs_and_entropy
-    from cppo.sampling.sampler import differentiable_entropy, selective_log_softmax
+    from cppo.sampling.logprobs import differentiable_entropy, selective_log_softmax
     torch.manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, requires_grad=True)
     weight = (torch.randn(vocab, hidden_size) * 0.02).requires_grad_()
@@ -72,8 +72,8 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.vocab, args.hidden, args.tokens, args.threads)))
         return
     import torch
-    from cppo.parallel import hardware
-    from cppo.sampling.sampler import HEAD_CHUNK_ABOVE
+    from cppo.parallel.engines import hardware
+    from cppo.sampling.logprobs import HEAD_CHUNK_ABOVE
     from cppo.models.head import HEAD_CHUNK
     load_start = os.getloadavg()[0]
     runs = []

@@ -9,6 +9,9 @@ CPU capability torch ran with.
     python benchmarks/objectives.py                       # every row, seed 42, 60 steps, mu 2
     python benchmarks/objectives.py --num_iterations 1    # one update per generation round
     python benchmarks/objectives.py --rows dapo,gspo --pruning_rates 0 --max_steps 50 --seeds 1,2
+    python benchmarks/objectives.py --seeds 42,1,2 --resume   # add seeds to the results there
+
+Each row records the machine's load average when it started and ended (the machine may be shared).
 
 Writes benchmarks/results/objectives/num_iterations_<mu>/results.md and results.json.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -43,13 +47,30 @@ def run_row(objective: str, pruning_rate: float, seed: int, args, runs_dir: Path
                      max_steps=args.max_steps, eval_steps=0, save_steps=0,
                      eval_num_questions=args.eval_questions, output_dir=str(out),
                      progress_bar=False, report_to=["jsonl"])
-    start = time.perf_counter()
+    start, load_start = time.perf_counter(), os.getloadavg()[0]
     summary = CPPOTrainer(args=cfg).train()
     return {"objective": objective, "options": OBJECTIVES[objective], "pruning_rate": pruning_rate,
             "seed": seed, "steps": summary["steps"], "accuracy_before": summary["accuracy_before"],
             "accuracy_after": summary["accuracy_after"], "train_seconds": summary["train_seconds"],
             "wall_seconds": round(time.perf_counter() - start, 1),
-            "completions_trained": summary.get("completions_trained")}
+            "completions_trained": summary.get("completions_trained"),
+            "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)]}
+
+
+def summary_table(results: list[dict]) -> list[str]:
+    """Per objective and P over the seeds run: the mean gain and its range (min to max)."""
+    groups: dict[tuple, list[float]] = {}
+    for r in results:
+        groups.setdefault((r["objective"], r["pruning_rate"]), []).append(
+            100 * (r["accuracy_after"] - r["accuracy_before"]))
+    if all(len(g) == 1 for g in groups.values()):
+        return []
+    lines = ["", "Over the seeds:", "", "| objective | P | seeds | mean gain (points) | "
+             "range (points) |", "|---|---|---|---|---|"]
+    for (objective, rate), gains in groups.items():
+        lines.append(f"| {objective} | {rate} | {len(gains)} | {sum(gains) / len(gains):+.1f} | "
+                     f"{min(gains):+.1f} to {max(gains):+.1f} |")
+    return lines
 
 
 def machine() -> dict:
@@ -70,15 +91,18 @@ def render(results: list[dict], meta: dict) -> str:
              f"each step samples 4x the questions and trains on the kept quarter (allocation), "
              f"so a row with pruning sees more questions in the same number of steps.", "",
              "| objective | P | seed | accuracy before | accuracy after | gain (points) | "
-             "train s |", "|---|---|---|---|---|---|---|"]
+             "train s | load average (1 min) at start, end |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         gain = 100 * (r["accuracy_after"] - r["accuracy_before"])
+        load = r.get("load_average")
+        load = f"{load[0]:.1f}, {load[1]:.1f}" if load else "not recorded"
         lines.append(f"| {r['objective']} | {r['pruning_rate']} | {r['seed']} | "
                      f"{100 * r['accuracy_before']:.1f}% | {100 * r['accuracy_after']:.1f}% | "
-                     f"{gain:+.1f} | {r['train_seconds']:.0f} |")
+                     f"{gain:+.1f} | {r['train_seconds']:.0f} | {load} |")
+    lines += summary_table(results)
     lines += ["", f"Total wall time: {meta['wall_seconds']:.0f} s (a shared machine: train seconds "
-              f"are not comparable between rows). One seed per row: differences of a few points "
-              f"are within seed-to-seed spread (docs/benchmarks.md reports it for the default run).",
+              f"are not comparable between rows). Differences of a few points are within "
+              f"seed-to-seed spread: compare the ranges over seeds, not single rows.",
               "", "With one update per generation round (num_iterations 1) every ratio is 1 and "
               "the objectives' gradients coincide up to how they weight completions of different "
               "lengths (cispo's is dapo's, sapo's is grpo's, GSPO's is grpo's); on this task most "
@@ -98,6 +122,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output", help="results folder (default: results/objectives/"
                         "num_iterations_<mu>)")
     parser.add_argument("--from_json", help="only re-render results.md from this results.json")
+    parser.add_argument("--resume", action="store_true", help="keep the rows of the output's "
+                        "results.json (same steps, questions, num_iterations) and run the others")
     args = parser.parse_args(argv)
     args.output = args.output or str(Path(__file__).parent / "results" / "objectives"
                                       / f"num_iterations_{args.num_iterations}")
@@ -115,13 +141,24 @@ def main(argv=None) -> int:
             "machine": machine(), "max_steps": args.max_steps,
             "eval_questions": args.eval_questions, "seeds": seeds,
             "num_iterations": args.num_iterations}
-    results, start = [], time.perf_counter()
+    results, start, earlier = [], time.perf_counter(), 0.0
+    if args.resume and (out / "results.json").is_file():
+        old = json.loads((out / "results.json").read_text())
+        same = ("max_steps", "eval_questions", "num_iterations")
+        if any(old["meta"].get(k, 1 if k == "num_iterations" else None) != meta[k] for k in same):
+            raise SystemExit(f"--resume: {out}/results.json was run with other {', '.join(same)}")
+        results, earlier = old["runs"], old["meta"].get("wall_seconds", 0.0)
+        meta["command"] = old["meta"]["command"] + " && " + meta["command"]
+    done = {(r["objective"], r["pruning_rate"], r["seed"]) for r in results}
+    meta["seeds"] = sorted({r["seed"] for r in results} | set(seeds))
     with tempfile.TemporaryDirectory() as runs:
         for seed in seeds:
             for objective in rows:
                 for rate in rates:
+                    if (objective, rate, seed) in done:
+                        continue
                     results.append(run_row(objective, rate, seed, args, Path(runs)))
-                    meta["wall_seconds"] = time.perf_counter() - start
+                    meta["wall_seconds"] = earlier + time.perf_counter() - start
                     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": results},
                                                                  indent=2))
                     (out / "results.md").write_text(render(results, meta))

@@ -80,7 +80,7 @@ def per_sequence(model, batch, rows, grad: bool):
     """One lean forward per [prompt, completion] row (the lean path before the shared-prompt
     path served every case), micro-batches of `rows`."""
     from cppo.models.lean import lean_forward_for
-    from cppo.sampling.sampler import selective_log_softmax
+    from cppo.sampling.logprobs import selective_log_softmax
     lean = lean_forward_for(model)[0]
     with torch.set_grad_enabled(grad):
         for prompt_ids, prompt_mask, ids, mask in micro_batches(batch, rows):
@@ -129,9 +129,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     global completion_logprobs
-    from cppo.parallel import hardware
+    from cppo.parallel.engines import hardware
     from cppo.models import load_model, load_tokenizer
-    from cppo.sampling.sampler import completion_logprobs, encode_prompts, sample_completions
+    from cppo.sampling.logprobs import completion_logprobs
+    from cppo.sampling.sampler import encode_prompts, sample_completions
     load_start = os.getloadavg()[0]
     shape = {k: v for k, v in QUICK.items() if k not in ("steps", "repeats")}
     folder = build_assets(Path(args.assets or Path(tempfile.gettempdir()) / "cppo_real_shape_quick"), shape)

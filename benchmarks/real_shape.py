@@ -430,9 +430,10 @@ def profile_phases(folder: Path, shape: dict, device: str, dtype: str, out: Path
     before it is profiled."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from cppo.parallel import hardware
+    from cppo.parallel.engines import hardware
     from cppo.models import load_model, load_tokenizer
-    from cppo.sampling.sampler import completion_logprobs, encode_prompts, sample_completions
+    from cppo.sampling.logprobs import completion_logprobs
+    from cppo.sampling.sampler import encode_prompts, sample_completions
     model = load_model(str(folder), torch_dtype=dtype).to(device).eval()
     tok = load_tokenizer(str(folder))
     rows = json.loads((folder / "prompts.json").read_text())
@@ -531,7 +532,7 @@ def main() -> None:
         env.update(AVX2_ENV)
     os.environ.update(env)
     import torch
-    from cppo.parallel import hardware
+    from cppo.parallel.engines import hardware
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
     build_assets(folder, {k: v for k, v in shape.items() if k not in ("steps", "repeats")})

@@ -310,3 +310,17 @@ def test_importance_weights_known_values_and_truncation():
     assert not importance_weights(policy, sampler, 3.0).requires_grad   # weights, not a path
     with pytest.raises(ValueError, match="same shape"):
         importance_weights(policy, sampler[:, :1], 3.0)
+
+
+def test_adaptive_entropy_control_follows_trls_rule():
+    """TRL 1.16's use_adaptive_entropy: up by delta at or below the target (capped), down above it
+    (floored); the bonus applies only after a step at or below the target (none before any)."""
+    from cppo.algorithm import adapted_entropy_coef, applied_entropy_coef
+    kw = dict(target=0.2, delta=0.005, coef_min=0.0, coef_max=0.012)
+    assert adapted_entropy_coef(0.0, 0.2, **kw) == 0.005           # at the target: up
+    assert adapted_entropy_coef(0.01, 0.1, **kw) == 0.012          # capped at coef_max
+    assert adapted_entropy_coef(0.003, 0.21, **kw) == 0.0          # floored at coef_min
+    assert adapted_entropy_coef(0.01, 0.5, **kw) == pytest.approx(0.005)
+    assert applied_entropy_coef(0.01, math.inf, 0.2) == 0.0        # before the first step
+    assert applied_entropy_coef(0.01, 0.2, 0.2) == 0.01
+    assert applied_entropy_coef(0.01, 0.2001, 0.2) == 0.0

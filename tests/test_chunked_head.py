@@ -45,7 +45,7 @@ def test_the_scoring_pass_takes_the_chunked_head_above_its_size(tiny_model_dir, 
                                                                  entropy_grad):
     """completion_logprobs with the chunked head (threshold 0) gives the full-logits pass's
     log-probs, entropies and parameter gradients; the full logits are never built."""
-    from cppo.sampling import sampler as rollout
+    from cppo.sampling import logprobs, sampler as rollout
     from cppo.models import load_model, load_tokenizer
     from cppo.models.lean import LeanForward
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
@@ -56,14 +56,14 @@ def test_the_scoring_pass_takes_the_chunked_head_above_its_size(tiny_model_dir, 
     args = (prompts.ids.repeat_interleave(3, 0), prompts.mask.repeat_interleave(3, 0), out.ids, out.mask)
     results = []
     for threshold in (1 << 62, 0):
-        monkeypatch.setattr(rollout, "HEAD_CHUNK_ABOVE", threshold)
+        monkeypatch.setattr(logprobs, "HEAD_CHUNK_ABOVE", threshold)
         logits_calls = []
         monkeypatch.setattr(LeanForward, "_logits", lambda self, w, h: logits_calls.append(h.shape)
                             or torch.nn.functional.linear(self._norm(h, w.norm), w.head, w.head_bias))
         model.zero_grad()
         entropies = []
-        logps = rollout.completion_logprobs(model, *args, temperature=0.7, entropies=entropies,
-                                            entropy_grad=entropy_grad)
+        logps = logprobs.completion_logprobs(model, *args, temperature=0.7, entropies=entropies,
+                                             entropy_grad=entropy_grad)
         (logps.sum() + (entropies[0].sum() if entropy_grad else 0)).backward()
         results.append((logps.detach(), entropies[0].detach(),
                         [p.grad.clone() for p in model.parameters()], len(logits_calls)))

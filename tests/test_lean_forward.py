@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from cppo.models.lean import lean_forward_for, unsupported_reason
-from cppo.sampling.sampler import completion_logprobs, encode_prompts, sample_completions
+from cppo.sampling.logprobs import completion_logprobs
+from cppo.sampling.sampler import encode_prompts, sample_completions
 
 
 def _models():

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cppo.sampling.sampler import completion_logprobs, token_entropy
+from cppo.sampling.logprobs import completion_logprobs, token_entropy
 from test_lean_forward import MODELS
 
 VOCAB, T = 40, 6

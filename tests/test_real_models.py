@@ -12,7 +12,8 @@ from helpers.tiny_hf import gsm8k_rows, math_rows, save_tiny
 from cppo.config import CPPOConfig
 from cppo.data.sources import load_task
 from cppo.models import load_model, load_tokenizer
-from cppo.sampling.sampler import Completions, encode_prompts
+from cppo.sampling.batches import Completions
+from cppo.sampling.sampler import encode_prompts
 from cppo.trainer import CPPOTrainer
 
 ARCHS = ("llama", "qwen2")
@@ -240,7 +241,7 @@ def test_vllm_backend_missing_names_the_extra(monkeypatch, tiny_dirs):
 
 
 def test_token_lists_become_completions():
-    from cppo.sampling.sampler import completions_from_token_lists
+    from cppo.sampling.batches import completions_from_token_lists
     out = completions_from_token_lists([[5, 6, 2, 9], [7, 8, 8], []], eos_token_id=2, pad_token_id=0,
                                        max_new_tokens=3)
     assert out.ids.tolist() == [[5, 6, 2], [7, 8, 8], [0, 0, 0]]

@@ -106,6 +106,13 @@ CASES = [
      "'top_entropy_quantile' is 1.5; allowed: [0, 1] (1.0: off)"),
     ("entropy_coef_negative", ["--entropy_coef", "-0.1"],
      "'entropy_coef' is -0.1; must be >= 0 (a bonus for entropy)"),
+    ("adaptive_entropy_bounds", ["--use_adaptive_entropy", "true", "--entropy_coef_min", "0.5",
+                                 "--entropy_coef_max", "0.1"],
+     "'entropy_coef_min' is 0.5 and 'entropy_coef_max' 0.1; need 0 <= entropy_coef_min <= "
+     "entropy_coef_max"),
+    ("min_p_range", ["--min_p", "2"], "'min_p' is 2.0; allowed: 0 <= min_p <= 1, or None (off)"),
+    ("repetition_penalty", ["--repetition_penalty", "0"],
+     "'repetition_penalty' is 0.0; must be > 0 (1.0: off)"),
     ("sapo_temperature", ["--loss_type", "sapo", "--sapo_temperature_neg", "0"],
      "'sapo_temperature_neg' is 0.0; must be > 0"),
     ("sync_ref_model_without_beta", ["--sync_ref_model", "true", "--beta", "0"],

@@ -3,7 +3,9 @@
 import torch
 
 from cppo.models import load_model, load_tokenizer
-from cppo.sampling.sampler import (completion_logprobs, encode_prompts, filter_logits, sample_completions)
+from cppo.sampling.logits import filter_logits
+from cppo.sampling.logprobs import completion_logprobs
+from cppo.sampling.sampler import encode_prompts, sample_completions
 
 
 def _setup(path):
@@ -94,7 +96,7 @@ def test_filter_logits():
 
 
 def test_sample_categorical_draws_from_the_given_distribution():
-    from cppo.sampling.sampler import sample_categorical
+    from cppo.sampling.logits import sample_categorical
     weights = torch.tensor([[0.0, 3.0, 0.0, 1.0, 6.0, 0.0],     # unnormalised rows, zeros inside
                             [5.0, 0.0, 0.0, 0.0, 0.0, 5.0]])
     draws = 200_000
@@ -109,7 +111,7 @@ def test_sample_categorical_draws_from_the_given_distribution():
 
 def test_sample_categorical_refuses_a_broken_distribution():
     import pytest
-    from cppo.sampling.sampler import sample_categorical
+    from cppo.sampling.logits import sample_categorical
     for bad in (torch.tensor([[0.5, float("nan")]]), torch.tensor([[0.0, 0.0]]),
                 torch.tensor([[float("inf"), 1.0]])):
         with pytest.raises(ValueError, match="not finite or is all zero"):

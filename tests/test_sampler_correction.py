@@ -117,7 +117,7 @@ def forced_with_sampler(model_dir, seed=0):
     policy's own plus N(0, 0.7) noise per token, so that some ratios fall outside [0.5, 3]."""
     from cppo.models import load_model, load_tokenizer
     from cppo.sampling.padding import pad_token_lists
-    from cppo.sampling.sampler import completion_logprobs
+    from cppo.sampling.logprobs import completion_logprobs
     from helpers.trl_twin import make_rounds
     tok = load_tokenizer(model_dir)
     rounds = make_rounds(tok, 1, seed=seed)

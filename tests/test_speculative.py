@@ -7,8 +7,11 @@ import torch
 
 from cppo.algorithm.speculative import accepted_drafts, residual_weights
 from cppo.models import load_model, load_tokenizer
-from cppo.sampling.sampler import (PromptBatch, Speculation, completion_logprobs, encode_prompts,
-                          sample_completions, sampling_logits)
+from cppo.sampling.batches import PromptBatch
+from cppo.sampling.logits import sampling_logits
+from cppo.sampling.logprobs import completion_logprobs
+from cppo.sampling.sampler import encode_prompts, sample_completions
+from cppo.sampling.speculative import Speculation
 from cppo.sampling import speculative
 from cppo.sampling.speculative import ngram_drafts
 
@@ -179,7 +182,7 @@ def test_accept_rule_and_residual():
 
 def test_one_step_marginal_is_p_for_any_draft():
     """Accept x with p(x), else draw from p without x: the emitted token is distributed as p."""
-    from cppo.sampling.sampler import sample_categorical
+    from cppo.sampling.logits import sample_categorical
     p = torch.tensor([0.1, 0.6, 0.25, 0.05])
     n = 200_000
     gen = torch.Generator().manual_seed(0)

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from cppo.config import CPPOConfig
+from cppo.errors import ConfigError
 from cppo.models import load_model, load_tokenizer
 from cppo.errors import RewardError
 from cppo.trainer import CPPOTrainer
@@ -290,3 +291,71 @@ def test_a_rules_traits_decide_whether_advantages_are_recomputed(tiny_model_dir,
     finally:
         del SELECTION_RULES["first_half_test_only"]
     assert calls == ([1] if advantages_on_kept else [])
+
+
+def test_reward_weights_are_checked_against_the_trainers_reward_functions(tiny_model_dir, tmp_path):
+    """TRL's habit: the config names no functions (its default is the embedded task's one), the
+    trainer gets two, and the two weights fit them; a count that fits neither is refused."""
+    def length_reward(completions, **kw):
+        return [float(len(c)) for c in completions]
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", reward=[odd_length_reward, length_reward],
+                           reward_weights=[1, 0.5])
+    assert trainer.rewards.weights.tolist() == [1.0, 0.5]
+    with pytest.raises(ConfigError, match="'reward_weights' has 3 values but 'reward_funcs' has 2"):
+        make_trainer(tiny_model_dir, tmp_path / "run", reward=[odd_length_reward, length_reward],
+                     reward_weights=[1, 0.5, 2])
+
+
+@pytest.mark.parametrize("num_generations_eval, sampled", [(0, 0), (3, 3), (None, 4)])
+def test_num_generations_eval_samples_and_scores_the_held_out_questions(tiny_model_dir, tmp_path,
+                                                                         num_generations_eval,
+                                                                         sampled):
+    """TRL's evaluation: num_generations_eval completions per held-out question (None:
+    num_generations), scored by the reward functions, logged as TRL's eval_* metrics."""
+    calls = []
+
+    def reward(prompts, completions, **kw):
+        calls.append(len(completions))
+        return odd_length_reward(prompts, completions, **kw)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", reward=reward, max_steps=1,
+                           num_generations_eval=num_generations_eval)
+    preflight = len(calls)
+    trainer.train()
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if "eval/accuracy" in r]
+    assert len(evals) == 2       # before and after
+    # each evaluation: greedy accuracy (4 held-out questions), then `sampled` x 4; the step: 4 x 4
+    evaluation = [4, 4 * sampled] if sampled else [4]
+    assert calls[preflight:] == evaluation + [16] + evaluation
+    if not sampled:
+        assert all("eval_reward" not in r for r in evals)
+        return
+    for r in evals:
+        assert 0 <= r["eval_reward"] <= 1 and r["eval_rewards/reward/mean"] == r["eval_reward"]
+        assert {"eval_reward_std", "eval_frac_reward_zero_std", "eval_completions/mean_length",
+                "eval_completions/clipped_ratio"} <= set(r)
+
+
+def test_adaptive_entropy_coefficient_is_logged_and_checkpointed(tiny_model_dir, tmp_path):
+    """Every step's entropy is below a target of 100 nats: the coefficient rises by delta per
+    optimizer step (logged as TRL's entropy_coef) and the checkpoint carries it for a resume."""
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, use_adaptive_entropy=True,
+                           entropy_coef=0.0, entropy_coef_delta=0.25, entropy_target=100.0)
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["entropy_coef"] for r in records if "entropy_coef" in r] == [0.25, 0.5]
+    state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["entropy_coef"] == 0.5 and 0 < state["last_world_entropy"] <= 100
+
+
+def test_adaptive_entropy_control_measures_the_whole_step(tiny_model_dir, tmp_path):
+    """TRL's controller sees the step's token-weighted mean entropy over every micro-batch (with
+    top_entropy_quantile 1 that is the logged entropy), not the last micro-batch's."""
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, use_adaptive_entropy=True,
+                           per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    seen, adapt = [], trainer.adapt_entropy_coef
+    trainer.adapt_entropy_coef = lambda entropy: seen.append(entropy) or adapt(entropy)
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["entropy"] for r in records if "entropy_coef" in r]
+    assert len(seen) == len(logged) == 2 and seen == pytest.approx(logged, rel=1e-6)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from cppo.models.lean import LeanForward
-from cppo.sampling.sampler import Completions, encode_prompts
+from cppo.sampling.batches import Completions
+from cppo.sampling.sampler import encode_prompts
 from cppo.run.batch import StepBatch
 import helpers
 

@@ -216,7 +216,7 @@ def test_trl_metric_keys_are_logged(tiny_model_dir, tmp_path):
 
 
 def test_entropy_is_the_policy_entropy_over_completion_tokens(tiny_model_dir, tmp_path):
-    from cppo.sampling.sampler import completion_logprobs, token_entropy
+    from cppo.sampling.logprobs import completion_logprobs, token_entropy
     logits = torch.randn(2, 3, 11)
     expected = torch.distributions.Categorical(logits=logits).entropy()
     assert torch.allclose(token_entropy(logits), expected, atol=1e-5)

@@ -107,3 +107,16 @@ def test_the_objective_fields_are_honoured_with_trls_defaults():
                  "top_entropy_quantile", "off_policy_mask_threshold", "scale_rewards",
                  "num_iterations", "temperature", "mask_truncated_completions"):
         assert name not in TRL_FIELDS and getattr(cfg, name) == FIELDS[name], name
+
+
+def test_generation_kwargs_set_the_sampling_fields_over_them_as_in_trl():
+    values = {"temperature": 0.7, "generation_kwargs": {"temperature": 0.9, "min_p": 0.1,
+                                                        "repetition_penalty": 1.1, "do_sample": True}}
+    out, dropped = translate(values, OWN)
+    assert out == {"temperature": 0.9, "min_p": 0.1, "repetition_penalty": 1.1} and dropped == {}
+    out, dropped = translate({"generation_kwargs": '{"top_k": 5, "typical_p": 0.9}'}, OWN)
+    assert out == {"top_k": 5} and "typical_p" in dropped["generation_kwargs"]
+    assert CPPOConfig.from_dict(out).top_k == 5
+    from cppo.errors import ConfigError
+    with pytest.raises(ConfigError, match="'generation_kwargs' is '{top_k'"):
+        translate({"generation_kwargs": "{top_k"}, OWN)

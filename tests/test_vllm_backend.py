@@ -20,7 +20,8 @@ from cppo.sampling.sampler import chunk_seed
 from cppo.sampling.vllm import (VLLMBackend, completions_with_logprobs, cpu_kv_cache_bytes,
                                 sampled_logprobs, vllm_weight_name, vllm_weights)
 from cppo.models import load_model, load_tokenizer
-from cppo.sampling.sampler import completion_logprobs, encode_prompts
+from cppo.sampling.logprobs import completion_logprobs
+from cppo.sampling.sampler import encode_prompts
 
 
 class FakeLLM:

@@ -55,7 +55,8 @@ def test_server_push_over_nccl_gives_the_updated_policy(tmp_path):
     from cppo.sampling.vllm import VLLMBackend
     from cppo.models import load_model, load_tokenizer
     from cppo.models.tokenizer import build_tokenizer
-    from cppo.sampling.sampler import completion_logprobs, encode_prompts
+    from cppo.sampling.logprobs import completion_logprobs
+    from cppo.sampling.sampler import encode_prompts
     from test_vllm_engine import save_tiny_model
     path = save_tiny_model(tmp_path / "model", build_tokenizer(), tied=True)
     port = free_port()

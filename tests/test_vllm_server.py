@@ -24,7 +24,8 @@ from cppo.errors import VLLMServerError               # noqa: E402
 from cppo.parallel.processes import free_port                # noqa: E402
 from cppo.sampling.vllm import VLLMBackend
 from cppo.models import load_model, load_tokenizer                # noqa: E402
-from cppo.sampling.sampler import completion_logprobs, encode_prompts     # noqa: E402
+from cppo.sampling.logprobs import completion_logprobs     # noqa: E402
+from cppo.sampling.sampler import encode_prompts
 
 G = 4
 PROMPTS = ["12*34=", "5*6=", "77*88+12="]

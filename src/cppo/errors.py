@@ -53,6 +53,10 @@ class RewardModelError(ValueError):
     """A reward model cannot be loaded or returned scores of the wrong shape."""
 
 
+class RolloutError(ValueError):
+    """A rollout function's output is not what TRL's rollout_func contract asks for."""
+
+
 class CallbackError(RuntimeError):
     """A callback raised; the message names it and the event."""
 

@@ -22,15 +22,16 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from cppo.algorithm import (combine_rewards, entropy_bonus, group_advantages, high_entropy_mask,
-                            mix_into_reference, normalized_reward_sum,
-                            off_policy_mask, per_token_policy_loss, recompute_advantages_on_kept,
-                            reduce_loss, reward_stats, select_completions, select_global)
+from cppo.algorithm import (adapted_entropy_coef, applied_entropy_coef, combine_rewards,
+                            entropy_bonus, group_advantages, high_entropy_mask,
+                            mix_into_reference, normalized_reward_sum, off_policy_mask,
+                            per_token_policy_loss, recompute_advantages_on_kept, reduce_loss,
+                            reward_stats, select_completions, select_global)
 from cppo.algorithm.sampler_correction import sampler_correction_stats, sampler_importance_weights
 from cppo.algorithm.selection import GLOBAL_SCOPE, local_scope, rule_traits
 from cppo.algorithm.skipping import keep_probability, updated_streaks, zero_variance_groups
 from cppo.config import CPPOConfig
-from cppo.config.checks import check_generation_batch_size
+from cppo.config.checks import check_generation_batch_size, check_reward_weights
 from cppo.data.sources import TaskData, TaskSource, load_task, user_task
 from cppo.errors import CallbackError, ConfigError
 from cppo.evaluate import evaluate
@@ -46,8 +47,10 @@ from cppo.run.completions_log import CompletionsLog
 from cppo.run.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to,
                                length_metrics, write_plots)
 from cppo.sampling.backends import make_backend, speculation_slots
-from cppo.sampling.sampler import (Completions, PromptBatch, chunk_seed, completion_logprobs,
-                                   encode_prompts)
+from cppo.sampling.batches import Completions, PromptBatch
+from cppo.sampling.logprobs import completion_logprobs
+from cppo.sampling.multi_turn import rollout_from_output
+from cppo.sampling.sampler import chunk_seed, encode_prompts, sample_completions
 from cppo.sampling.vllm import vllm_engine_bytes
 
 
@@ -88,9 +91,24 @@ class CPPOTrainer:
 
     def __init__(self, model=None, reward_funcs=None, args: CPPOConfig | None = None,
                  train_dataset=None, eval_dataset=None, processing_class=None,
-                 peft_config=None, callbacks=None, reward_processing_classes=None) -> None:
+                 peft_config=None, callbacks=None, reward_processing_classes=None,
+                 rollout_func=None, tools=None, environment_factory=None) -> None:
         self.args = args = args or CPPOConfig()
+        self.rollout_func = self._multi_turn(rollout_func, tools, environment_factory)
+        self.rollout_columns: dict[str, list] = {}   # a rollout's extra reward columns
         check_report_to(args.report_to)   # a tracker's missing library, before any loading
+        env_rewards = getattr(self.rollout_func, "env_rewards", [])   # environments' get_reward
+        funcs = reward_funcs if reward_funcs is not None else \
+            ([] if env_rewards else args.reward_funcs)
+        funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+        check_reward_weights(args.reward_weights, len(funcs))   # before any loading too
+        weights = args.reward_weights
+        if env_rewards:   # TRL: one more reward source per environment class, weight 1
+            extra = len(env_rewards)
+            funcs = funcs + env_rewards
+            weights = None if weights is None else [*weights, *[1.0] * extra]
+            if isinstance(reward_processing_classes, (list, tuple)):
+                reward_processing_classes = [*reward_processing_classes, *[None] * extra]
         self.dist = Distributed.from_environment()
         self.device = self.dist.device
         torch.manual_seed(args.seed)   # same LoRA init everywhere; rank 0's is broadcast anyway
@@ -116,9 +134,7 @@ class CPPOTrainer:
                                            device_memory_bytes(self.device)))
         self.backend = make_backend(self.policy, self.tokenizer, args,
                                     chunk_size=args.generation_chunk_size or self.batch_sizes.generation)
-        funcs = reward_funcs if reward_funcs is not None else args.reward_funcs
-        self.rewards = RewardRunner(funcs if isinstance(funcs, (list, tuple)) else [funcs],
-                                    args.reward_weights,
+        self.rewards = RewardRunner(funcs, weights,
                                     processing_classes=reward_processing_classes, device=self.device)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
         self.plan = args.step_plan()
@@ -156,6 +172,31 @@ class CPPOTrainer:
         self.callbacks.event("on_init_end")
 
     # ---------------------------------------------------------------- setup -----------------
+    def _multi_turn(self, rollout_func, tools, environment_factory):
+        """TRL's rollout_func, or cppo's tool loop for tools (cppo.sampling.tools); None: one
+        sampled turn per completion."""
+        if environment_factory is not None and not callable(environment_factory) \
+                and not isinstance(environment_factory, dict):
+            raise ConfigError(f"environment_factory is {environment_factory!r}; expected a "
+                              f"callable that returns an environment (TRL's environment_factory)")
+        if rollout_func is not None and not callable(rollout_func):
+            raise ConfigError(f"rollout_func is {rollout_func!r}; expected a function "
+                              f"(prompts, trainer) -> dict (TRL's rollout_func)")
+        if not tools and environment_factory is None:
+            return rollout_func
+        if rollout_func is not None:
+            raise ConfigError("give tools (or environment_factory) or rollout_func, not both (a "
+                              "rollout function runs its own tools)")
+        if self.args.use_vllm:
+            raise ConfigError("tools run on cppo's own sampler; set use_vllm: false (or run "
+                              "vLLM inside a rollout_func)")
+        from cppo.sampling.tools import ToolLoop
+        try:
+            return ToolLoop(tools or [], self.args.max_tool_calling_iterations,
+                            environment_factory=environment_factory)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
     def _load_policy(self, model, processing_class, peft_config):
         from cppo.models import load_model, load_tokenizer, ready_for_generation
         args = self.args
@@ -266,7 +307,10 @@ class CPPOTrainer:
 
     def generate(self, rows: list[dict]) -> tuple[PromptBatch, Completions]:
         """G completions per row through the generation backend (cppo.sampling.backends), seeded by
-        (seed, round, the rows' place in the global step batch)."""
+        (seed, round, the rows' place in the global step batch); or, with rollout_func, its
+        rollouts (then one prompt row per completion)."""
+        if self.rollout_func is not None:
+            return self.rollout(rows)
         prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
                                  self.args.max_prompt_length).to(self.device)
         with self.engine.gathered():      # fsdp: full weights once per round, not per token
@@ -274,12 +318,38 @@ class CPPOTrainer:
                                                 question_offset=self.dist.rank * len(rows))
         return prompts, completions
 
+    def rollout(self, rows: list[dict]) -> tuple[PromptBatch, Completions]:
+        """TRL's rollout_func: called with each row's prompt num_generations times (a copy) and
+        the trainer; its output checked and padded (cppo.sampling.multi_turn)."""
+        import copy
+        prompts = [copy.deepcopy(r["prompt"]) for r in rows for _ in range(self.args.num_generations)]
+        if hasattr(self.backend, "_sync_weights") and prompts:   # a rollout that uses vLLM
+            probe = encode_prompts(self.tokenizer, prompts[:1], self.args.max_prompt_length)
+            self.backend._sync_weights(self.round_index, probe=probe.ids[0].tolist())
+        from cppo.sampling.tools import ToolLoop
+        with self.engine.gathered():
+            if isinstance(self.rollout_func, ToolLoop):   # environments are reset with the rows
+                output = self.rollout_func(prompts, self, rows=[r for r in rows for _ in
+                                                                range(self.args.num_generations)])
+            else:
+                output = self.rollout_func(prompts, self)
+        backend = self.backend
+        if getattr(backend, "sleep_mode", False) and getattr(backend, "llm", None) is not None:
+            backend.llm.sleep(level=2)    # as after the backend's own generation
+            backend.sleeping, backend.synced_round = True, None
+        out = rollout_from_output(output, len(prompts), eos_token_id=self.tokenizer.eos_token_id,
+                                  pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+        self.rollout_columns = out.columns
+        return out.prompts, out.completions
+
     def score(self, rows: list[dict], completions: Completions) -> tuple[torch.Tensor, dict]:
         """Rewards (Q, G) of the weighted reward functions, plus per-function means."""
         texts = self.tokenizer.batch_decode(completions.ids.cpu(), skip_special_tokens=True)
         per_function = self.rewards(rows, texts, unpadded_ids(completions.ids, completions.mask),
                                     self.args.num_generations,
-                                    conversational=not isinstance(rows[0]["prompt"], str))
+                                    conversational=not isinstance(rows[0]["prompt"], str),
+                                    extra_columns=self.rollout_columns,
+                                    messages=getattr(self.rollout_func, "messages", None))
         rewards = combine_rewards(per_function, self.rewards.weights)
         self.rewards_per_function = per_function.view(len(rows), self.args.num_generations, -1)
         if self.completions_log is not None:
@@ -320,16 +390,18 @@ class CPPOTrainer:
     def build_batch(self, prompts: PromptBatch, completions: Completions, advantages: torch.Tensor,
                     keep_mask: torch.Tensor) -> StepBatch:
         kept = keep_mask.flatten().nonzero().squeeze(1).to(completions.ids.device)  # of Q*G rows
-        question = kept // self.args.num_generations
+        # the prompt row of each kept completion: its question's, or (rollouts) its own
+        question = kept if len(prompts) == len(completions.ids) else kept // self.args.num_generations
         mask = completions.mask[kept]
         if self.args.mask_truncated_completions:
             mask = mask * (~completions.truncated[kept]).long()[:, None]
         sampler_logps = None
         if completions.logprobs is not None and self.args.importance_sampling_correction:
             sampler_logps = completions.logprobs[kept].float()
+        tool_mask = None if completions.tool_mask is None else completions.tool_mask[kept]
         return StepBatch(prompts.ids[question], prompts.mask[question], completions.ids[kept],
                          mask, advantages.flatten().to(kept.device)[kept].float(),
-                         sampler_logps=sampler_logps).trimmed()  # no pass runs on pruned widths
+                         sampler_logps=sampler_logps, tool_mask=tool_mask).trimmed()  # no pass runs on pruned widths
 
     def logprobs(self, model, batch: StepBatch, entropies: list | None = None) -> torch.Tensor:
         if len(batch) == 0:  # global selection can leave a process nothing to train on
@@ -338,7 +410,30 @@ class CPPOTrainer:
                                    batch.completion_mask, temperature=self.args.temperature,
                                    batch_size=self.args.per_device_train_batch_size,
                                    lean=self.args.lean_forward, entropies=entropies,
-                                   entropy_grad=entropies is not None and self.args.entropy_coef > 0)
+                                   entropy_grad=entropies is not None and self.entropy_bonus_on)
+
+    @property
+    def entropy_bonus_on(self) -> bool:
+        """TRL: a fixed coefficient > 0, or adaptive control (on even while its coefficient is 0)."""
+        return self.args.entropy_coef > 0 or self.args.use_adaptive_entropy
+
+    def entropy_coef_now(self) -> float:
+        """The coefficient this step applies (adaptive: gated by the last step's entropy)."""
+        args = self.args
+        coef = args.entropy_coef if self.run_state.entropy_coef is None else self.run_state.entropy_coef
+        if not args.use_adaptive_entropy:
+            return coef
+        return applied_entropy_coef(coef, self.run_state.last_world_entropy, args.entropy_target)
+
+    def adapt_entropy_coef(self, entropy: float) -> float:
+        """Adaptive control's update after an optimizer step; returns the new coefficient."""
+        args = self.args
+        coef = args.entropy_coef if self.run_state.entropy_coef is None else self.run_state.entropy_coef
+        self.run_state.entropy_coef = adapted_entropy_coef(
+            coef, entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
+            coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
+        self.run_state.last_world_entropy = entropy
+        return self.run_state.entropy_coef
 
     def autocast(self):
         """The one precision of every pass of a step (old policy, reference, policy): bf16
@@ -369,12 +464,12 @@ class CPPOTrainer:
         else the old policy's); None when neither is on."""
         args, mask = self.args, None
         if args.top_entropy_quantile < 1.0:
-            mask = high_entropy_mask(torch.cat(entropies), micro.completion_mask,
+            mask = high_entropy_mask(torch.cat(entropies), micro.loss_mask,
                                      args.top_entropy_quantile).float()
         if args.off_policy_mask_threshold is not None:
             sampler = next(t for t in (micro.sampler_logps, micro.old_logps, logps.detach())
                            if t is not None)
-            keep = off_policy_mask(micro.advantages, logps, sampler, micro.completion_mask.float(),
+            keep = off_policy_mask(micro.advantages, logps, sampler, micro.loss_mask.float(),
                                    args.off_policy_mask_threshold)
             mask = keep if mask is None else mask * keep
         return mask
@@ -383,19 +478,21 @@ class CPPOTrainer:
         """One optimizer step over the kept batch, in micro-batches (gradient accumulation)."""
         args = self.args
         total_sequences = self.dist.sum(len(batch) - batch.filler_rows)
-        total_tokens = self.dist.sum(int(batch.completion_mask.sum()))
+        total_tokens = self.dist.sum(int(batch.loss_mask.sum()))
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "tokens": 0,
                 "entropy": 0.0, "ratio_sum": 0.0, "ratio_count": 0.0, "logp_diff_sum": 0.0,
                 "logp_diff_count": 0.0}
         extremes = {"ratio_max": -math.inf, "ratio_min_neg": -math.inf, "logp_diff_max": -math.inf}
+        sums.update(bonus_entropy=0.0, bonus_tokens=0.0)
+        entropy_coef = self.entropy_coef_now() if self.entropy_bonus_on else 0.0
         num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
         # gradients are reduced by the engine once per step, in the last micro-batch's backward
         for micro in self.engine.accumulate(batch.micro_batches(args.per_device_train_batch_size)):
             entropies = []
             with self.autocast():
                 logps = self.engine.forward(self.logprobs, micro, entropies)
-            m = micro.completion_mask.bool()
+            m = micro.loss_mask.bool()
             weights = None
             if micro.sampler_logps is not None:   # vLLM or a cast copy sampled: correct for it
                 old = logps.detach().float() if micro.old_logps is None else micro.old_logps
@@ -414,18 +511,20 @@ class CPPOTrainer:
             per_token, stats = per_token_policy_loss(   # IS weights on the policy term only (TRL)
                 logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
                 epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps,
-                sampling_weights=weights, completion_mask=micro.completion_mask,
+                sampling_weights=weights, completion_mask=micro.loss_mask,
                 policy_mask=policy_mask, **args.loss_options())
-            loss = reduce_loss(per_token, micro.completion_mask, args.loss_type,
+            loss = reduce_loss(per_token, micro.loss_mask, args.loss_type,
                                max_completion_length=args.max_completion_length,
                                total_sequences=total_sequences, total_tokens=total_tokens,
                                accumulation_steps=num_micro)
-            if args.entropy_coef > 0:   # on the tokens the policy term trains (TRL)
-                trained = micro.completion_mask if args.top_entropy_quantile >= 1.0 \
-                    else micro.completion_mask * high_entropy_mask(
-                        torch.cat(entropies).detach(), micro.completion_mask,
+            if self.entropy_bonus_on:   # on the tokens the policy term trains (TRL)
+                trained = micro.loss_mask if args.top_entropy_quantile >= 1.0 \
+                    else micro.loss_mask * high_entropy_mask(
+                        torch.cat(entropies).detach(), micro.loss_mask,
                         args.top_entropy_quantile)
-                loss = loss - args.entropy_coef * entropy_bonus(torch.cat(entropies), trained, num_micro)
+                loss = loss - entropy_coef * entropy_bonus(torch.cat(entropies), trained, num_micro)
+                sums["bonus_entropy"] += float((torch.cat(entropies).detach() * trained).sum())
+                sums["bonus_tokens"] += float(trained.sum())
             loss = loss * self.dist.world_size   # the engines average gradients over processes
             loss.backward()
             sums["loss"] += loss.item() / self.dist.world_size
@@ -450,6 +549,11 @@ class CPPOTrainer:
                    "learning_rate": self.scheduler.get_last_lr()[0]}
         if args.beta > 0:
             metrics["kl"] = sums["kl"] / tokens
+        if args.use_adaptive_entropy:   # the whole step's tokens, every process's (TRL)
+            metrics["entropy_coef"] = self.adapt_entropy_coef(
+                sums["bonus_entropy"] / max(sums["bonus_tokens"], 1.0))
+        elif self.entropy_bonus_on:
+            metrics["entropy_coef"] = entropy_coef
         if batch.sampler_logps is not None:   # TRL's keys, over the kept batch (all processes)
             extremes = self.dist.max_values(extremes)
             finite = lambda v: v if math.isfinite(v) else 0.0  # noqa: E731
@@ -495,6 +599,7 @@ class CPPOTrainer:
             self.completions_log.capture_selection(rewards, advantages, keep_mask)
         metrics = self.step_metrics(rows, rewards, per_function_means, advantages, keep_mask,
                                     completions, prompts)
+        metrics.update(getattr(self.rollout_func, "metrics", {}))   # tools/*: the tool loop's
         # every process must take part in the collectives, even one that kept nothing;
         # (with beta > 0 the KL term still has a gradient: the step runs, as in TRL)
         nothing_to_learn = args.beta == 0 and self.dist.all_zero(batch.advantages)
@@ -527,7 +632,8 @@ class CPPOTrainer:
 
     def step_metrics(self, rows, rewards, per_function_means, advantages, keep_mask,
                      completions, prompts=None) -> dict:
-        lengths = completions.lengths.float()
+        lengths = completions.lengths.float() if completions.tool_mask is None else \
+            (completions.mask * completions.tool_mask).sum(-1).float()   # TRL: the model's tokens
         abs_adv = advantages.abs()
         pruned = ~keep_mask
         metrics = {**reward_stats(self.dist.gather(rewards), self.args.scale_rewards),
@@ -548,8 +654,9 @@ class CPPOTrainer:
         self.run_state.counters["completions_scored"] += rewards.numel()
         self.run_state.counters["tokens_generated"] += int(lengths.sum())
         if prompts is not None:   # TRL's num_tokens: prompt + completion tokens, all processes
-            self.run_state.counters["num_tokens"] += int(self.dist.sum(
-                int(prompts.mask.sum()) * self.args.num_generations + int(lengths.sum())))
+            per_question = len(prompts) != len(completions.ids)   # rollouts: a prompt each
+            prompt_tokens = int(prompts.mask.sum()) * (self.args.num_generations if per_question else 1)
+            self.run_state.counters["num_tokens"] += int(self.dist.sum(prompt_tokens + int(lengths.sum())))
         return metrics
 
     # ---------------------------------------------------------------- the loop --------------
@@ -697,6 +804,7 @@ class CPPOTrainer:
                               max_new_tokens=self.args.max_completion_length,
                               max_prompt_length=self.args.max_prompt_length, progress=False,
                               batch_size=self.batch_sizes.evaluation)
+            sampled = self.sampled_eval_metrics(rows)
         self.timer.pop_last()
         entry = {"step": self.run_state.step, "accuracy": result.greedy_accuracy,
                  "wall_time": round(time.perf_counter() - start_wall, 3),
@@ -704,8 +812,41 @@ class CPPOTrainer:
         self.run_state.history.append(entry)
         if log is not None:
             log.log({"step": self.run_state.step, "wall_time": entry["wall_time"],
-                     "train_seconds": entry["train_seconds"], "eval/accuracy": result.greedy_accuracy})
-        self.callbacks.event("on_evaluate", metrics={"eval_accuracy": result.greedy_accuracy})
+                     "train_seconds": entry["train_seconds"], "eval/accuracy": result.greedy_accuracy,
+                     **sampled})
+        self.callbacks.event("on_evaluate", metrics={"eval_accuracy": result.greedy_accuracy, **sampled})
+
+    @torch.no_grad()
+    def sampled_eval_metrics(self, rows: list[dict]) -> dict:
+        """TRL's evaluation: num_generations_eval completions per held-out question (None:
+        num_generations), sampled with the training settings by cppo's sampler, scored by the
+        reward functions; TRL's metrics with its eval_ prefix ({} when num_generations_eval is 0)."""
+        args = self.args
+        g = args.num_generations if args.num_generations_eval is None else args.num_generations_eval
+        if g == 0:
+            return {}
+        prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
+                                 args.max_prompt_length).to(self.device)
+        generator = torch.Generator(device=self.device).manual_seed(
+            chunk_seed(args.seed, -1 - self.run_state.step, 0))   # apart from the training rounds' seeds
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            completions = sample_completions(
+                self.policy, prompts, num_generations=g, max_new_tokens=args.max_completion_length,
+                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, generator=generator,
+                batch_size=self.batch_sizes.evaluation, lean=args.lean_forward)
+        finally:
+            self.policy.train(was_training)
+        texts = self.tokenizer.batch_decode(completions.ids.cpu(), skip_special_tokens=True)
+        per_function = self.rewards(rows, texts, unpadded_ids(completions.ids, completions.mask), g,
+                                    conversational=not isinstance(rows[0]["prompt"], str))
+        rewards = combine_rewards(per_function, self.rewards.weights).view(len(rows), g)
+        metrics = {**reward_stats(rewards, args.scale_rewards), **self.rewards.means(per_function),
+                   **length_metrics(completions.lengths.float(), completions.truncated)}
+        return {f"eval_{key}": value for key, value in metrics.items()}
 
     # ---------------------------------------------------------------- checkpoints -----------
     def _rng_state(self) -> dict:

@@ -89,8 +89,14 @@ def _grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def tool_masks(completion_ids: list[list[int]]) -> list[list[int]]:
+    """A multi-turn shape for forced completions: in each completion of 4+ tokens, tokens 1 and
+    2 were written by a tool (0: in the context, out of the loss)."""
+    return [[0 if len(c) >= 4 and i in (1, 2) else 1 for i in range(len(c))] for c in completion_ids]
+
+
 def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
-            two_rewards=False, **options) -> Record:
+            two_rewards=False, tool_mask=False, **options) -> Record:
     import trl.trainer.grpo_trainer as grpo_module
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -109,7 +115,8 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
                                 for i in rnd.prompt_ids]   # the same questions, in order
         prompt_ids = [ids for ids in rnd.prompt_ids for _ in range(G)]
         texts = tokenizer.batch_decode(rnd.completion_ids, skip_special_tokens=True)
-        return prompt_ids, rnd.completion_ids, None, texts, rnd.sampler_logps, {}, None, []
+        masks = tool_masks(rnd.completion_ids) if tool_mask else None
+        return prompt_ids, rnd.completion_ids, masks, texts, rnd.sampler_logps, {}, None, []
 
     class Grads(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
@@ -151,12 +158,12 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
 
 
 def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
-             two_rewards=False, **options) -> Record:
+             two_rewards=False, tool_mask=False, **options) -> Record:
     import cppo.trainer as trainer_module
     from cppo.config import CPPOConfig
     from cppo.models import load_model, load_tokenizer
     from cppo.sampling.padding import pad_token_lists
-    from cppo.sampling.sampler import Completions, PromptBatch
+    from cppo.sampling.batches import Completions, PromptBatch
 
     tokenizer = load_tokenizer(model_dir)
     feed, record = _Feed(rounds), Record()
@@ -168,9 +175,7 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
                       max_completion_length=MAX_LEN, lr_scheduler_type="constant",
                       adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=0.0,
                       seed=0, logging_steps=1, eval_steps=0, save_steps=0, progress_bar=False,
-                      # CPPOConfig checks reward_weights against its reward_funcs' count, even
-                      # when the trainer is given the functions themselves
-                      reward_funcs=["arithmetic"] * len(feed.functions(two_rewards)), **options)
+                      **options)
     trainer = trainer_module.CPPOTrainer(
         model=load_model(model_dir), processing_class=tokenizer, reward_funcs=feed.functions(two_rewards),
         args=args, train_dataset=[{"prompt": p} for p in PROMPTS])
@@ -187,7 +192,10 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
             logps = torch.zeros(ids.shape)
             for row, values in enumerate(rnd.sampler_logps):
                 logps[row, :len(values)] = torch.tensor(values)
-        return prompts, Completions(ids, mask, truncated, logps)
+        masks = None
+        if tool_mask:
+            masks = pad_token_lists(tool_masks(rnd.completion_ids), 1, side="right")[0]
+        return prompts, Completions(ids, mask, truncated, logps, tool_mask=masks)
     trainer.generate = fake_generate
     build, fill = trainer.build_batch, trainer.fill_old_and_ref_logprobs
 
@@ -220,7 +228,7 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
 
     def spy_bonus(*a, **kw):   # the loss TRL returns includes the entropy bonus
         value = bonus(*a, **kw)
-        record.losses[-1] -= args.entropy_coef * value.item()
+        record.losses[-1] -= trainer.entropy_coef_now() * value.item()   # adaptive: gated
         return value
     monkeypatch.setattr(trainer_module, "entropy_bonus", spy_bonus)
     step = trainer.optimizer.step

@@ -253,3 +253,20 @@ def entropy_bonus(entropies: Tensor, mask: Tensor, accumulation_steps: int = 1) 
     the accumulation steps (TRL's entropy bonus; the loss subtracts entropy_coef times it)."""
     weights = mask.to(entropies.dtype)
     return (entropies * weights).sum() / weights.sum().clamp(min=1.0) / accumulation_steps
+
+
+def applied_entropy_coef(coef: float, last_entropy: float, target: float) -> float:
+    """Adaptive entropy control (Skywork-OR1, TRL's use_adaptive_entropy): the coefficient a step
+    applies, the current one when the previous step's mean token entropy was at or below the
+    target, else 0 (before any step, last_entropy is inf: no bonus)."""
+    return coef if last_entropy <= target else 0.0
+
+
+def adapted_entropy_coef(coef: float, entropy: float, *, target: float, delta: float,
+                         coef_min: float, coef_max: float) -> float:
+    """Adaptive entropy control's update after a step whose mean token entropy (over every
+    process's tokens the bonus acts on) was `entropy`: up by delta (capped at coef_max) when it
+    is at or below the target, down by delta (floored at coef_min) otherwise."""
+    if entropy <= target:
+        return min(coef + delta, coef_max)
+    return max(coef - delta, coef_min)

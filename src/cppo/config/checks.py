@@ -58,6 +58,11 @@ def _check_objective(cfg) -> None:
           f"'ref_model_mixup_alpha' is {cfg.ref_model_mixup_alpha}; allowed: [0, 1]")
     check(cfg.ref_model_sync_steps >= 1,
           f"'ref_model_sync_steps' is {cfg.ref_model_sync_steps}; must be >= 1")
+    check(0 <= cfg.entropy_coef_min <= cfg.entropy_coef_max,
+          f"'entropy_coef_min' is {cfg.entropy_coef_min} and 'entropy_coef_max' "
+          f"{cfg.entropy_coef_max}; need 0 <= entropy_coef_min <= entropy_coef_max")
+    check(cfg.entropy_coef_delta >= 0,
+          f"'entropy_coef_delta' is {cfg.entropy_coef_delta}; must be >= 0")
     check(cfg.entropy_coef >= 0, f"'entropy_coef' is {cfg.entropy_coef}; must be >= 0 (a "
           f"bonus for entropy)")
     for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
@@ -100,6 +105,14 @@ def _check_sampler_correction(cfg) -> None:
           f"token_mask (it forms its own sequence weight; TRL refuses the same)")
 
 
+def check_reward_weights(weights, num_funcs: int) -> None:
+    """One weight per reward function. Checked where the functions are known (the trainer, whose
+    reward_funcs argument replaces the config's names), as TRL's GRPOTrainer does."""
+    check(weights is None or len(weights) == num_funcs,
+          f"'reward_weights' has {len(weights or [])} values but 'reward_funcs' has {num_funcs}; "
+          f"give one weight per function")
+
+
 def validate(cfg) -> None:
     """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
     check_fields(cfg)
@@ -121,8 +134,15 @@ def validate(cfg) -> None:
           f"'epsilon_high' is {cfg.epsilon_high}; must be > 0 or None")
     _check_objective(cfg)
     check(cfg.num_iterations >= 1, f"'num_iterations' is {cfg.num_iterations}; must be >= 1")
+    check(cfg.max_tool_calling_iterations is None or cfg.max_tool_calling_iterations >= 0,
+          f"'max_tool_calling_iterations' is {cfg.max_tool_calling_iterations}; must be >= 0 "
+          f"or None")
     check(0 < cfg.top_p <= 1, f"'top_p' is {cfg.top_p}; allowed: 0 < top_p <= 1")
     check(cfg.top_k >= 0, f"'top_k' is {cfg.top_k}; must be >= 0 (0: off)")
+    check(cfg.min_p is None or 0 <= cfg.min_p <= 1,
+          f"'min_p' is {cfg.min_p}; allowed: 0 <= min_p <= 1, or None (off)")
+    check(cfg.repetition_penalty > 0,
+          f"'repetition_penalty' is {cfg.repetition_penalty}; must be > 0 (1.0: off)")
     _check_sampler_correction(cfg)
     check(cfg.vllm_tensor_parallel_size >= 1,
           f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; must be >= 1")
@@ -157,11 +177,10 @@ def validate(cfg) -> None:
           f"'num_train_questions' is {cfg.num_train_questions}; must be >= 1 or None")
     check(cfg.eval_num_questions is None or cfg.eval_num_questions >= 1,
           f"'eval_num_questions' is {cfg.eval_num_questions}; must be >= 1 or None")
+    check(cfg.num_generations_eval is None or cfg.num_generations_eval >= 0,
+          f"'num_generations_eval' is {cfg.num_generations_eval}; must be >= 0 (0: off) or None "
+          f"(num_generations)")
     check(len(cfg.reward_funcs) >= 1, "'reward_funcs' is empty; name at least one reward function")
-    if cfg.reward_weights is not None:
-        check(len(cfg.reward_weights) == len(cfg.reward_funcs),
-               f"'reward_weights' has {len(cfg.reward_weights)} values but 'reward_funcs' has "
-               f"{len(cfg.reward_funcs)}; give one weight per function")
     for key in ("eval_steps", "save_steps", "logging_steps"):
         check(getattr(cfg, key) >= 0, f"'{key}' is {getattr(cfg, key)}; must be >= 0")
     check(cfg.save_total_limit >= 1, f"'save_total_limit' is {cfg.save_total_limit}; must be >= 1")
@@ -248,6 +267,10 @@ def _check_speculation(cfg) -> None:
         check(cfg.lean_forward,
               f"'num_speculative_tokens' is {k} but 'lean_forward' is false; speculative "
               f"sampling needs the lean forward")
+        check(cfg.repetition_penalty == 1.0,
+              f"'num_speculative_tokens' is {k} with 'repetition_penalty' "
+              f"{cfg.repetition_penalty}; speculative sampling does not apply a repetition "
+              f"penalty (each drafted position would need its own history): set one of them off")
 
 
 def validate_vllm(cfg) -> None:

@@ -82,6 +82,13 @@ class CPPOConfig:
     temperature: float = option(1.0, "Sampling temperature.", above=0)
     top_p: float = option(1.0, "Nucleus sampling threshold (1.0: off).")
     top_k: int = option(0, "Top-k sampling (0: off).")
+    min_p: Optional[float] = option(None, "Min-p sampling: drop tokens less likely than min_p x "
+                                    "the most likely token, after temperature, top-k and top-p "
+                                    "(None or 0: off).")
+    repetition_penalty: float = option(1.0, "Divide a positive logit (multiply a negative one) by "
+                                       "this for every token already in the prompt or the "
+                                       "completion, before temperature (> 1 discourages repeats; "
+                                       "1.0: off).")
     generation_batch_size: Optional[int] = option(
         None, "Completions generated per generation round over all processes (TRL's meaning: "
         "per_device_train_batch_size x processes x gradient_accumulation_steps without pruning; "
@@ -187,6 +194,17 @@ class CPPOConfig:
                                          "tokens by entropy only (1.0: every token).")
     entropy_coef: float = option(0.0, "Entropy bonus: subtract entropy_coef x the mean token "
                                  "entropy (over the tokens the policy term trains) from the loss.")
+    use_adaptive_entropy: bool = option(False, "Adaptive entropy control (Skywork-OR1): entropy_coef "
+                                        "is the starting coefficient; after each optimizer step it "
+                                        "rises by entropy_coef_delta when the step's mean token "
+                                        "entropy was <= entropy_target, else falls; the bonus applies "
+                                        "only after a step at or below the target.")
+    entropy_coef_min: float = option(0.0, "use_adaptive_entropy: lower bound of the coefficient.")
+    entropy_coef_max: float = option(1.0, "use_adaptive_entropy: upper bound of the coefficient.")
+    entropy_coef_delta: float = option(0.005, "use_adaptive_entropy: the coefficient's step per "
+                                       "optimizer step.")
+    entropy_target: float = option(0.2, "use_adaptive_entropy: target mean token entropy (nats) "
+                                   "over the tokens the policy term trains.")
     sync_ref_model: bool = option(False, "Mix the policy into the reference model every "
                                   "ref_model_sync_steps steps (TR-DPO; needs beta > 0, no LoRA).")
     ref_model_mixup_alpha: float = option(0.6, "sync_ref_model: ref = alpha * policy + (1 - alpha)"
@@ -201,6 +219,9 @@ class CPPOConfig:
         "normalise (scale_rewards); or normalise each within its group, sum, and normalise the "
         "sums over the batch (normalize_then_sum, GDPO; scale_rewards is then not used).",
         AGGREGATIONS)
+    max_tool_calling_iterations: Optional[int] = option(
+        None, "CPPOTrainer(tools=...): rounds of tool calls (each followed by a model turn) a "
+        "completion may take (None: until no turn calls a tool or max_completion_length).")
     num_iterations: int = option(1, "mu: optimizer steps per generation batch.")
     mask_truncated_completions: bool = option(False, "Exclude completions without EOS from the loss.")
 
@@ -243,6 +264,10 @@ class CPPOConfig:
     output_dir: str = option("runs/cppo", "Run directory: metrics, plots, checkpoints, summary.")
     eval_steps: int = option(75, "Held-out evaluation every N steps (0: only before and after).")
     eval_num_questions: Optional[int] = option(None, "Held-out questions per evaluation (None: all).")
+    num_generations_eval: Optional[int] = option(
+        0, "TRL's evaluation too: at each evaluation, sample this many completions per held-out "
+        "question as in training and log TRL's eval_reward, eval_rewards/<name>/mean, ... "
+        "None: num_generations (TRL's default). 0: greedy accuracy only.")
     logging_steps: int = option(1, "Write metrics every N steps.")
     save_steps: int = option(100, "Checkpoint every N steps (and always at the end).")
     save_total_limit: int = option(2, "Keep this many most recent checkpoints.")

@@ -33,11 +33,10 @@ VLLM = "vLLM engine settings: cppo's vLLM backend uses vLLM's defaults"
 # honoured under their own names (CPPOConfig fields): vllm_mode, vllm_model_impl,
 # vllm_enable_sleep_mode, vllm_gpu_memory_utilization, vllm_max_model_length,
 # vllm_tensor_parallel_size, vllm_server_base_url / _host / _port / _timeout, vllm_group_port
-SAMPLER = "cppo's sampler takes temperature, top_p and top_k only"
+SAMPLER = "cppo's samplers take temperature, top_p, top_k, min_p and repetition_penalty only"
 PRECISION = "not supported; use bf16 (autocast) or torch_dtype"
 LOAD = "cppo loads models with torch_dtype and attn_implementation only"
 LORA = "cppo's LoRA takes lora_r, lora_alpha, lora_dropout and lora_target_modules"
-ADAPTIVE = "adaptive entropy control is not implemented; entropy_coef stays fixed"
 
 
 def ignored(reason: str, behaves_as: Any = _MISSING) -> tuple:
@@ -142,6 +141,34 @@ def _reward_model(value, values):
     return {"reward_funcs": funcs + [value]}
 
 
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _generation_kwargs(value, _):
+    """TRL passes generation_kwargs over its own sampling settings (GenerationConfig or vLLM's
+    SamplingParams): the keys cppo's samplers know set the fields of those names."""
+    if not value:
+        return {}
+    if isinstance(value, str):   # TRL's command line takes it as JSON
+        import json
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            from cppo.errors import ConfigError
+            raise ConfigError(f"'generation_kwargs' is {value!r}, not a JSON object: {err}") from None
+    if not isinstance(value, dict):
+        from cppo.errors import ConfigError
+        raise ConfigError(f"'generation_kwargs' is {value!r}; expected a mapping of generation "
+                          f"arguments")
+    value = dict(value)
+    out = {key: value.pop(key) for key in GENERATION_KEYS if key in value}
+    if value.get("do_sample", True) is True:   # cppo samples, as TRL's default
+        value.pop("do_sample", None)
+    if value:
+        out["__ignored__"] = f"keys {sorted(value)}: {SAMPLER}"
+    return out
+
+
 def _resume(value, _):
     return {"resume": True} if value not in (None, False, "", "false", "False") else {}
 
@@ -207,7 +234,6 @@ TRL_FIELDS: dict[str, tuple] = {
     "eval_accumulation_steps": ignored(EVAL, None),
     "include_for_metrics": ignored(EVAL, []),
     "batch_eval_metrics": ignored(EVAL, False),
-    "num_generations_eval": ignored(EVAL, None),
     "load_best_model_at_end": ignored("cppo keeps the last checkpoints; each evaluation's "
                                       "accuracy is in metrics.jsonl", False),
     "metric_for_best_model": ignored("no best-model selection", None),
@@ -300,15 +326,14 @@ TRL_FIELDS: dict[str, tuple] = {
     "steps_per_generation": ignored("cppo generates once per num_iterations optimizer steps; "
                                     "allocation sizes the batch", None),
     "top_k": mapped(_not_none("top_k"), "-> top_k (None: 0, off)"),
-    "min_p": ignored(SAMPLER, None),
-    "generation_kwargs": ignored(SAMPLER, None),
+    "generation_kwargs": mapped(_generation_kwargs, "temperature, top_p, top_k, min_p, "
+                                "repetition_penalty -> the fields of those names (over them, as "
+                                "in TRL); other keys named, and dropped"),
     "chat_template_kwargs": ignored("the tokenizer's chat template is applied as is", None),
-    "repetition_penalty": ignored(SAMPLER, 1.0),
     "cache_implementation": ignored("cppo's sampler keeps its own KV cache", None),
     "use_transformers_continuous_batching": ignored("cppo's own sampler", False),
     "transformers_continuous_batching_config": ignored("cppo's own sampler", None),
     "use_transformers_paged": ignored("cppo's own sampler", False),
-    "max_tool_calling_iterations": ignored("tool calling is not supported", None),
     "vllm_structured_outputs_regex": ignored(VLLM, None),
     "vllm_importance_sampling_correction": rename("importance_sampling_correction"),
     "vllm_importance_sampling_mode": rename("importance_sampling_mode"),
@@ -317,11 +342,6 @@ TRL_FIELDS: dict[str, tuple] = {
     "vllm_importance_sampling_cap": rename("importance_sampling_clip_max"),   # TRL's older name
     "vllm_importance_sampling_clip_min": rename("importance_sampling_clip_min"),
     # --- loss variants -------------------------------------------------------------------------
-    "use_adaptive_entropy": ignored(ADAPTIVE, False),
-    "entropy_coef_min": ignored(ADAPTIVE, 0.0),
-    "entropy_coef_max": ignored(ADAPTIVE, 1.0),
-    "entropy_coef_delta": ignored(ADAPTIVE, 0.005),
-    "entropy_target": ignored(ADAPTIVE, 0.2),
 }
 
 
@@ -347,6 +367,8 @@ DEFAULTS_DIFFER: dict[str, str] = {
     "lora_target_modules": "the attention projections",
     "dataset_name": "the embedded task",
     "reward_funcs": "the embedded task's reward",
+    "num_generations_eval": "0: cppo's held-out greedy accuracy only; TRL's null samples "
+                            "num_generations completions per question (null does so in cppo too)",
 }
 
 # TRL fields mapped onto a cppo field whose default differs from what TRL's default maps to (the
@@ -358,6 +380,7 @@ MAPPED_DEFAULTS_DIFFER: dict[str, str] = {
 }
 
 MERGED = {"reward_model_name_or_path"}   # mapped onto a field it extends, not replaces
+OVERRIDES = {"generation_kwargs"}   # mapped over the fields it names, as TRL applies it
 
 
 def _truthy(value) -> bool:
@@ -387,7 +410,7 @@ def translate(values: dict[str, Any], known: set[str]) -> tuple[dict[str, Any], 
             dropped[key] = reason
         for target, v in converted.items():
             # a cppo name given explicitly wins (a reward model joins the given reward_funcs)
-            if target == key or target not in values or key in MERGED:
+            if target == key or target not in values or key in MERGED | OVERRIDES:
                 out[target] = v
     return out, dropped
 

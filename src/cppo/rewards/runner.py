@@ -15,8 +15,9 @@ import math
 from typing import Callable, Sequence
 
 import torch
-from cppo.errors import ConfigError, RewardError, RewardPreflightError, snippet
 
+from cppo.config.checks import check_reward_weights
+from cppo.errors import ConfigError, RewardError, RewardPreflightError, snippet
 
 PREFLIGHT_COMPLETIONS = ("", "0")   # an empty answer and a number: reaches gold parsing too
 PREFLIGHT_ENCODED_ROWS = 8          # prompts tokenised by preflight (all rows are of one kind)
@@ -50,8 +51,7 @@ class RewardRunner:
         for name, fn in zip(self.names, self.funcs):
             if not callable(fn):
                 raise ValueError(f"reward function '{name}' is not callable")
-        if weights is not None and len(weights) != len(self.funcs):
-            raise ValueError(f"{len(weights)} reward_weights for {len(self.funcs)} reward functions")
+        check_reward_weights(weights, len(self.funcs))
         self.weights = torch.tensor(weights if weights is not None else [1.0] * len(self.funcs))
 
     def close(self) -> None:
@@ -60,19 +60,26 @@ class RewardRunner:
         math_rewards.close_default_verifier()
 
     def __call__(self, rows: list[dict], texts: list[str], completion_ids: list[list[int]] | None,
-                 num_generations: int, conversational: bool = False) -> torch.Tensor:
+                 num_generations: int, conversational: bool = False,
+                 extra_columns: dict[str, list] | None = None,
+                 messages: list[list[dict]] | None = None) -> torch.Tensor:
         """Rewards (N, F), N = len(rows) * num_generations, NaN where a function returned None.
 
         completion_ids: one unpadded token-id list per completion (TRL's convention; see
-        `unpadded_ids`), or None (empty lists are passed)."""
+        `unpadded_ids`), or None (empty lists are passed). extra_columns: more reward columns,
+        one value per completion (a rollout function's extra keys). messages: each conversational
+        completion as its chat messages (a tool loop's turns and tool results; TRL's form)."""
         n = len(rows) * num_generations
         if len(texts) != n:
             raise ValueError(f"{len(texts)} completions for {len(rows)} questions x {num_generations}")
         prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
         columns = {k: [r[k] for r in rows for _ in range(num_generations)]
                    for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        columns.update(extra_columns or {})   # a rollout function's own (one value per completion)
         completions = ([[{"role": "assistant", "content": t}] for t in texts]
                        if conversational else list(texts))
+        if conversational and messages is not None and len(messages) == n:
+            completions = messages
         if torch.is_tensor(completion_ids):
             raise TypeError("completion_ids must be unpadded lists of token ids (TRL); turn a "
                             "padded (N, T) tensor into them with unpadded_ids(ids, mask)")

@@ -21,10 +21,17 @@ class StepBatch:
     ref_logps: torch.Tensor | None = None  # (K, T), only when beta > 0
     sampler_logps: torch.Tensor | None = None  # (K, T), when the sampler is not the policy
     filler_rows: int = 0   # trailing rows that only align collectives across processes (no loss)
+    tool_mask: torch.Tensor | None = None  # (K, T) multi-turn: 0 on tokens a tool wrote
 
     # what a filler row holds: prompt attended (so attention has a key), nothing to learn
-    FILL = {"prompt_mask": 1}
+    FILL = {"prompt_mask": 1, "tool_mask": 1}
     PROMPT = ("prompt_ids", "prompt_mask")   # (K, Lp); the other (K, T) tensors are per token
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """(K, T) the tokens the loss trains: completion_mask (which the forward passes attend
+        to), less the tokens a tool or environment wrote (TRL: completion_mask * tool_mask)."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

@@ -63,6 +63,8 @@ class RunState:
     questions: dict = field(default_factory=dict)   # the question stream's position (its state())
     prompt_streaks: dict = field(default_factory=dict)   # question index (str) -> its zero-
     #                                     reward-variance streak, where > 0 (skip_zero_variance_prompts)
+    entropy_coef: float | None = None   # use_adaptive_entropy: the coefficient now (None: the config's)
+    last_world_entropy: float = float("inf")   # use_adaptive_entropy: the last step's mean entropy
 
     def to_dict(self, **about_run) -> dict[str, Any]:
         """JSON-ready; `about_run` (config, world size, strategy) is written beside it for

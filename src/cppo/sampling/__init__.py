@@ -1,2 +1,3 @@
-"""Where completions come from: the KV-shared sampler (speculative too), log-prob scoring, generation
-backends (transformers, vLLM), padding."""
+"""Where completions come from: the KV-shared sampler (speculative too), the logit transforms the
+samplers share, log-prob scoring, generation backends (transformers, vLLM), multi-turn rollouts and
+tools, padding."""

@@ -24,8 +24,9 @@ import torch
 
 from cppo.algorithm.allocation import questions_per_chunk
 from cppo.models.lean import lean_forward_for
-from cppo.sampling.sampler import (Completions, PromptBatch, Speculation, chunk_seed,
-                                   concat_completions, sample_completions)
+from cppo.sampling.batches import Completions, PromptBatch, concat_completions
+from cppo.sampling.sampler import chunk_seed, sample_completions
+from cppo.sampling.speculative import Speculation
 
 
 class GenerationBackend(Protocol):
@@ -62,7 +63,8 @@ class TransformersBackend:
                     self.model, chunk, num_generations=args.num_generations,
                     max_new_tokens=args.max_completion_length, eos_token_id=tok.eos_token_id,
                     pad_token_id=tok.pad_token_id, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, generator=generator, lean=args.lean_forward,
+                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                    generator=generator, lean=args.lean_forward,
                     dtype=getattr(torch, args.generation_dtype) if args.generation_dtype else None,
                     speculative=speculation(args)))
         finally:

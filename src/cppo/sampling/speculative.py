@@ -30,7 +30,8 @@ from torch import Tensor
 
 from cppo.algorithm.speculative import (accepted_drafts, accepted_drafts_greedy,
                                         residual_weights)
-from cppo.sampling.sampler import Completions, _completions, sample_categorical, sampling_logits
+from cppo.sampling.batches import Completions, completions_from_ids
+from cppo.sampling.logits import sample_categorical, sampling_logits
 
 
 @dataclass
@@ -154,7 +155,7 @@ def pack_cache(cache, keys: Tensor) -> Tensor:
 def speculative_decode(lean, first_logits: Tensor, cache, keys: Tensor, position: Tensor,
                        prompt_ids: Tensor, prompt_mask: Tensor, *, num_generations: int,
                        max_new_tokens: int, eos: Tensor, pad_token_id: int, record: bool,
-                       greedy: bool, temperature: float, top_k: int, top_p: float,
+                       greedy: bool, transforms: dict,
                        generator: torch.Generator | None, num_speculative_tokens: int,
                        prompt_lookup_max: int, prompt_lookup_min: int) -> Completions:
     """Decode Q*G rows (question-major) with n-gram drafts verified by the policy.
@@ -166,7 +167,10 @@ def speculative_decode(lean, first_logits: Tensor, cache, keys: Tensor, position
     prompt. Returns Completions with `speculation` (SpeculationStats) set."""
     n, device = first_logits.shape[0], first_logits.device
     k = num_speculative_tokens
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    if transforms.get("repetition_penalty", 1.0) != 1.0:
+        raise ValueError("speculative sampling takes no repetition_penalty (a drafted position's "
+                         "history would differ from the verified one's); set it to 1.0")
+    sampling = {key: value for key, value in transforms.items() if key != "repetition_penalty"}
     lp = prompt_ids.shape[1]
     context = torch.full((n, lp + max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     context[:, :lp] = prompt_ids
@@ -252,8 +256,30 @@ def speculative_decode(lean, first_logits: Tensor, cache, keys: Tensor, position
         position = position + accepted[:, None] + 1
         tok = torch.where(finished, pad_token_id, nxt)
         finished = finished | ended | (length[active] >= max_new_tokens)
-    out = _completions(ids[:, :int(length.max())].clone(), eos)
+    out = completions_from_ids(ids[:, :int(length.max())].clone(), eos)
     if recorded is not None:
         out.logprobs = recorded[:, :out.ids.shape[1]] * out.mask
     out.speculation = stats
     return out
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative sampling settings (vLLM's n-gram names): up to num_tokens drafts per step from
+    n-grams of prompt_lookup_min..prompt_lookup_max tokens; the KV cache gets `slack` extra slots
+    for rejected drafts before it is repacked."""
+
+    num_tokens: int
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1 to speculate, got {self.num_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @property
+    def slack(self) -> int:
+        return 4 * (self.num_tokens + 1)

@@ -15,8 +15,9 @@ import torch
 from cppo.errors import ConfigError, VLLMServerError, VLLMUnavailableError
 from cppo.parallel.memory import device_memory_bytes, round_kv_cache_bytes
 from cppo.parallel.processes import free_port
-from cppo.sampling.sampler import (Completions, PromptBatch, chunk_seed, completion_logprobs,
-                                   completions_from_token_lists)
+from cppo.sampling.batches import Completions, PromptBatch, completions_from_token_lists
+from cppo.sampling.logprobs import completion_logprobs
+from cppo.sampling.sampler import chunk_seed
 
 
 def vllm_weight_name(name: str) -> str | None:
@@ -102,10 +103,12 @@ def server_weight_metadata(model) -> list[tuple[str, str, list[int]]]:
 
 def sampling_kwargs(args) -> dict:
     """vLLM SamplingParams (and TRL server) arguments for one prompt's G completions. logprobs=0
-    returns the sampled token's log-prob (after temperature/top-k/top-p: the engine runs with
-    logprobs_mode='processed_logprobs'), which the importance-sampling correction needs."""
+    returns the sampled token's log-prob (after the repetition penalty, temperature, top-k,
+    top-p, min-p: the engine runs with logprobs_mode='processed_logprobs'), which the
+    importance-sampling correction needs."""
     return dict(n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, max_tokens=args.max_completion_length, logprobs=0)
+                top_k=args.top_k, min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty,
+                max_tokens=args.max_completion_length, logprobs=0)
 
 
 def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:

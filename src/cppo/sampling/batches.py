@@ -1,0 +1,92 @@
+"""What the samplers return: prompts as a padded batch, completions with their masks, flags and
+sampler log-probs."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cppo.sampling.padding import pad_token_lists
+
+
+@dataclass
+class PromptBatch:
+    """Left-padded prompts: ids and mask (Q, Lp)."""
+
+    ids: Tensor
+    mask: Tensor
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def select(self, index: Tensor) -> "PromptBatch":
+        return PromptBatch(self.ids[index], self.mask[index])
+
+    def to(self, device) -> "PromptBatch":
+        return PromptBatch(self.ids.to(device), self.mask.to(device))
+
+
+@dataclass
+class Completions:
+    """Sampled completions, question-major: row q*G + g is completion g of question q.
+
+    ids (N, T) padded after EOS; mask (N, T) 1 on tokens up to and including EOS;
+    truncated (N,) True where no EOS was produced within the length limit; logprobs (N, T), when
+    the sampler recorded them: log-probability of each token under the distribution it was drawn
+    from (after temperature, top-k, top-p; 0 after EOS); speculation: the speculative sampler's
+    counts (cppo.sampling.speculative.SpeculationStats) when it ran; tool_mask (N, T), for
+    multi-turn completions (cppo.sampling.multi_turn): 0 on the tokens a tool or environment wrote
+    (in the context, out of the loss), 1 elsewhere."""
+
+    ids: Tensor
+    mask: Tensor
+    truncated: Tensor
+    logprobs: Tensor | None = None
+    speculation: object | None = None
+    tool_mask: Tensor | None = None
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.mask.sum(-1)
+
+
+def concat_completions(parts: list[Completions], pad_token_id: int) -> Completions:
+    """Stack completion batches of different lengths (right-padded to the longest)."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.ids.shape[1] for p in parts)
+    logprobs = None
+    if all(p.logprobs is not None for p in parts):
+        logprobs = torch.cat([F.pad(p.logprobs, (0, width - p.logprobs.shape[1])) for p in parts])
+    speculation = None
+    if all(p.speculation is not None for p in parts):
+        speculation = functools.reduce(lambda a, b: a + b, [p.speculation for p in parts])
+    return Completions(
+        ids=torch.cat([F.pad(p.ids, (0, width - p.ids.shape[1]), value=pad_token_id) for p in parts]),
+        mask=torch.cat([F.pad(p.mask, (0, width - p.mask.shape[1])) for p in parts]),
+        truncated=torch.cat([p.truncated for p in parts]), logprobs=logprobs, speculation=speculation)
+
+
+def completions_from_ids(ids: Tensor, eos: Tensor) -> Completions:
+    """Completions from sampled tokens (N, T) padded after EOS; mask 1 up to and including the first EOS."""
+    is_eos = torch.isin(ids, eos)
+    after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0
+    return Completions(ids=ids, mask=(~after_eos).long(), truncated=~is_eos.any(1))
+
+
+def completions_from_token_lists(token_lists: list[list[int]], eos_token_id, pad_token_id: int,
+                                 max_new_tokens: int, device=None) -> Completions:
+    """Completions from per-completion token id lists (what vLLM returns)."""
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    kept, truncated = [], []
+    for tokens in token_lists:        # up to and including the first EOS, at most max_new_tokens
+        end = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
+        kept.append(list(tokens[:min(end or max_new_tokens, max_new_tokens)]))
+        truncated.append(end is None or end > max_new_tokens)
+    ids, mask = pad_token_lists(kept, pad_token_id, side="right", min_width=1)
+    truncated = torch.tensor(truncated, dtype=torch.bool)
+    return Completions(ids.to(device), mask.to(device), truncated.to(device))

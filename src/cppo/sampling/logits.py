@@ -1,0 +1,94 @@
+"""The logit transforms of sampling, as pure tensor functions, in transformers' order.
+
+`model.generate` (TRL's transformers path) applies the repetition penalty to the raw logits, then
+divides by the temperature, then keeps the top-k, the top-p nucleus and the min-p set
+(RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopK/TopP/MinPLogitsWarper):
+`sampling_logits` does the same, so cppo's sampler (and any sampler built on it, e.g. a
+speculative one: draft and target distributions alike) draws from TRL's distribution.
+
+The repetition penalty looks at every token already in the sequence: the prompt's and the
+completion's so far (transformers penalises its whole `input_ids`; vLLM its prompt and output
+tokens). Padding is not a token of the sequence here (transformers would also penalise the pad
+token of a left-padded batch).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def seen_tokens(ids: Tensor, mask: Tensor, vocab_size: int) -> Tensor:
+    """(N, V) bool: True for each token id in row n of ids (N, L) where mask (N, L) is 1; ids
+    outside the vocabulary (an embedding larger than the head) are left out."""
+    seen = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)
+    index = torch.where(mask.bool() & (ids < vocab_size) & (ids >= 0), ids, vocab_size)
+    return seen.scatter_(1, index, True)[:, :vocab_size]
+
+
+def mark_seen(seen: Tensor, tokens: Tensor) -> Tensor:
+    """seen (N, V) with tokens (N,) added, in place; returns seen."""
+    return seen.scatter_(1, tokens[:, None], True)
+
+
+def penalize_repetition(logits: Tensor, seen: Tensor | None, penalty: float) -> Tensor:
+    """CTRL's repetition penalty on logits (N, V): a seen token's logit is divided by penalty
+    when positive, multiplied by it otherwise (penalty > 1 discourages repeats; 1: off)."""
+    if penalty == 1.0 or seen is None:
+        return logits
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float | None = None) -> Tensor:
+    """Mask logits (N, V) outside the top-k set, outside the top-p nucleus (the smallest set
+    whose mass reaches top_p) and below min_p x the most likely token's probability with -inf,
+    in that order (0 / 1.0 / None or 0: off)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set whose mass reaches top_p
+        drop_orig = torch.zeros_like(drop).scatter(-1, order, drop)
+        logits = logits.masked_fill(drop_orig, float("-inf"))
+    if min_p:
+        probs = logits.softmax(-1)
+        drop = probs < min_p * probs.amax(-1, keepdim=True)   # the top token always stays
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sampling_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0,
+                    top_p: float = 1.0, min_p: float | None = None,
+                    repetition_penalty: float = 1.0, seen: Tensor | None = None) -> Tensor:
+    """The logits (N, V), float32, of the distribution a token is drawn from: repetition
+    penalty over `seen` (N, V), temperature, top-k, top-p, min-p."""
+    logits = penalize_repetition(logits.float(), seen, repetition_penalty)
+    return filter_logits(logits / temperature, top_k, top_p, min_p)
+
+
+def greedy_logits(logits: Tensor, *, repetition_penalty: float = 1.0,
+                  seen: Tensor | None = None) -> Tensor:
+    """The logits (N, V) greedy decoding takes the argmax of: transformers applies the
+    repetition penalty (a logits processor) there too, the warpers not."""
+    return penalize_repetition(logits, seen, repetition_penalty)
+
+
+def sample_categorical(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One draw (N,) from each row of probs (N, V) (non-negative weights, rows need not sum to 1)
+    by inverting its cumulative distribution.
+
+    One uniform number per row, against V per row for torch.multinomial (which runs an
+    exponential race): far less work for large vocabularies. Tokens of weight 0 are never drawn."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise ValueError("cannot sample: a row of the sampling distribution is not finite or is "
+                         "all zero (the model's logits hold NaN or inf)")
+    device = generator.device if generator is not None else probs.device
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=device).to(probs.device)
+    # u < 1, so u * total < total: the index is always a token of nonzero weight
+    return torch.searchsorted(cdf, u * total, right=True).squeeze(-1)

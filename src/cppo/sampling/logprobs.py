@@ -1,0 +1,114 @@
+"""Scoring completions: each token's log-probability (and entropy) under a model, the passes the
+trainer runs on the kept completions."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cppo.models.head import chunked_logprobs_and_entropy
+from cppo.models.lean import lean_forward_for
+
+LOGITS_CHUNK = 1024   # half-precision rows upcast to float32 at a time
+# above this many logits (tokens x vocabulary) in a micro-batch, the lean packed scoring pass
+# computes log-probs and entropies over the head in chunks of tokens (cppo.models.head): the full
+# logits tensor is never built, forward or backward
+HEAD_CHUNK_ABOVE = 1 << 26
+
+
+def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
+    """log_softmax(logits)[..., index] (shape of index) without materialising the full
+    log-probs: logits (..., V), e.g. (N, T, V) or packed (M, V)."""
+    if logits.dtype in (torch.float32, torch.float64):
+        return logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    flat, flat_index = logits.reshape(-1, logits.shape[-1]), index.reshape(-1, 1)
+    rows = [F.log_softmax(lg.float(), -1).gather(-1, ix).squeeze(-1)
+            for lg, ix in zip(flat.split(LOGITS_CHUNK), flat_index.split(LOGITS_CHUNK))]
+    return torch.cat(rows).view(index.shape) if rows else flat.new_zeros(index.shape, dtype=torch.float32)
+
+
+def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                        completion_mask: Tensor, *, temperature: float = 1.0,
+                        batch_size: int | None = None, lean: bool = True,
+                        entropies: list | None = None, packed: bool = True,
+                        entropy_grad: bool = False) -> Tensor:
+    """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp).
+
+    Logits are divided by the sampling temperature, as TRL does. Runs with grad if enabled.
+    lean: use cppo.models.lean's forward when it supports the model: each distinct prompt of a
+    micro-batch is run once, and with `packed` (the default) every pass but attention, the head
+    and the log-softmax run on real tokens only (log-probs and entropies are 0 where
+    completion_mask is 0, which must be 1 on a prefix of each row). packed=False: the padded
+    layout (for comparison). Without the lean forward, the model's own forward on padded rows
+    (log-probs and entropies are 0 at padding there too). entropy_grad: the entropies carry the
+    gradient (an entropy bonus in the loss); else they are detached."""
+    entropy_of = differentiable_entropy if entropy_grad else (lambda lg: token_entropy(lg.detach()))
+    n, t = completion_ids.shape
+    step = n if batch_size is None else batch_size
+    lean_forward = lean_forward_for(model)[0] if lean else None
+    out = []
+    for s in range(0, n, step):
+        rows = slice(s, s + step)
+        ids = completion_ids[rows]
+        if lean_forward is not None:
+            prompts, question = torch.unique(torch.cat([prompt_ids[rows], prompt_mask[rows]], dim=1),
+                                             dim=0, return_inverse=True)
+            width = prompt_ids.shape[1]
+            real = completion_mask[rows].bool()
+            if packed and int(real.sum()) * _vocab_size(model) > HEAD_CHUNK_ABOVE:
+                hidden, weight, bias = lean_forward.completion_logits(
+                    prompts[:, :width], prompts[:, width:], question, ids, completion_mask[rows],
+                    packed=True, head=False)
+                logps, entropy = chunked_logprobs_and_entropy(hidden, weight, bias, ids[real],
+                                                              temperature)
+                out.append(logps.new_zeros(ids.shape).masked_scatter(real, logps))
+                if entropies is not None:
+                    entropy = entropy if entropy_grad else entropy.detach()
+                    entropies.append(entropy.new_zeros(ids.shape).masked_scatter(real, entropy))
+                continue
+            logits = lean_forward.completion_logits(prompts[:, :width], prompts[:, width:], question,
+                                                    ids, completion_mask[rows], packed=packed)
+        else:
+            ids_full = torch.cat([prompt_ids[rows], ids], dim=1)
+            mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids_full, attention_mask=mask, position_ids=positions,
+                           use_cache=False, logits_to_keep=t + 1).logits[:, :-1]
+        if temperature != 1.0:
+            logits = logits / temperature
+        if lean_forward is not None and packed:   # logits (M, V) of the real tokens
+            real = completion_mask[rows].bool()
+            logps = selective_log_softmax(logits, ids[real])
+            out.append(logps.new_zeros(ids.shape).masked_scatter(real, logps))
+            if entropies is not None:
+                entropy = entropy_of(logits)
+                entropies.append(entropy.new_zeros(ids.shape).masked_scatter(real, entropy))
+            continue
+        real = completion_mask[rows].to(logits.dtype)   # 0 at padding, as on the packed path
+        out.append(selective_log_softmax(logits, ids) * real)
+        if entropies is not None:   # TRL's entropy metric: (rows, T) of the same logits
+            entropies.append(entropy_of(logits) * real)
+    return torch.cat(out)
+
+
+def _vocab_size(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def differentiable_entropy(logits: Tensor) -> Tensor:
+    """Entropy (...) of the distributions of logits (..., V), with its gradient, in float32."""
+    lg = logits.float()
+    return torch.logsumexp(lg, -1) - (lg.softmax(-1) * lg).sum(-1)
+
+
+@torch.no_grad()
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy (...) of the distributions of logits (..., V), e.g. (N, T, V) or packed (M, V),
+    LOGITS_CHUNK rows at a time."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    rows = []
+    for lg in flat.split(LOGITS_CHUNK):
+        lg = lg.float()
+        rows.append(torch.logsumexp(lg, -1) - (lg.softmax(-1) * lg).sum(-1))
+    return torch.cat(rows).view(logits.shape[:-1]) if rows else flat.new_zeros(logits.shape[:-1], dtype=torch.float32)

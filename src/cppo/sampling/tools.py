@@ -1,0 +1,302 @@
+"""Tool calls as TRL 1.16's GRPOTrainer runs them (`tools=[...]`, `max_tool_calling_iterations`).
+
+For conversational prompts: each prompt is rendered with the tools' schemas by the tokenizer's
+chat template, the model writes a turn, and every turn that calls tools gets the tools' results
+appended as tool messages (their tokens rendered by the chat template, as TRL's
+`_get_tool_suffix_ids` does) and one more model turn, until no turn calls a tool,
+`max_tool_calling_iterations` rounds have run, or the completion would pass
+`max_completion_length` (then the tool results of that round are dropped and the completion ends
+as it is). The tool results' tokens are in the completion, hence in the context of every later
+forward pass, and out of the loss (`env_mask` 0). The whole multi-turn completion is one
+completion for rewards, advantages and pruning.
+
+A turn's tool calls are read with the tokenizer's own parser (`tokenizer.parse_response`, when the
+tokenizer carries a `response_template` or `response_schema`), else in the Hermes / Qwen format
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from typing import Callable, Sequence
+
+import torch
+
+from cppo.sampling.padding import pad_token_lists
+from cppo.sampling.batches import PromptBatch
+from cppo.sampling.sampler import sample_completions
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(tokenizer, ids: list[int], prefix: list[int] | None = None,
+                     tools: Sequence[Callable] | None = None) -> list[dict]:
+    """The tool calls of one model turn (token ids), as chat messages' `tool_calls` entries
+    ({"type": "function", "function": {"name", "arguments"}}); [] when it calls none. A call that
+    does not parse is not a call (TRL falls back to plain text too)."""
+    if getattr(tokenizer, "response_template", None) is not None or \
+            getattr(tokenizer, "response_schema", None) is not None:
+        try:
+            parsed = tokenizer.parse_response(ids, prefix=prefix, tools=list(tools or []) or None)
+        except Exception:   # noqa: BLE001 -- malformed output is plain text, as in TRL
+            return []
+        return [c for c in parsed.get("tool_calls") or [] if _is_call(c)]
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            arguments = call.get("arguments", {})
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    continue
+            if isinstance(arguments, dict):
+                calls.append({"type": "function",
+                              "function": {"name": call["name"], "arguments": arguments}})
+    return calls
+
+
+def _is_call(call) -> bool:
+    return isinstance(call, dict) and isinstance(call.get("function"), dict) and \
+        isinstance(call["function"].get("name"), str)
+
+
+def run_tool_calls(calls: list[dict], tools: dict[str, Callable]) -> tuple[list[dict], int]:
+    """Run each call; returns the tool messages ({"role": "tool", "name", "content"}) and the number
+    that failed (unknown tool, bad arguments, an exception: the message says so, as in TRL)."""
+    messages, failures = [], 0
+    for call in calls:
+        name = call.get("function", {}).get("name", "unknown")
+        try:
+            if call.get("type") != "function":
+                raise ValueError(f"Unsupported tool call type: {call.get('type')}")
+            if name not in tools:
+                raise ValueError(f"Tool {name} not found.")
+            result = tools[name](**call["function"].get("arguments", {}))
+        except Exception as err:   # noqa: BLE001 -- the model sees the error, as in TRL
+            failures += 1
+            result = {"error": str(err)}
+        messages.append({"role": "tool", "name": name, "content": str(result)})
+    return messages, failures
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
+    """The tokens the chat template puts after an assistant turn for these tool messages, up to
+    and including the next assistant header (TRL's `_get_tool_suffix_ids`: a dummy
+    conversation rendered with and without them, cut after the assistant turn's EOS)."""
+    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    dummy = [{"role": "user", "content": "dummy"},
+             {"role": "assistant", "content": "", "tool_calls": calls}]
+    prefix = tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True,
+                                           return_dict=False)
+    full = tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    if eos:
+        prefix = prefix[:eos[-1] + 1]
+    if full[:len(prefix)] != prefix:
+        raise ValueError("the chat template is not prefix-preserving (an assistant turn renders "
+                         "differently once tool messages follow it): tool calling needs one that is")
+    return full[len(prefix):]
+
+
+def check_tools(tools) -> list[Callable]:
+    """TRL's `tools`: plain functions (their names, type hints and docstrings become the schema the
+    chat template renders); async ones are not supported here."""
+    tools = list(tools)
+    for tool in tools:
+        if not callable(tool) or not hasattr(tool, "__name__"):
+            raise ValueError(f"tools: {tool!r} is not a function")
+        if inspect.iscoroutinefunction(tool):
+            raise ValueError(f"tools: {tool.__name__} is async; cppo runs synchronous tools only")
+    names = [t.__name__ for t in tools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tools: two tools share a name ({sorted(names)})")
+    return tools
+
+
+class ToolLoop:
+    """A rollout function (cppo.sampling.multi_turn's contract) that samples with cppo's sampler
+    and runs tools between turns. `sample(contexts, num_generations, max_new_tokens)` draws the
+    turns: contexts are token-id lists, the result one token-id list per completion (question-major).
+
+    environment_factory (TRL's): each rollout gets its own instance (created once, reused across
+    steps), `reset(**row)` before its first turn (a returned string is appended to the last user
+    message), and the instance's public methods as tools besides `tools`; an instance's
+    `get_reward()` scores its rollout (`env_rewards`: one reward function per environment class,
+    named after it, weight 1). A dict of factories: each row's `environment` column picks one.
+    Reward functions get the instances as `environments`."""
+
+    def __init__(self, tools: Sequence[Callable], max_iterations: int | None = None,
+                 environment_factory: Callable | dict[str, Callable] | None = None) -> None:
+        self.tools = check_tools(tools)
+        self.by_name = {t.__name__: t for t in self.tools}
+        self.max_iterations = max_iterations
+        self.metrics: dict[str, float] = {}
+        self.messages: list[list[dict]] = []   # the last rollouts as chat messages (for rewards)
+        self.multi = isinstance(environment_factory, dict)
+        self.factories = environment_factory if self.multi else \
+            ({} if environment_factory is None else {None: environment_factory})
+        self.pools: dict = {}          # environment name -> its instances, reused across steps
+        self.env_methods: dict = {}    # environment name -> the method names served as tools
+        self.env_rewards: list[Callable] = []
+        for name, factory in self.factories.items():
+            if not callable(factory):
+                raise ValueError(f"environment_factory[{name!r}] is {factory!r}; expected a callable "
+                                 f"that returns an environment")
+            self._probe(name, factory)
+
+    @property
+    def factory(self):
+        return self.factories or None
+
+    def _probe(self, name, factory: Callable) -> None:
+        """TRL's checks on one instance: a `reset`; its public methods become tools; a
+        `get_reward` makes its class a reward source (once per class)."""
+        instance = factory()
+        names = [n for n, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)]
+        if "reset" not in names:
+            raise ValueError("environment_factory: each environment must define a callable `reset` "
+                             "(TRL's contract)")
+        methods = [n for n in names if n not in ("reset", "get_reward") and not n.startswith("_")]
+        clash = set(methods) & set(self.by_name)
+        if clash:
+            raise ValueError(f"environment_factory: methods {sorted(clash)} share a name with tools")
+        self.env_methods[name], self.pools[name] = methods, [instance]
+        env_type = type(instance)
+        if "get_reward" in names and all(f.env_type is not env_type for f in self.env_rewards):
+            def env_reward(completions, environments=None, **kw):
+                if environments is None:   # scored before training (no rollout yet): no opinion
+                    return [None] * len(completions)
+                return [e.get_reward() if type(e) is env_type else None for e in environments]
+            env_reward.__name__, env_reward.env_type = env_type.__name__, env_type
+            self.env_rewards.append(env_reward)
+
+    def environments(self, rows: list[dict]) -> tuple[list, list]:
+        """One instance per rollout (rows: each rollout's row) and its environment's name."""
+        names = [row.get("environment") if self.multi else None for row in rows]
+        for name in set(names) - set(self.factories):
+            raise ValueError(f"a row has environment={name!r}, which is not among the environments "
+                             f"passed to environment_factory: {sorted(map(str, self.factories))}")
+        cursor: dict = {}
+        out = []
+        for name in names:
+            index = cursor.get(name, 0)
+            pool = self.pools[name]
+            if index == len(pool):
+                pool.append(self.factories[name]())
+            cursor[name] = index + 1
+            out.append(pool[index])
+        return out, names
+
+    @staticmethod
+    def assistant_message(tokenizer, turn: list[int], calls: list[dict]) -> dict:
+        """A model turn as TRL hands it to reward functions: its text, and its tool calls."""
+        text = tokenizer.decode(turn, skip_special_tokens=True)
+        if calls:
+            text = TOOL_CALL.sub("", text).strip()
+            return {"role": "assistant", "content": text, "tool_calls": calls}
+        return {"role": "assistant", "content": text}
+
+    def sample(self, trainer, contexts: list[list[int]], num_generations: int,
+               max_new_tokens: list[int] | int) -> list[list[int]]:
+        args, tok = trainer.args, trainer.tokenizer
+        limit = max(max_new_tokens) if isinstance(max_new_tokens, list) else max_new_tokens
+        prompts = PromptBatch(*pad_token_lists(contexts, tok.pad_token_id, side="left"))
+        generator = torch.Generator(device=trainer.device).manual_seed(
+            (args.seed * 1_000_003 + trainer.run_state.step * 7919 + len(contexts)) % 2**63)
+        with torch.no_grad():
+            out = sample_completions(
+                trainer.policy, prompts.to(trainer.device), num_generations=num_generations,
+                max_new_tokens=limit, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, generator=generator,
+                lean=args.lean_forward)
+        turns = [ids[mask.bool()].tolist() for ids, mask in zip(out.ids.cpu(), out.mask.cpu())]
+        if isinstance(max_new_tokens, list):
+            turns = [t[:n] for t, n in zip(turns, max_new_tokens)]
+        return turns
+
+    def __call__(self, prompts: list, trainer, rows: list[dict] | None = None) -> dict:
+        """rows: each prompt's dataset row (environments are reset with it)."""
+        args, tok = trainer.args, trainer.tokenizer
+        g = args.num_generations
+        if not all(isinstance(p, list) for p in prompts):
+            raise ValueError("tools need conversational prompts (lists of chat messages), as in TRL")
+        tools = [self.tools] * len(prompts)
+        environments = None
+        if self.factories:   # one environment per rollout: prompts and tools differ
+            rows = rows or [{}] * len(prompts)
+            environments, names = self.environments(rows)
+            prompts = [self._reset(env, p, {k: v for k, v in row.items()
+                                            if not (self.multi and k == "environment")})
+                       for env, p, row in zip(environments, prompts, rows)]
+            tools = [self.tools + [getattr(env, n) for n in self.env_methods[name]]
+                     for env, name in zip(environments, names)]
+        by_name = [{t.__name__: t for t in ts} for ts in tools]
+        shared = environments is None   # G completions of a question share its prompt
+        rendered = [tok.apply_chat_template(p, tools=ts or None, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+                    for p, ts in (zip(prompts[::g], tools[::g]) if shared else zip(prompts, tools))]
+        if args.max_prompt_length is not None:
+            rendered = [ids[-args.max_prompt_length:] for ids in rendered]
+        completions = self.sample(trainer, rendered, g if shared else 1, args.max_completion_length)
+        prompt_ids = [ids for ids in rendered for _ in range(g)] if shared else rendered
+        env_mask = [[1] * len(c) for c in completions]
+        calls = [parse_tool_calls(tok, c, prompt_ids[i], tools[i]) for i, c in enumerate(completions)]
+        messages = [[self.assistant_message(tok, c, calls[i])] for i, c in enumerate(completions)]
+        pending = [i for i, c in enumerate(calls) if c]
+        max_len = getattr(trainer.policy.config, "max_position_embeddings", None) or 1 << 30
+        count = failures = rounds = 0
+        while pending and (self.max_iterations is None or rounds < self.max_iterations):
+            contexts, budgets, ready = [], [], []
+            results = {}
+            for i in pending:
+                results[i], failed = run_tool_calls(calls[i], by_name[i])
+                count, failures = count + len(calls[i]), failures + failed
+                suffix = tool_suffix_ids(tok, results[i])
+                grown = completions[i] + suffix
+                if len(grown) > args.max_completion_length or \
+                        len(prompt_ids[i]) + len(grown) >= max_len:
+                    continue   # the results would not fit: the completion ends as it is (TRL)
+                contexts.append(prompt_ids[i] + grown)
+                budgets.append(args.max_completion_length - len(grown))
+                completions[i] = grown
+                env_mask[i] += [0] * len(suffix)
+                messages[i] += results[i]
+                ready.append(i)
+            if not ready:
+                break
+            turns = self.sample(trainer, contexts, 1, budgets)
+            for i, turn in zip(ready, turns):
+                completions[i] = completions[i] + turn
+                env_mask[i] += [1] * len(turn)
+                calls[i] = parse_tool_calls(tok, turn, contexts[ready.index(i)], tools[i]) \
+                    if turn else []
+                if turn:
+                    messages[i].append(self.assistant_message(tok, turn, calls[i]))
+            pending = [i for i in ready if calls[i]]
+            rounds += 1
+        self.messages = messages
+        self.metrics = {"tools/call_frequency": count / max(len(completions), 1),
+                        "tools/failure_frequency": failures / count if count else 0.0}
+        out = {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None,
+               "env_mask": env_mask}
+        if environments is not None:
+            out["environments"] = list(environments)   # a reward column, as TRL passes them
+        return out
+
+    @staticmethod
+    def _reset(environment, prompt: list[dict], row: dict) -> list[dict]:
+        """TRL: reset(**row); a string it returns is appended to the last message's content."""
+        observation = environment.reset(**row)
+        if observation is None:
+            return prompt
+        return prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + str(observation)}]
