@@ -645,9 +645,10 @@ class CPPOTrainer:
                    "cppo/kept_fraction": float(keep_mask.float().mean()),
                    "cppo/mean_abs_advantage_kept": float(abs_adv[keep_mask].mean()) if keep_mask.any() else 0.0,
                    "cppo/mean_abs_advantage_pruned": float(abs_adv[pruned].mean()) if pruned.any() else 0.0}
-        metrics["cppo/skipped_prompts"] = self.prompts_skipped_now
-        metrics["cppo/skipped_completions"] = self.prompts_skipped_now * self.args.num_generations
-        self.run_state.counters["prompts_skipped"] = self.run_state.counters.get("prompts_skipped", 0) + self.prompts_skipped_now
+        if self.args.skip_zero_variance_prompts:
+            metrics["cppo/skipped_prompts"] = self.prompts_skipped_now
+            metrics["cppo/skipped_completions"] = self.prompts_skipped_now * self.args.num_generations
+            self.run_state.counters["prompts_skipped"] += self.prompts_skipped_now
         if completions.speculation is not None:
             metrics.update(completions.speculation.metrics())
         self.run_state.counters["questions_seen"] += len(rows)
