@@ -163,10 +163,10 @@ def test_the_correction_matches_trl_run_with_vllm(tiny_model_dir, tmp_path, monk
     (theirs,) = trl.sampler_weights   # once per generation round; cppo's once per micro-step
     assert len(cppo.sampler_weights) == 2
     ours = cppo.sampler_weights[0]
-    assert ours.shape[1] == theirs.shape[1] if name.startswith("sequence") else True
-    width = min(ours.shape[1], theirs.shape[1])
-    mask = trl.masks[0][:, :width].bool() if not name.startswith("sequence") else \
-        torch.ones(ours.shape[0], 1, dtype=torch.bool)
+    if name.startswith("sequence"):   # one weight per completion: (N, 1) in both
+        assert ours.shape == theirs.shape == (8, 1)
+    width = min(ours.shape[1], theirs.shape[1])   # token modes: TRL pads wider
+    mask = trl.masks[0][:, :width].bool() if ours.shape[1] > 1 else torch.ones(8, 1, dtype=torch.bool)
     torch.testing.assert_close(ours[:, :width][mask], theirs[:, :width][mask], rtol=1e-5, atol=1e-6)
     some_bounded = {"token_truncate": (theirs == 0.5).any() or (theirs == 3.0).any(),
                     "token_mask": (theirs == 0).any(), "sequence_truncate": (theirs == 2.0).any(),
