@@ -87,6 +87,8 @@ def worker(model: str, engine: str, folder: Path | None, shape: dict, rounds: in
     close = getattr(trainer.backend, "close", None)
     if close:
         close()
+    import shutil
+    shutil.rmtree(trainer.args.output_dir, ignore_errors=True)   # the run directory: not needed
     return {"startup_seconds": startup, "rounds": records,
             "parameters": sum(p.numel() for p in trainer.policy.parameters())}
 
