@@ -87,6 +87,8 @@ def worker(model: str, engine: str, folder: Path | None, shape: dict, rounds: in
     close = getattr(trainer.backend, "close", None)
     if close:
         close()
+    import shutil
+    shutil.rmtree(trainer.args.output_dir, ignore_errors=True)   # the run directory: not needed
     return {"startup_seconds": startup, "rounds": records,
             "parameters": sum(p.numel() for p in trainer.policy.parameters())}
 
@@ -159,7 +161,7 @@ def main() -> None:
         Path(args.worker_out).write_text(json.dumps(out))
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    from cppo.parallel import hardware
+    from cppo.parallel.engines import hardware
     if "real_shape" in args.models:
         real_shape.build_assets(folder, {k: v for k, v in shape.items() if k not in ("steps", "repeats")})
     runs = {m: {e: [] for e in args.engines} for m in args.models}
