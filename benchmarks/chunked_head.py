@@ -72,7 +72,7 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.vocab, args.hidden, args.tokens, args.threads)))
         return
     import torch
-    from cppo.parallel.engines import hardware
+    from cppo.parallel import hardware
     from cppo.sampling.logprobs import HEAD_CHUNK_ABOVE
     from cppo.models.head import HEAD_CHUNK
     load_start = os.getloadavg()[0]

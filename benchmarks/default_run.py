@@ -51,7 +51,7 @@ def run_env(threads: int, emulate_avx2: bool) -> dict:
 
 def describe_machine(env: dict) -> dict:
     """cppo.parallel.hardware.describe() as the runs see it (same environment, so an emulated limit shows)."""
-    code = "import json; from cppo.parallel.engines import hardware; print(json.dumps(hardware.describe()))"
+    code = "import json; from cppo.parallel import hardware; print(json.dumps(hardware.describe()))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout
     return json.loads(out.strip().splitlines()[-1])

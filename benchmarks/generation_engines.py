@@ -161,7 +161,7 @@ def main() -> None:
         Path(args.worker_out).write_text(json.dumps(out))
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    from cppo.parallel.engines import hardware
+    from cppo.parallel import hardware
     if "real_shape" in args.models:
         real_shape.build_assets(folder, {k: v for k, v in shape.items() if k not in ("steps", "repeats")})
     runs = {m: {e: [] for e in args.engines} for m in args.models}

@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 
 python - <<'PY' | tee "$OUT/machine.json"
 import json, torch
-from cppo.parallel.engines import hardware
+from cppo.parallel import hardware
 if not torch.cuda.is_available():
     raise SystemExit("gpu_check.sh needs a CUDA GPU: torch.cuda.is_available() is False")
 print(json.dumps(hardware.describe("cuda"), indent=2))

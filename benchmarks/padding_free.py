@@ -129,7 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     global completion_logprobs
-    from cppo.parallel.engines import hardware
+    from cppo.parallel import hardware
     from cppo.models import load_model, load_tokenizer
     from cppo.sampling.logprobs import completion_logprobs
     from cppo.sampling.sampler import encode_prompts, sample_completions

@@ -430,7 +430,7 @@ def profile_phases(folder: Path, shape: dict, device: str, dtype: str, out: Path
     before it is profiled."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from cppo.parallel.engines import hardware
+    from cppo.parallel import hardware
     from cppo.models import load_model, load_tokenizer
     from cppo.sampling.logprobs import completion_logprobs
     from cppo.sampling.sampler import encode_prompts, sample_completions
@@ -532,7 +532,7 @@ def main() -> None:
         env.update(AVX2_ENV)
     os.environ.update(env)
     import torch
-    from cppo.parallel.engines import hardware
+    from cppo.parallel import hardware
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
     build_assets(folder, {k: v for k, v in shape.items() if k not in ("steps", "repeats")})

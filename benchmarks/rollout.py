@@ -25,7 +25,7 @@ import torch
 
 from cppo.data import arithmetic
 from cppo.models import load_model, load_tokenizer
-from cppo.parallel.engines import hardware
+from cppo.parallel import hardware
 from cppo.sampling.logprobs import completion_logprobs
 from cppo.sampling.sampler import encode_prompts, sample_completions
 

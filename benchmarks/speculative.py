@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cppo.parallel.engines import hardware  # noqa: E402
+from cppo.parallel import hardware  # noqa: E402
 from cppo.sampling.sampler import encode_prompts, sample_completions  # noqa: E402
 from cppo.sampling.speculative import Speculation
 

@@ -152,3 +152,44 @@ def test_scripts_check_mode_agrees_with_the_docs(script):
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--check"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def cppo_imports(text: str, suffix: str) -> list[tuple[str, str | None]]:
+    """(module, name) for every `from cppo... import name` and `import cppo...` in a file's text
+    (Python source, or the code in a markdown page or shell script)."""
+    found = []
+    if suffix == ".py":
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and \
+                    (node.module or "").split(".")[0] == "cppo":
+                found += [(node.module, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                found += [(a.name, None) for a in node.names if a.name.split(".")[0] == "cppo"]
+        return found
+    for module, names in re.findall(r"from (cppo[\w.]*) import \(?([\w, ]+)", text):
+        found += [(module, n.split(" as ")[0].strip()) for n in names.split(",") if n.strip()]
+    found += [(m, None) for m in re.findall(r"^\s*import (cppo[\w.]*)", text, re.M)]
+    return found
+
+
+def test_every_cppo_import_in_the_tree_resolves():
+    """After modules move, an import left at an old path fails here, in a benchmark, a script,
+    a test helper or a page of the docs as much as in the package."""
+    import importlib
+    files = [p for folder in ("src", "tests", "benchmarks", "scripts", "docs", "examples")
+             for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md", ".sh")]
+    files.append(ROOT / "README.md")
+    broken = []
+    for path in files:
+        for module, name in cppo_imports(path.read_text(), path.suffix):
+            try:
+                imported = importlib.import_module(module)
+            except ImportError as err:
+                broken.append(f"{path.relative_to(ROOT)}: {module} ({err})")
+                continue
+            if name and name != "*" and not hasattr(imported, name):
+                try:
+                    importlib.import_module(f"{module}.{name}")
+                except ImportError:
+                    broken.append(f"{path.relative_to(ROOT)}: {module} has no {name}")
+    assert broken == []
