@@ -38,6 +38,7 @@ ROWS = {
     "vllm": ["--use_vllm", "true", "--vllm_enable_sleep_mode", "false"],   # vLLM generating
     "skip": ["--skip_zero_variance_prompts", "true"],
     "speculative": ["--num_speculative_tokens", "4"],
+    "bf16_sampling": ["--generation_dtype", "bfloat16"],   # sample from a bf16 copy, IS-corrected
 }
 RECIPE_KEYS = ("pruning_rate", "num_generations", "per_device_train_batch_size", "max_steps",
                "max_completion_length", "learning_rate", "lr_scheduler_type")
