@@ -193,3 +193,18 @@ def test_every_cppo_import_in_the_tree_resolves():
                 except ImportError:
                     broken.append(f"{path.relative_to(ROOT)}: {module} has no {name}")
     assert broken == []
+
+
+def test_every_source_path_the_docs_name_exists():
+    """`src/cppo/...py` and room-relative paths such as `run/checkpoint.py` in README and docs/
+    name files that exist (after a move, the docs must follow)."""
+    missing = []
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for path in re.findall(r"`((?:src/cppo/)?[a-z_]+(?:/[a-z_]+)*\.py)`", page.read_text()):
+            candidates = [ROOT / path, PACKAGE / path, ROOT / "benchmarks" / path,
+                          ROOT / "tests" / path, ROOT / "scripts" / path]
+            if "/" not in path:
+                candidates += list(PACKAGE.rglob(path))
+            if not any(c.is_file() for c in candidates):
+                missing.append(f"{page.name}: {path}")
+    assert missing == []
