@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 
-from cppo.algorithm.sampler_correction import (IMPORTANCE_SAMPLING_MODES, sampler_correction_stats,
-                                               sampler_importance_weights)
+from cppo.algorithm.sampler_correction import sampler_correction_stats, sampler_importance_weights
 from cppo.config import CPPOConfig
 from cppo.errors import ConfigError
 from cppo.config.trl_fields import translate

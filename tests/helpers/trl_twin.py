@@ -210,27 +210,14 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
         record.old_logps.append(_clone(batch.old_logps))
         record.ref_logps.append(_clone(batch.ref_logps))
     trainer.build_batch, trainer.fill_old_and_ref_logprobs = spy_build, spy_fill
-    reduce = trainer_module.reduce_loss
+    _after_each_call(monkeypatch, trainer_module, "reduce_loss",
+                     lambda loss: record.losses.append(loss.item()))
+    _after_each_call(monkeypatch, trainer_module, "sampler_importance_weights",
+                     lambda weights: record.sampler_weights.append(weights.clone()))
 
-    def spy_reduce(*a, **kw):
-        loss = reduce(*a, **kw)
-        record.losses.append(loss.item())
-        return loss
-    monkeypatch.setattr(trainer_module, "reduce_loss", spy_reduce)
-    weigh = trainer_module.sampler_importance_weights
-
-    def spy_weigh(*a, **kw):
-        weights = weigh(*a, **kw)
-        record.sampler_weights.append(weights.clone())
-        return weights
-    monkeypatch.setattr(trainer_module, "sampler_importance_weights", spy_weigh)
-    bonus = trainer_module.entropy_bonus
-
-    def spy_bonus(*a, **kw):   # the loss TRL returns includes the entropy bonus
-        value = bonus(*a, **kw)
+    def bonus_out_of_the_loss(value):   # the loss TRL returns includes the entropy bonus
         record.losses[-1] -= trainer.entropy_coef_now() * value.item()   # adaptive: gated
-        return value
-    monkeypatch.setattr(trainer_module, "entropy_bonus", spy_bonus)
+    _after_each_call(monkeypatch, trainer_module, "entropy_bonus", bonus_out_of_the_loss)
     step = trainer.optimizer.step
 
     def spy_step(*a, **kw):
@@ -239,6 +226,17 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
     trainer.optimizer.step = spy_step
     trainer.train()
     return record
+
+
+def _after_each_call(monkeypatch, module, name: str, note) -> None:
+    """module.name still runs; note(its result) is called after each call."""
+    real = getattr(module, name)
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        note(out)
+        return out
+    monkeypatch.setattr(module, name, spy)
 
 
 def _clone(t):

@@ -13,7 +13,7 @@ import os
 import torch
 
 from cppo.errors import ConfigError, VLLMServerError, VLLMUnavailableError
-from cppo.parallel.memory import device_memory_bytes, round_kv_cache_bytes
+from cppo.parallel.memory import GIB, device_memory_bytes, round_kv_cache_bytes
 from cppo.parallel.processes import free_port
 from cppo.sampling.batches import Completions, PromptBatch, completions_from_token_lists
 from cppo.sampling.logprobs import completion_logprobs
@@ -247,7 +247,7 @@ def vllm_engine_bytes(args, policy, device, device_bytes: int) -> int:
     weights = sum(p.numel() for p in policy.parameters()) * next(policy.parameters()).element_size()
     space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if space:
-        cache = int(float(space) * 2**30)
+        cache = int(float(space) * GIB)
     else:
         cache = cpu_kv_cache_bytes(args, policy.config, dtype, vllm_max_model_len(args, policy.config),
                                    device_memory_bytes("cpu"))
