@@ -9,7 +9,9 @@ from `train()` (and, with post-run collectives, a gathered forward afterwards, a
 Variants: ddp and fsdp, with and without the post-run collectives, each with cppo's teardown
 (the process group ended while the interpreter is whole) and without it (the exit handler taken
 out: what a run did before the teardown existed). A control runs the same number of launches of
-a bare gloo script (all-reduces, then exit) with and without `destroy_process_group`.
+a bare gloo script (all-reduces, then exit) with and without `destroy_process_group`, and of a
+gloo script whose group is still held by another object when cppo's exit handler destroys it (as
+FSDP's module states hold it), with and without the handler's drain of gloo's worker threads.
 `--load N` runs N busy loops meanwhile: the abort at exit shows when the machine is busy.
 
 Then, `--stop-repeats` times each: seconds from SIGTERM to exit, for `cppo train` (the embedded
@@ -49,6 +51,16 @@ out = [None] * dist.get_world_size()
 dist.all_gather_object(out, {"rank": dist.get_rank()})
 if os.environ.get("DESTROY") == "1":
     dist.destroy_process_group()
+"""
+HELD_GLOO = """
+import os, torch, torch.distributed as dist
+from cppo.parallel import processes
+if os.environ.get("DRAIN") == "0":   # the drain taken out: what close() did before it existed
+    processes.GLOO_DRAIN_S = 0.0
+processes.Distributed.from_environment()   # its exit handler destroys the group
+HELD = dist.group.WORLD   # held elsewhere, as FSDP's module states hold it
+for _ in range(50):
+    dist.all_reduce(torch.ones(1000))   # temporaries: a worker thread may release them last
 """
 
 
@@ -112,6 +124,12 @@ def variants(model: str, root: Path) -> list[tuple[str, list[str], dict]]:
     for destroy in (True, False):
         out.append((f"bare gloo script, {'with' if destroy else 'without'} destroy_process_group",
                     [str(bare)], {"DESTROY": "1" if destroy else "0"}))
+    held = root / "held_gloo.py"
+    held.write_text(HELD_GLOO)
+    for drain in (True, False):
+        out.append(("gloo script, group held elsewhere, ended by cppo's exit handler"
+                    + ("" if drain else ", NO drain (before the fix)"),
+                    [str(held)], {"DRAIN": "1" if drain else "0"}))
     for teardown in (True, False):
         for strategy in ("ddp", "fsdp"):
             for post_run in (False, True):
@@ -280,7 +298,10 @@ def write_results(args, rows: list[dict], stops: list[dict]) -> None:
               "threads still hold finished collectives whose tensors have Python owners; "
               "releasing one there needs the interpreter, which is going away, and the thread is "
               "ended inside C++ code that cannot be unwound. cppo's trainer ends the group it "
-              "started (`CPPOTrainer.close()`, or an exit handler while the interpreter is whole)."]
+              "started (`CPPOTrainer.close()`, or an exit handler while the interpreter is whole). "
+              "Destroying the group does not stop its threads while another object still holds "
+              "it (FSDP's module states do), so the handler then waits a moment, with the "
+              "interpreter's lock released, for them to release their last work (the drain)."]
     if stops:
         lines += ["", "SIGTERM to exit (the step in progress finishes, a checkpoint is written, "
                   "the summary and plots are drawn):", "",

@@ -13,12 +13,16 @@ Ending: a process group this module started is destroyed by `close()` (the train
 or at the latest by an exit handler while the interpreter is still whole. A gloo group left to
 interpreter shutdown can abort the process after a run that finished: its worker threads still
 hold finished work whose tensors have Python owners, and releasing them needs the interpreter.
+Destroying the group is not enough when something else still holds it (FSDP's module states and
+DTensors do): its threads live on, so `close()` then waits, with the interpreter's lock released,
+for them to let go of their last work (`drain_collective_threads`).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -63,7 +67,10 @@ class Distributed:
         """Destroy the process group this object started (idempotent; a no-op otherwise). After
         it, no collective runs: call it last, once every process is done with the others."""
         if self.owns_group and dist.is_initialized():
+            gloo = dist.get_backend() == "gloo"
             dist.destroy_process_group()
+            if gloo:
+                drain_collective_threads()
         self.owns_group = False
 
     @property
@@ -164,6 +171,19 @@ class Distributed:
         out = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
+
+
+GLOO_DRAIN_S = 0.25
+
+
+def drain_collective_threads() -> None:
+    """Give gloo's worker threads time to release their last finished work while the interpreter
+    is whole. `destroy_process_group` does not stop them while another object (an FSDP module
+    state, a DTensor's mesh) still holds the group, and a worker that releases a tensor whose only
+    owner left was Python after interpreter shutdown began aborts the process
+    (`terminate called without an active exception`). Sleeping releases the interpreter's lock,
+    which is what the release waits for."""
+    time.sleep(GLOO_DRAIN_S)
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ import torch
 
 from cppo.errors import ConfigError, VLLMServerError, VLLMUnavailableError
 from cppo.parallel.memory import GIB, device_memory_bytes, round_kv_cache_bytes
-from cppo.parallel.processes import free_port
+from cppo.parallel.processes import drain_collective_threads, free_port
 from cppo.sampling.batches import Completions, PromptBatch, completions_from_token_lists
 from cppo.sampling.logprobs import completion_logprobs
 from cppo.sampling.sampler import chunk_seed
@@ -349,6 +349,8 @@ class VLLMBackend:
         if self.started_world_group:
             parallel_state.destroy_distributed_environment()
             self.started_world_group = False
+            if not torch.cuda.is_available():   # vLLM's CPU world group is gloo
+                drain_collective_threads()
 
     def _platform(self):
         from vllm.platforms import current_platform
