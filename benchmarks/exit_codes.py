@@ -53,14 +53,15 @@ if os.environ.get("DESTROY") == "1":
     dist.destroy_process_group()
 """
 HELD_GLOO = """
-import os, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 from cppo.parallel import processes
 if os.environ.get("DRAIN") == "0":   # the drain taken out: what close() did before it existed
     processes.GLOO_DRAIN_S = 0.0
 processes.Distributed.from_environment()   # its exit handler destroys the group
 HELD = dist.group.WORLD   # held elsewhere, as FSDP's module states hold it
-for _ in range(50):
-    dist.all_reduce(torch.ones(1000))   # temporaries: a worker thread may release them last
+sys.setswitchinterval(1000.0)   # a busy main thread: the worker threads get the lock late
+for _ in range(20):   # not waited for: the workers finish them, and free their tensors, at exit
+    dist.all_reduce(torch.ones(1000), async_op=True)
 """
 
 
