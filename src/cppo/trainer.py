@@ -323,20 +323,18 @@ class CPPOTrainer:
         the trainer; its output checked and padded (cppo.sampling.multi_turn)."""
         import copy
         prompts = [copy.deepcopy(r["prompt"]) for r in rows for _ in range(self.args.num_generations)]
-        if hasattr(self.backend, "_sync_weights") and prompts:   # a rollout that uses vLLM
-            probe = encode_prompts(self.tokenizer, prompts[:1], self.args.max_prompt_length)
-            self.backend._sync_weights(self.round_index, probe=probe.ids[0].tolist())
         from cppo.sampling.tools import ToolLoop
-        with self.engine.gathered():
+        with self.engine.gathered():      # fsdp: the full weights, for the push and the sampling
+            if hasattr(self.backend, "_sync_weights") and prompts:   # vLLM: this round's weights
+                probe = encode_prompts(self.tokenizer, prompts[:1], self.args.max_prompt_length)
+                self.backend._sync_weights(self.round_index, probe=probe.ids[0].tolist())
             if isinstance(self.rollout_func, ToolLoop):   # environments are reset with the rows
                 output = self.rollout_func(prompts, self, rows=[r for r in rows for _ in
                                                                 range(self.args.num_generations)])
             else:
                 output = self.rollout_func(prompts, self)
-        backend = self.backend
-        if getattr(backend, "sleep_mode", False) and getattr(backend, "llm", None) is not None:
-            backend.llm.sleep(level=2)    # as after the backend's own generation
-            backend.sleeping, backend.synced_round = True, None
+        if hasattr(self.backend, "rest"):
+            self.backend.rest()    # as after the backend's own generation (sleep mode)
         out = rollout_from_output(output, len(prompts), eos_token_id=self.tokenizer.eos_token_id,
                                   pad_token_id=self.tokenizer.pad_token_id, device=self.device)
         self.rollout_columns = out.columns
