@@ -494,11 +494,11 @@ class CPPOTrainer:
             weights = None
             if micro.sampler_logps is not None:   # vLLM or a cast copy sampled: correct for it
                 old = logps.detach().float() if micro.old_logps is None else micro.old_logps
+                # over the model's tokens only: a tool's have no sampler log-prob (TRL's mask)
                 weights = sampler_importance_weights(
-                    old, micro.sampler_logps, micro.completion_mask, args.importance_sampling_mode,
+                    old, micro.sampler_logps, micro.loss_mask, args.importance_sampling_mode,
                     args.importance_sampling_clip_min, args.importance_sampling_clip_max)
-                stats = sampler_correction_stats(old, micro.sampler_logps, micro.completion_mask,
-                                                 weights)
+                stats = sampler_correction_stats(old, micro.sampler_logps, micro.loss_mask, weights)
                 for key in ("ratio_sum", "ratio_count", "logp_diff_sum", "logp_diff_count"):
                     sums[key] += float(stats[key])
                 extremes["ratio_max"] = max(extremes["ratio_max"], float(stats["ratio_max"]))
