@@ -173,8 +173,9 @@ class CPPOTrainer:
 
     # ---------------------------------------------------------------- setup -----------------
     def _multi_turn(self, rollout_func, tools, environment_factory):
-        """TRL's rollout_func, or cppo's tool loop for tools (cppo.sampling.tools); None: one
-        sampled turn per completion."""
+        """TRL's rollout_func, or cppo's tool loop for tools (cppo.sampling.tools: its turns are
+        sampled by vLLM with use_vllm, else by cppo's sampler); None: one sampled turn per
+        completion."""
         if environment_factory is not None and not callable(environment_factory) \
                 and not isinstance(environment_factory, dict):
             raise ConfigError(f"environment_factory is {environment_factory!r}; expected a "
@@ -187,9 +188,6 @@ class CPPOTrainer:
         if rollout_func is not None:
             raise ConfigError("give tools (or environment_factory) or rollout_func, not both (a "
                               "rollout function runs its own tools)")
-        if self.args.use_vllm:
-            raise ConfigError("tools run on cppo's own sampler; set use_vllm: false (or run "
-                              "vLLM inside a rollout_func)")
         from cppo.sampling.tools import ToolLoop
         try:
             return ToolLoop(tools or [], self.args.max_tool_calling_iterations,
