@@ -479,16 +479,32 @@ class VLLMBackend:
                         max_tokens: list[int], seeds: list[int],
                         round_index: int) -> tuple[list[list[int]], list[list[float]]]:
         """num_generations completions of each token-id context, at most max_tokens[c] tokens
-        each (vLLM's per-request budget), seeded by seeds[c] (vLLM gives completion g seed + g):
-        their token ids and vLLM's log-prob of each token, rows context-major (c * n + g). The
-        policy's weights are pushed first unless this round's already are. Server mode: TRL's
-        client takes one max_tokens a call, so all sample the largest budget and each is cut to
-        its own (as TRL's tool loop does); the server seeds its own sampling."""
+        each (vLLM's per-request budget; 0: empty completions, vLLM sampling at least one), seeded
+        by seeds[c] (vLLM gives completion g seed + g): their token ids and vLLM's log-prob of each
+        token, rows context-major (c * n + g). The policy's weights are pushed first unless this
+        round's already are. Server mode: TRL's client takes one max_tokens a call, so all sample
+        the largest budget and each is cut to its own (as TRL's tool loop does); the server seeds
+        its own sampling."""
+        n = num_generations
+        ids, logprobs = [[] for _ in range(n * len(contexts))], [[] for _ in range(n * len(contexts))]
+        live = [c for c, budget in enumerate(max_tokens) if budget > 0]
+        if not live:
+            return ids, logprobs
+        contexts, max_tokens, seeds = ([values[c] for c in live]
+                                       for values in (contexts, max_tokens, seeds))
         if self.llm is not None:
             self.check_fits([len(c) + budget for c, budget in zip(contexts, max_tokens)])
         self._sync_weights(round_index, probe=contexts[0])
-        if self.llm is None:
-            return self._server_sample(contexts, num_generations, max_tokens)
+        sample = self._engine_sample if self.llm is not None else self._server_sample
+        new_ids, new_logprobs = sample(contexts, n, max_tokens, seeds)
+        for k, c in enumerate(live):   # rows k * n + g of the live contexts -> c * n + g
+            ids[c * n:(c + 1) * n] = new_ids[k * n:(k + 1) * n]
+            logprobs[c * n:(c + 1) * n] = new_logprobs[k * n:(k + 1) * n]
+        return ids, logprobs
+
+    def _engine_sample(self, contexts: list[list[int]], num_generations: int, max_tokens: list[int],
+                       seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """sample_contexts on the colocated engine."""
         params = self.sampling_params(num_generations, max_tokens, seeds)
         with process_state_kept():
             results = self.llm.generate([{"prompt_token_ids": c} for c in contexts], params,
@@ -498,8 +514,9 @@ class VLLMBackend:
                 [sampled_logprobs(o.token_ids, o.logprobs) for o in outputs])
 
     def _server_sample(self, contexts: list[list[int]], num_generations: int,
-                       max_tokens: list[int]) -> tuple[list[list[int]], list[list[float]]]:
-        """sample_contexts through the server (each process asks for its own contexts)."""
+                       max_tokens: list[int], seeds=None) -> tuple[list[list[int]], list[list[float]]]:
+        """sample_contexts through the server (each process asks for its own contexts; the
+        server seeds its own sampling)."""
         kwargs = {**sampling_kwargs(self.args), "n": num_generations, "max_tokens": max(max_tokens)}
         result = self.client.generate(prompts=contexts, **kwargs)
         budgets = [budget for budget in max_tokens for _ in range(num_generations)]
