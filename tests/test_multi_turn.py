@@ -8,6 +8,8 @@ import torch
 from cppo.errors import RolloutError
 from cppo.sampling.multi_turn import rollout_from_output
 from helpers import ROWS, make_trainer
+from helpers.tool_calls import (CalculatorEnv, multiply, save_tool_model, script_first_turn,
+                                tool_rows)
 
 EOS, PAD = 2, 0
 
@@ -139,40 +141,11 @@ def test_calculator_rollouts_train_with_tool_tokens_out_of_the_loss(tiny_model_d
 
 
 # ---------------------------------------------------------------- tools= (TRL's tool loop) ----
-TOOL_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, "
-    "'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
-    "</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: The first factor.
-        b: The second factor.
-    """
-    return a * b
-
-
 @pytest.fixture(scope="module")
 def tool_model_dir(tmp_path_factory):
-    """A tiny Qwen2 with a byte-level tokenizer and a Qwen-style chat template that renders tools,
-    tool calls and tool results."""
-    from helpers.tiny_hf import build_model, build_tokenizer
-    tok = build_tokenizer("qwen2")
-    tok.chat_template = TOOL_TEMPLATE
-    path = tmp_path_factory.mktemp("tool_model")
-    build_model("qwen2", tok).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    """helpers.tool_calls' tiny Qwen2: a byte-level tokenizer and a Qwen-style chat template that
+    renders tools, tool calls and tool results."""
+    return save_tool_model(tmp_path_factory.mktemp("tool_model"))
 
 
 def test_tool_calls_are_parsed_run_and_rendered(tool_model_dir):
@@ -199,8 +172,7 @@ def tool_trainer(model_dir, tmp_path, lean, **overrides):
     from cppo.config import CPPOConfig
     from cppo.models import load_model, load_tokenizer
     from cppo.trainer import CPPOTrainer
-    rows = [{"prompt": [{"role": "user", "content": f"{a}*{b}="}], "answer": str(a * b)}
-            for a, b in [(12, 34), (5, 6), (7, 8), (21, 3)]]
+    rows = tool_rows()
     values = dict(model=model_dir, output_dir=str(tmp_path / "run"), max_steps=1,
                   per_device_train_batch_size=8, num_generations=4, pruning_rate=0.5,
                   max_completion_length=160, eval_steps=0, save_steps=0, progress_bar=False,
@@ -213,26 +185,6 @@ def tool_trainer(model_dir, tmp_path, lean, **overrides):
     return CPPOTrainer(model=load_model(model_dir), processing_class=load_tokenizer(model_dir),
                        reward_funcs=[reward], args=CPPOConfig(**values), train_dataset=rows,
                        tools=[multiply])
-
-
-def script_first_turn(trainer):
-    """A random model does not call tools: the first turn of every other completion is written
-    for it (a multiply call with the question's numbers); every later turn is sampled."""
-    loop, tok = trainer.rollout_func, trainer.tokenizer
-    sample, calls = loop.sample, []
-
-    def scripted(trainer, contexts, num_generations, max_new_tokens):
-        calls.append(len(contexts))
-        turns = sample(trainer, contexts, num_generations, max_new_tokens)
-        if len(calls) > 1:
-            return turns
-        for i in range(0, len(turns), 2):
-            a, b = tok.decode(contexts[i // num_generations]).split("user\n")[-1].split("=")[0].split("*")
-            call = f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
-            turns[i] = tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        return turns
-    loop.sample = scripted
-    return calls
 
 
 @pytest.mark.parametrize("lean", [True, False])
@@ -308,37 +260,12 @@ def test_tool_results_that_would_not_fit_end_the_completion(tool_model_dir, tmp_
     assert trainer.rollout_func.metrics["tools/call_frequency"] == 0.5
 
 
-class CalculatorEnv:
-    """TRL's environment contract: reset per rollout, public methods as tools, get_reward."""
-
-    def __init__(self):
-        self.answer, self.result = None, None
-
-    def reset(self, **row):
-        self.answer, self.result = row.get("answer"), None
-        return " (a calculator is available)"
-
-    def multiply(self, a: int, b: int) -> int:
-        """Multiply two integers.
-
-        Args:
-            a: The first factor.
-            b: The second factor.
-        """
-        self.result = a * b
-        return self.result
-
-    def get_reward(self) -> float:
-        return 1.0 if str(self.result) == self.answer else 0.0
-
-
 def test_environment_factory_resets_serves_tools_and_rewards(tool_model_dir, tmp_path):
     import json
     from cppo.config import CPPOConfig
     from cppo.models import load_model, load_tokenizer
     from cppo.trainer import CPPOTrainer
-    rows = [{"prompt": [{"role": "user", "content": f"{a}*{b}="}], "answer": str(a * b)}
-            for a, b in [(12, 34), (5, 6), (7, 8), (21, 3)]]
+    rows = tool_rows()
     given = []
 
     def sees_environments(completions, environments=None, **kw):

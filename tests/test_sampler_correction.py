@@ -144,6 +144,10 @@ TRL_OPTIONS = {   # TRL's names; cppo gets them through cppo.config.trl_fields.t
     "sequence_mask_beta": dict(vllm_importance_sampling_mode="sequence_mask", beta=0.04),
     "vespo_token_truncate": dict(vllm_importance_sampling_mode="token_truncate", loss_type="vespo",
                              vllm_importance_sampling_clip_min=0.5),
+    # multi-turn completions (the twin's tool_mask): the tool's tokens are out of the summed
+    # log-ratio in TRL (completion_mask * tool_mask), and in cppo
+    "sequence_truncate_tool_mask": dict(vllm_importance_sampling_mode="sequence_truncate",
+                                        vllm_importance_sampling_clip_max=2.0, tool_mask=True),
 }
 
 
@@ -154,9 +158,10 @@ def test_the_correction_matches_trl_run_with_vllm(tiny_model_dir, tmp_path, monk
     from helpers.trl_twin import max_difference, run_cppo, run_trl
     forced = forced_with_sampler(tiny_model_dir)
     trl_options = {"loss_type": "dapo", "num_iterations": 2, **TRL_OPTIONS[name]}
+    tool_mask = trl_options.pop("tool_mask", False)
     cppo_options, dropped = translate(trl_options, set(CPPOConfig.__dataclass_fields__))
     assert dropped == {}
-    kw = dict(max_steps=2, learning_rate=0.05)
+    kw = dict(max_steps=2, learning_rate=0.05, tool_mask=tool_mask)
     trl = run_trl(tiny_model_dir, tmp_path, forced, monkeypatch, use_vllm=True, **kw, **trl_options)
     cppo = run_cppo(tiny_model_dir, tmp_path, forced, monkeypatch, **kw, **cppo_options)
     (theirs,) = trl.sampler_weights   # once per generation round; cppo's once per micro-step
@@ -169,6 +174,7 @@ def test_the_correction_matches_trl_run_with_vllm(tiny_model_dir, tmp_path, monk
     torch.testing.assert_close(ours[:, :width][mask], theirs[:, :width][mask], rtol=1e-5, atol=1e-6)
     some_bounded = {"token_truncate": (theirs == 0.5).any() or (theirs == 3.0).any(),
                     "token_mask": (theirs == 0).any(), "sequence_truncate": (theirs == 2.0).any(),
+                    "sequence_truncate_tool_mask": (theirs == 2.0).any(),
                     "sequence_mask_beta": (theirs == 0).any(), "vespo_token_truncate": (theirs == 0.5).any()}
     assert some_bounded[name]   # the bound acts in this batch
     assert cppo.losses == pytest.approx(trl.losses, rel=1e-4, abs=1e-6)

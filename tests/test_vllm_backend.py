@@ -215,6 +215,32 @@ def test_without_sleep_mode_one_push_per_round(fake_vllm, tiny_model_dir):
     assert len(llm.loaded) == 2
 
 
+def test_sample_contexts_takes_a_budget_and_a_seed_per_context(fake_vllm, tiny_model_dir):
+    """The tool loop's call: each context its own max_tokens and seed with the run's sampling
+    settings, after the round's push; a budget of 0 (a completion already at
+    max_completion_length) gives an empty completion without a request (vLLM asks for >= 1)."""
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    backend = VLLMBackend(model, tok, small_args(vllm_enable_sleep_mode=False, top_k=5))
+    (llm,) = FakeLLM.instances
+    contexts = [tok("12*34=").input_ids, tok("5*6=").input_ids, tok("7*8=").input_ids]
+    ids, logprobs = backend.sample_contexts(contexts, num_generations=1, max_tokens=[2, 0, 5],
+                                            seeds=[11, 12, 13], round_index=4)
+    assert llm.calls == ["reload_weights", "apply_model:refresh_tied_head", "reset_prefix_cache",
+                         "probe", "generate"]
+    sent, params = llm.requests
+    assert [p["prompt_token_ids"] for p in sent] == [contexts[0], contexts[2]]
+    assert [(p.n, p.max_tokens, p.seed) for p in params] == [(1, 2, 11), (1, 5, 13)]
+    assert all(p.top_k == 5 and p.logprobs == 0 and p.stop_token_ids == [tok.eos_token_id]
+               for p in params)
+    assert ids == [[5, 6], [], [5, 6, 2]] and [len(v) for v in logprobs] == [2, 0, 3]
+    backend.sample_contexts(contexts[:1], num_generations=2, max_tokens=[3], seeds=[0],
+                            round_index=4)   # the same round: no second push
+    assert llm.calls.count("reload_weights") == 1
+    assert backend.sample_contexts(contexts[:1], num_generations=2, max_tokens=[0], seeds=[0],
+                                   round_index=5) == ([[], []], [[], []])
+    assert llm.calls.count("reload_weights") == 1   # nothing sampled, nothing pushed
+
+
 def test_a_push_that_misses_weights_is_caught(fake_vllm, tiny_model_dir, monkeypatch):
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
     backend = VLLMBackend(model, tok, small_args(vllm_enable_sleep_mode=False))

@@ -5,6 +5,7 @@ One engine per model for the whole module (each takes seconds to start)."""
 import contextlib
 import io
 import json
+import math
 import os
 import random
 
@@ -325,6 +326,139 @@ def test_a_rollout_func_samples_with_vllm_holding_the_current_weights(untied, tm
         untied.backend.synced_round = None   # pushed again before the next generation
     assert len(report["differences"]) == 2 and max(report["differences"]) <= 1e-3
     assert report["tool_calls"] > 0 and len(report["losses"]) == 2
+
+
+# tools= and environment_factory= with vLLM: a tiny Qwen2 whose chat template renders tools
+# (helpers.tool_calls), head_dim 32 for vLLM's CPU attention; the trainer's settings and the engine's
+TOOL_SETTINGS = dict(num_generations=4, max_completion_length=160, max_prompt_length=512,
+                     per_device_train_batch_size=8, pruning_rate=0.5, seed=3,
+                     vllm_enable_sleep_mode=False)
+
+
+@pytest.fixture(scope="module")
+def tool_engine(tmp_path_factory):
+    from helpers.tool_calls import save_tool_model
+    path = save_tool_model(tmp_path_factory.mktemp("tool_model"), hidden_size=128,
+                           intermediate_size=128)
+    return Engine(path, **TOOL_SETTINGS)
+
+
+def vllm_tool_trainer(engine, tmp_path, monkeypatch, reward_funcs, max_steps, **multi_turn):
+    """CPPOTrainer(use_vllm=True, tools= or environment_factory=) on the tool engine's model,
+    with the tool engine as its backend (make_backend would start a second engine on the same
+    weights). Every generation is recorded with the policy's log-probs of its tokens, taken
+    before the update; the weight pushes (each one probed once) are counted."""
+    import cppo.trainer as trainer_module
+    from cppo.trainer import CPPOTrainer
+
+    def engine_backend(model, tokenizer, args, chunk_size=None):
+        assert model is engine.model and args.use_vllm
+        engine.backend.args = args
+        return engine.backend
+    monkeypatch.setattr(trainer_module, "make_backend", engine_backend)
+    args = CPPOConfig(use_vllm=True, output_dir=str(tmp_path / "run"), max_steps=max_steps,
+                      eval_steps=0, save_steps=0, progress_bar=False, eval_num_questions=1,
+                      learning_rate=1e-2, lr_scheduler_type="constant",
+                      importance_sampling_mode="sequence_truncate", **TOOL_SETTINGS)
+    from helpers.tool_calls import tool_rows
+    trainer = CPPOTrainer(model=engine.model, processing_class=engine.tokenizer, args=args,
+                          reward_funcs=reward_funcs, train_dataset=tool_rows(), **multi_turn)
+    trainer.generated, trainer.pushes = [], []
+    generate, check = trainer.generate, engine.backend.check_weights
+
+    def recorded(rows):
+        prompts, completions = generate(rows)
+        with torch.no_grad():
+            ours = completion_logprobs(trainer.policy, prompts.ids, prompts.mask, completions.ids,
+                                       completions.mask, temperature=args.temperature)
+        trainer.generated.append((prompts, completions, ours))
+        return prompts, completions
+    trainer.generate = recorded
+    monkeypatch.setattr(engine.backend, "check_weights",
+                        lambda probe: trainer.pushes.append(probe) or check(probe))
+    return trainer
+
+
+@contextlib.contextmanager
+def weights_put_back(engine):
+    """The engine's model as it was after the block (a test trains it), pushed again next time."""
+    saved = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    try:
+        yield
+    finally:
+        engine.model.load_state_dict(saved)
+        engine.backend.synced_round = None
+
+
+def model_token_difference(completions, ours) -> float:
+    """Largest |policy - vLLM| log-prob over the model's tokens (tool_mask 1) of the completions."""
+    model = completions.mask.bool() & completions.tool_mask.bool()
+    return float((ours - completions.logprobs).abs()[model].max())
+
+
+def test_tools_with_vllm_sample_every_turn_on_the_current_weights(tool_engine, tmp_path, monkeypatch):
+    """tools=[multiply] with use_vllm, 2 steps: every turn is vLLM's (the first turn of every
+    other completion is written for the random model, then scored by the policy), one push per
+    step; the tool's results are in the completions and out of the loss; vLLM's log-probs of
+    the model's tokens equal the policy's (the second step's policy has moved: the weights were
+    pushed), 0 on the tool's tokens, which the importance-sampling correction leaves out (in a
+    sequence mode, where a tool token counted would move the completion's weight)."""
+    from helpers.tool_calls import multiply, script_first_turn
+
+    def reward(prompts, completions, **kw):
+        return [float(len(c[-1]["content"]) % 3) for c in completions]
+    trainer = vllm_tool_trainer(tool_engine, tmp_path, monkeypatch, [reward], 2, tools=[multiply])
+    calls = script_first_turn(trainer)
+    batches, build = [], trainer.build_batch
+    trainer.build_batch = lambda *a, **kw: batches.append(build(*a, **kw)) or batches[-1]
+    with weights_put_back(tool_engine):
+        trainer.train()
+    for _, completions, ours in trainer.generated:
+        assert (completions.mask.sum(1) <= 160).all()   # each later turn within its own budget
+        assert model_token_difference(completions, ours) <= LOGPROB_TOLERANCE
+    assert calls[:2] == [4, 8] and len(trainer.pushes) == 2   # 4 prompts x G, the 8 that called
+    prompts, completions, ours = trainer.generated[0]
+    tok = trainer.tokenizer
+    texts = tok.batch_decode(completions.ids, skip_special_tokens=False)
+    for i in range(0, 16, 2):
+        question = tok.decode(prompts.ids[i][prompts.mask[i].bool()])
+        a, b = map(int, question.split("user\n")[-1].split("=")[0].split("*"))
+        assert f"<tool_response>\n{a * b}\n</tool_response>" in texts[i]     # the tool ran
+        tool = (completions.tool_mask[i] == 0) & completions.mask[i].bool()
+        assert tok.decode(completions.ids[i][tool]).startswith("\n<|im_start|>user\n<tool_response>")
+        assert (completions.logprobs[i][tool] == 0).all()
+        after = int(tool.nonzero().max()) + 1
+        assert completions.mask[i][after:].any()           # then a turn vLLM sampled
+    assert bool(batches[0].tool_mask.eq(0).any())   # the tool's tokens: out of the loss
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)
+    assert steps[0]["tools/call_frequency"] == 0.5
+    # the correction (a sequence mode: one weight of the summed log-ratios) over the model's
+    # tokens only, where vLLM's log-probs are the policy's: weights 1, differences ~0
+    ratio, difference = "sampling/importance_sampling_ratio/", "sampling/sampling_logp_difference/max"
+    assert all(1 - 1e-3 <= r[ratio + "min"] <= r[ratio + "max"] <= 1 + 1e-3 for r in steps)
+    assert all(r[difference] <= 1e-3 for r in steps)
+
+
+def test_environments_with_vllm_sample_each_rollout_on_its_own(tool_engine, tmp_path, monkeypatch):
+    """environment_factory with use_vllm, 1 step: each rollout's prompt is its own (its
+    environment's reset), so vLLM samples each once with a seed of its own (a question's
+    rollouts differ); the calls reach each rollout's environment, whose reward scores it."""
+    from helpers.tool_calls import CalculatorEnv, script_first_turn
+    trainer = vllm_tool_trainer(tool_engine, tmp_path, monkeypatch, [], 1,
+                                environment_factory=CalculatorEnv)
+    calls = script_first_turn(trainer)
+    with weights_put_back(tool_engine):
+        trainer.train()
+    assert calls == [16, 8] and len(trainer.pushes) == 1
+    (prompts, completions, ours), = trainer.generated
+    assert model_token_difference(completions, ours) <= LOGPROB_TOLERANCE
+    assert "(a calculator is available)" in trainer.tokenizer.decode(prompts.ids[0])
+    sampled = [tuple(completions.ids[i][completions.mask[i].bool()].tolist()) for i in (1, 3)]
+    assert sampled[0] != sampled[1]          # one question's rollouts, each with its own seed
+    env_rewards = trainer.rewards_per_function[..., 0].flatten().tolist()
+    assert env_rewards == [1.0, 0.0] * 8     # the written calls computed the answers
 
 
 def test_lora_push_matches_the_merged_model_and_leaves_the_base_alone(untied):

@@ -114,6 +114,28 @@ def test_cppo_generates_from_a_trl_server(server):
         assert len(rows) > 1
 
 
+def test_contexts_with_their_own_budgets_through_the_server(server):
+    """sample_contexts (the tool loop's turns) in server mode: TRL's client takes one max_tokens
+    a call, so both contexts sample the larger budget and each completion is cut to its own;
+    one log-prob per kept token, the policy's."""
+    path, url = server
+    backend = backend_for(path, url)
+    tok = backend.tokenizer
+    contexts = [tok("12*34=").input_ids, tok("5*6=40;7*8=").input_ids]
+    ids, logprobs = backend.sample_contexts(contexts, num_generations=2, max_tokens=[2, 6],
+                                            seeds=[0, 1], round_index=0)
+    assert len(ids) == len(logprobs) == 4
+    assert [len(t) <= budget for t, budget in zip(ids, [2, 2, 6, 6])] == [True] * 4
+    assert max(len(t) for t in ids[2:]) > 2          # the second context's own, larger budget
+    for row, (turn, values) in enumerate(zip(ids, logprobs)):
+        assert len(values) == len(turn)
+        prompt, turn_ids = torch.tensor([contexts[row // 2]]), torch.tensor([turn])
+        with torch.no_grad():
+            policy = completion_logprobs(backend.model, prompt, torch.ones_like(prompt), turn_ids,
+                                         torch.ones_like(turn_ids))[0]
+        assert float((policy - torch.tensor(values)).abs().max()) <= LOGPROB_TOLERANCE
+
+
 def test_host_and_port_fields_reach_the_same_server(server):
     path, url = server
     host, port = url.removeprefix("http://").split(":")

@@ -173,8 +173,9 @@ class CPPOTrainer:
 
     # ---------------------------------------------------------------- setup -----------------
     def _multi_turn(self, rollout_func, tools, environment_factory):
-        """TRL's rollout_func, or cppo's tool loop for tools (cppo.sampling.tools); None: one
-        sampled turn per completion."""
+        """TRL's rollout_func, or cppo's tool loop for tools (cppo.sampling.tools: its turns are
+        sampled by vLLM with use_vllm, else by cppo's sampler); None: one sampled turn per
+        completion."""
         if environment_factory is not None and not callable(environment_factory) \
                 and not isinstance(environment_factory, dict):
             raise ConfigError(f"environment_factory is {environment_factory!r}; expected a "
@@ -187,9 +188,6 @@ class CPPOTrainer:
         if rollout_func is not None:
             raise ConfigError("give tools (or environment_factory) or rollout_func, not both (a "
                               "rollout function runs its own tools)")
-        if self.args.use_vllm:
-            raise ConfigError("tools run on cppo's own sampler; set use_vllm: false (or run "
-                              "vLLM inside a rollout_func)")
         from cppo.sampling.tools import ToolLoop
         try:
             return ToolLoop(tools or [], self.args.max_tool_calling_iterations,
@@ -323,20 +321,18 @@ class CPPOTrainer:
         the trainer; its output checked and padded (cppo.sampling.multi_turn)."""
         import copy
         prompts = [copy.deepcopy(r["prompt"]) for r in rows for _ in range(self.args.num_generations)]
-        if hasattr(self.backend, "_sync_weights") and prompts:   # a rollout that uses vLLM
-            probe = encode_prompts(self.tokenizer, prompts[:1], self.args.max_prompt_length)
-            self.backend._sync_weights(self.round_index, probe=probe.ids[0].tolist())
         from cppo.sampling.tools import ToolLoop
-        with self.engine.gathered():
+        with self.engine.gathered():      # fsdp: the full weights, for the push and the sampling
+            if hasattr(self.backend, "_sync_weights") and prompts:   # vLLM: this round's weights
+                probe = encode_prompts(self.tokenizer, prompts[:1], self.args.max_prompt_length)
+                self.backend._sync_weights(self.round_index, probe=probe.ids[0].tolist())
             if isinstance(self.rollout_func, ToolLoop):   # environments are reset with the rows
                 output = self.rollout_func(prompts, self, rows=[r for r in rows for _ in
                                                                 range(self.args.num_generations)])
             else:
                 output = self.rollout_func(prompts, self)
-        backend = self.backend
-        if getattr(backend, "sleep_mode", False) and getattr(backend, "llm", None) is not None:
-            backend.llm.sleep(level=2)    # as after the backend's own generation
-            backend.sleeping, backend.synced_round = True, None
+        if hasattr(self.backend, "rest"):
+            self.backend.rest()    # as after the backend's own generation (sleep mode)
         out = rollout_from_output(output, len(prompts), eos_token_id=self.tokenizer.eos_token_id,
                                   pad_token_id=self.tokenizer.pad_token_id, device=self.device)
         self.rollout_columns = out.columns
@@ -496,11 +492,11 @@ class CPPOTrainer:
             weights = None
             if micro.sampler_logps is not None:   # vLLM or a cast copy sampled: correct for it
                 old = logps.detach().float() if micro.old_logps is None else micro.old_logps
+                # over the model's tokens only: a tool's have no sampler log-prob (TRL's mask)
                 weights = sampler_importance_weights(
-                    old, micro.sampler_logps, micro.completion_mask, args.importance_sampling_mode,
+                    old, micro.sampler_logps, micro.loss_mask, args.importance_sampling_mode,
                     args.importance_sampling_clip_min, args.importance_sampling_clip_max)
-                stats = sampler_correction_stats(old, micro.sampler_logps, micro.completion_mask,
-                                                 weights)
+                stats = sampler_correction_stats(old, micro.sampler_logps, micro.loss_mask, weights)
                 for key in ("ratio_sum", "ratio_count", "logp_diff_sum", "logp_diff_count"):
                     sums[key] += float(stats[key])
                 extremes["ratio_max"] = max(extremes["ratio_max"], float(stats["ratio_max"]))

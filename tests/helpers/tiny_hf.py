@@ -42,12 +42,14 @@ def build_tokenizer(arch: str, chat_template: bool = True) -> PreTrainedTokenize
     return tok
 
 
-def build_model(arch: str, tok):
+def build_model(arch: str, tok, **sizes):
+    """sizes: config fields to change (hidden_size 128 gives vLLM's CPU attention a head_dim of 32)."""
     torch.manual_seed(0)
     common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=1024,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   bos_token_id=tok.bos_token_id)
+    common.update(sizes)
     if arch == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
         return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common))

@@ -246,9 +246,11 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
     return completions
 
 
-def chunk_seed(seed: int, round_index: int, question_offset: int) -> int:
-    """A 63-bit seed for the chunk of a round that starts at global question `question_offset`."""
-    digest = hashlib.sha256(f"cppo/{seed}/{round_index}/{question_offset}".encode()).digest()
+def chunk_seed(seed: int, round_index: int, question_offset: int, turn: int = 0) -> int:
+    """A 63-bit seed for the chunk of a round that starts at global question `question_offset`;
+    turn > 0: for a later model turn of a multi-turn rollout (cppo.sampling.tools), apart."""
+    key = f"cppo/{seed}/{round_index}/{question_offset}" + (f"/turn{turn}" if turn else "")
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 

@@ -26,7 +26,7 @@ import torch
 
 from cppo.sampling.padding import pad_token_lists
 from cppo.sampling.batches import PromptBatch
-from cppo.sampling.sampler import sample_completions
+from cppo.sampling.sampler import chunk_seed, sample_completions
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -123,9 +123,14 @@ def check_tools(tools) -> list[Callable]:
 
 
 class ToolLoop:
-    """A rollout function (cppo.sampling.multi_turn's contract) that samples with cppo's sampler
-    and runs tools between turns. `sample(contexts, num_generations, max_new_tokens)` draws the
-    turns: contexts are token-id lists, the result one token-id list per completion (question-major).
+    """A rollout function (cppo.sampling.multi_turn's contract) that samples the model's turns
+    and runs tools between them. `sample(trainer, contexts, num_generations, max_new_tokens, ...)`
+    draws the turns: contexts are token-id lists, the result one token-id list per completion
+    (context-major) and the sampler's log-probs of their tokens. With a backend that samples token
+    contexts (vLLM: `sample_contexts`) the turns are vLLM's, each with its own token budget, and
+    the rollout returns vLLM's log-probs of the model's tokens (0 on a tool's, which are out of
+    the loss and of the importance-sampling correction); else cppo's sampler draws them on the
+    policy and the rollout has no sampler log-probs.
 
     environment_factory (TRL's): each rollout gets its own instance (created once, reused across
     steps), `reset(**row)` before its first turn (a returned string is appended to the last user
@@ -206,23 +211,43 @@ class ToolLoop:
         return {"role": "assistant", "content": text}
 
     def sample(self, trainer, contexts: list[list[int]], num_generations: int,
-               max_new_tokens: list[int] | int) -> list[list[int]]:
+               max_new_tokens: list[int] | int, turn: int = 0, keys: list[int] | None = None
+               ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """num_generations turns after each context (rows context-major), at most max_new_tokens
+        tokens (one budget, or one per context), and the sampler's log-probs of their tokens
+        (None: cppo's sampler, the policy itself). vLLM seeds context c of model turn `turn` with
+        chunk_seed(seed, round, keys[c], turn): keys are the contexts' places among all
+        processes' (their questions for the first turn of shared prompts, seeded as single-turn
+        generation; else their rollouts), so the seeds do not depend on the process count."""
         args, tok = trainer.args, trainer.tokenizer
-        limit = max(max_new_tokens) if isinstance(max_new_tokens, list) else max_new_tokens
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(contexts)
+        sample_contexts = getattr(trainer.backend, "sample_contexts", None)
+        if sample_contexts is not None:
+            seeds = [chunk_seed(args.seed, trainer.round_index, key, turn)
+                     for key in (range(len(contexts)) if keys is None else keys)]
+            return sample_contexts(contexts, num_generations=num_generations, max_tokens=budgets,
+                                   seeds=seeds, round_index=trainer.round_index)
         prompts = PromptBatch(*pad_token_lists(contexts, tok.pad_token_id, side="left"))
         generator = torch.Generator(device=trainer.device).manual_seed(
             (args.seed * 1_000_003 + trainer.run_state.step * 7919 + len(contexts)) % 2**63)
         with torch.no_grad():
             out = sample_completions(
                 trainer.policy, prompts.to(trainer.device), num_generations=num_generations,
-                max_new_tokens=limit, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty, generator=generator,
-                lean=args.lean_forward)
+                max_new_tokens=max(budgets), eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                generator=generator, lean=args.lean_forward)
         turns = [ids[mask.bool()].tolist() for ids, mask in zip(out.ids.cpu(), out.mask.cpu())]
         if isinstance(max_new_tokens, list):
             turns = [t[:n] for t, n in zip(turns, max_new_tokens)]
-        return turns
+        return turns, None
+
+    @staticmethod
+    def context_limit(trainer) -> int:
+        """Tokens a context may hold: the policy's positions, and vLLM's max_model_len (TRL)."""
+        limits = [getattr(trainer.policy.config, "max_position_embeddings", None),
+                  getattr(trainer.backend, "max_model_len", None)]
+        return min([n for n in limits if n] or [1 << 30])
 
     def __call__(self, prompts: list, trainer, rows: list[dict] | None = None) -> dict:
         """rows: each prompt's dataset row (environments are reset with it)."""
@@ -247,13 +272,16 @@ class ToolLoop:
                     for p, ts in (zip(prompts[::g], tools[::g]) if shared else zip(prompts, tools))]
         if args.max_prompt_length is not None:
             rendered = [ids[-args.max_prompt_length:] for ids in rendered]
-        completions = self.sample(trainer, rendered, g if shared else 1, args.max_completion_length)
+        first = trainer.dist.rank * len(rendered)   # this process's first question (or rollout)
+        completions, logprobs = self.sample(trainer, rendered, g if shared else 1,
+                                            args.max_completion_length,
+                                            keys=list(range(first, first + len(rendered))))
         prompt_ids = [ids for ids in rendered for _ in range(g)] if shared else rendered
         env_mask = [[1] * len(c) for c in completions]
         calls = [parse_tool_calls(tok, c, prompt_ids[i], tools[i]) for i, c in enumerate(completions)]
         messages = [[self.assistant_message(tok, c, calls[i])] for i, c in enumerate(completions)]
         pending = [i for i, c in enumerate(calls) if c]
-        max_len = getattr(trainer.policy.config, "max_position_embeddings", None) or 1 << 30
+        max_len = self.context_limit(trainer)
         count = failures = rounds = 0
         while pending and (self.max_iterations is None or rounds < self.max_iterations):
             contexts, budgets, ready = [], [], []
@@ -270,24 +298,30 @@ class ToolLoop:
                 budgets.append(args.max_completion_length - len(grown))
                 completions[i] = grown
                 env_mask[i] += [0] * len(suffix)
+                if logprobs is not None:   # a tool's tokens: no sampler log-prob
+                    logprobs[i] += [0.0] * len(suffix)
                 messages[i] += results[i]
                 ready.append(i)
             if not ready:
                 break
-            turns = self.sample(trainer, contexts, 1, budgets)
-            for i, turn in zip(ready, turns):
+            rounds += 1
+            first = trainer.dist.rank * len(completions)   # this process's first rollout
+            turns, turn_logprobs = self.sample(trainer, contexts, 1, budgets, turn=rounds,
+                                               keys=[first + i for i in ready])
+            for k, (i, turn) in enumerate(zip(ready, turns)):
                 completions[i] = completions[i] + turn
                 env_mask[i] += [1] * len(turn)
-                calls[i] = parse_tool_calls(tok, turn, contexts[ready.index(i)], tools[i]) \
+                if logprobs is not None:
+                    logprobs[i] += turn_logprobs[k]
+                calls[i] = parse_tool_calls(tok, turn, contexts[k], tools[i]) \
                     if turn else []
                 if turn:
                     messages[i].append(self.assistant_message(tok, turn, calls[i]))
             pending = [i for i in ready if calls[i]]
-            rounds += 1
         self.messages = messages
         self.metrics = {"tools/call_frequency": count / max(len(completions), 1),
                         "tools/failure_frequency": failures / count if count else 0.0}
-        out = {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None,
+        out = {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs,
                "env_mask": env_mask}
         if environments is not None:
             out["environments"] = list(environments)   # a reward column, as TRL passes them

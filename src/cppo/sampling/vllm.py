@@ -272,6 +272,8 @@ class VLLMBackend:
     only) before each round while the others wait. push_weights=False leaves the server's
     weights as they are (a frozen sampler). Both modes return each sampled token's log-prob.
     Seeds follow `chunk_seed` per question (vLLM seeds completion g with seed + g).
+    `generate` samples G completions per prompt; `sample_contexts` samples any token-id contexts,
+    each with its own budget and seed (the tool loop's turns, cppo.sampling.tools).
     """
 
     PROBE_TOKENS = 4
@@ -451,52 +453,100 @@ class VLLMBackend:
                 f"cppo.sampling.backends.vllm_weight_name)")
         return diff
 
-    def requests(self, prompts: PromptBatch, round_index: int, question_offset: int):
-        """(prompt token lists, one SamplingParams per prompt seeded by chunk_seed)."""
-        token_prompts = [row[mask.bool()].tolist()
-                         for row, mask in zip(prompts.ids.cpu(), prompts.mask.cpu())]
-        if self.llm is None:   # server mode: the server seeds its own sampling
-            return token_prompts, None
-        longest = max(map(len, token_prompts), default=0)
-        if longest + self.args.max_completion_length > self.max_model_len:
+    def check_fits(self, lengths: list[int]) -> None:
+        """Each request's context + the tokens it may sample (lengths) within vLLM's max_model_len,
+        else a ConfigError naming the fields. A context is a prompt and what was sampled after it,
+        with max_completion_length less that as its budget: length - max_completion_length is
+        its prompt's length."""
+        longest, budget = max(lengths, default=0), self.args.max_completion_length
+        if longest > self.max_model_len:
             raise ConfigError(
-                f"a prompt of {longest} tokens + max_completion_length "
-                f"{self.args.max_completion_length} exceeds vLLM's max_model_len "
-                f"{self.max_model_len}: lower max_prompt_length to <= "
-                f"{self.max_model_len - self.args.max_completion_length}, or raise "
-                f"vllm_max_model_length (at most the model's max_position_embeddings)")
-        common = sampling_kwargs(self.args)
-        params = [self.vllm.SamplingParams(
-            seed=chunk_seed(self.args.seed, round_index, question_offset + i),
-            stop_token_ids=self.eos_ids, detokenize=False, **common)
-            for i in range(len(token_prompts))]
-        return token_prompts, params
+                f"a prompt of {longest - budget} tokens + max_completion_length {budget} exceeds "
+                f"vLLM's max_model_len {self.max_model_len}: lower max_prompt_length to <= "
+                f"{self.max_model_len - budget}, or raise vllm_max_model_length (at most the "
+                f"model's max_position_embeddings)")
+
+    def sampling_params(self, num_generations: int, max_tokens: list[int], seeds: list[int]) -> list:
+        """One vllm.SamplingParams per request: the run's sampling settings (sampling_kwargs),
+        num_generations completions of at most its max_tokens, its seed, the EOS ids."""
+        common = {**sampling_kwargs(self.args), "n": num_generations}
+        return [self.vllm.SamplingParams(**{**common, "max_tokens": budget}, seed=seed,
+                                         stop_token_ids=self.eos_ids, detokenize=False)
+                for budget, seed in zip(max_tokens, seeds)]
+
+    @torch.no_grad()
+    def sample_contexts(self, contexts: list[list[int]], *, num_generations: int,
+                        max_tokens: list[int], seeds: list[int],
+                        round_index: int) -> tuple[list[list[int]], list[list[float]]]:
+        """num_generations completions of each token-id context, at most max_tokens[c] tokens
+        each (vLLM's per-request budget; 0: empty completions, vLLM sampling at least one), seeded
+        by seeds[c] (vLLM gives completion g seed + g): their token ids and vLLM's log-prob of each
+        token, rows context-major (c * n + g). The policy's weights are pushed first unless this
+        round's already are. Server mode: TRL's client takes one max_tokens a call, so all sample
+        the largest budget and each is cut to its own (as TRL's tool loop does); the server seeds
+        its own sampling."""
+        n = num_generations
+        ids, logprobs = [[] for _ in range(n * len(contexts))], [[] for _ in range(n * len(contexts))]
+        live = [c for c, budget in enumerate(max_tokens) if budget > 0]
+        if not live:
+            return ids, logprobs
+        contexts, max_tokens, seeds = ([values[c] for c in live]
+                                       for values in (contexts, max_tokens, seeds))
+        if self.llm is not None:
+            self.check_fits([len(c) + budget for c, budget in zip(contexts, max_tokens)])
+        self._sync_weights(round_index, probe=contexts[0])
+        sample = self._engine_sample if self.llm is not None else self._server_sample
+        new_ids, new_logprobs = sample(contexts, n, max_tokens, seeds)
+        for k, c in enumerate(live):   # rows k * n + g of the live contexts -> c * n + g
+            ids[c * n:(c + 1) * n] = new_ids[k * n:(k + 1) * n]
+            logprobs[c * n:(c + 1) * n] = new_logprobs[k * n:(k + 1) * n]
+        return ids, logprobs
+
+    def _engine_sample(self, contexts: list[list[int]], num_generations: int, max_tokens: list[int],
+                       seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """sample_contexts on the colocated engine."""
+        params = self.sampling_params(num_generations, max_tokens, seeds)
+        with process_state_kept():
+            results = self.llm.generate([{"prompt_token_ids": c} for c in contexts], params,
+                                        use_tqdm=False)
+        outputs = [o for result in results for o in result.outputs]
+        return ([list(o.token_ids) for o in outputs],
+                [sampled_logprobs(o.token_ids, o.logprobs) for o in outputs])
+
+    def _server_sample(self, contexts: list[list[int]], num_generations: int,
+                       max_tokens: list[int], seeds=None) -> tuple[list[list[int]], list[list[float]]]:
+        """sample_contexts through the server (each process asks for its own contexts; the
+        server seeds its own sampling)."""
+        kwargs = {**sampling_kwargs(self.args), "n": num_generations, "max_tokens": max(max_tokens)}
+        result = self.client.generate(prompts=contexts, **kwargs)
+        budgets = [budget for budget in max_tokens for _ in range(num_generations)]
+        outputs = [list(ids[:budget]) for ids, budget in zip(result["completion_ids"], budgets)]
+        # (N, T, 1) with logprobs=0: the sampled token's; None where vLLM had a NaN
+        logprobs = [[float("nan") if step[0] is None else step[0] for step in seq[:budget]]
+                    for seq, budget in zip(result["logprobs"], budgets)]
+        return outputs, logprobs
+
+    def rest(self) -> None:
+        """After a round's sampling: with sleep mode, the engine releases its weights and KV
+        cache (level 2); they are pushed again before its next sampling."""
+        if self.sleep_mode and self.llm is not None:
+            self.llm.sleep(level=2)
+            self.sleeping, self.synced_round = True, None
 
     @torch.no_grad()
     def generate(self, prompts: PromptBatch, *, round_index: int, question_offset: int = 0) -> Completions:
-        args, tok = self.args, self.tokenizer
-        token_prompts, params = self.requests(prompts, round_index, question_offset)
-        self._sync_weights(round_index, probe=token_prompts[0])
-        outputs: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        if self.llm is not None:
-            with process_state_kept():
-                results = self.llm.generate([{"prompt_token_ids": p} for p in token_prompts],
-                                            params, use_tqdm=False)
-            for result in results:
-                for o in result.outputs:
-                    outputs.append(list(o.token_ids))
-                    logprobs.append(sampled_logprobs(o.token_ids, o.logprobs))
-            if self.sleep_mode:
-                self.llm.sleep(level=2)       # weights dropped: pushed again before the next call
-                self.sleeping, self.synced_round = True, None
-        else:   # each process asks for its own prompts (TRL gathers them on one process)
-            result = self.client.generate(prompts=token_prompts, **sampling_kwargs(args))
-            outputs = result["completion_ids"]
-            # (N, T, 1) with logprobs=0: the sampled token's; None where vLLM had a NaN
-            logprobs = [[float("nan") if step[0] is None else step[0] for step in seq]
-                        for seq in result["logprobs"]]
-        return completions_with_logprobs(outputs, logprobs, self.eos_ids, tok.pad_token_id,
+        """G completions per prompt (question-major), each question seeded by chunk_seed."""
+        args = self.args
+        token_prompts = [row[mask.bool()].tolist()
+                         for row, mask in zip(prompts.ids.cpu(), prompts.mask.cpu())]
+        seeds = [chunk_seed(args.seed, round_index, question_offset + i)
+                 for i in range(len(token_prompts))]
+        outputs, logprobs = self.sample_contexts(
+            token_prompts, num_generations=args.num_generations,
+            max_tokens=[args.max_completion_length] * len(token_prompts), seeds=seeds,
+            round_index=round_index)
+        self.rest()
+        return completions_with_logprobs(outputs, logprobs, self.eos_ids, self.tokenizer.pad_token_id,
                                          args.max_completion_length, device=prompts.ids.device)
 
 
