@@ -87,6 +87,7 @@ OPTIONS = {
     "tool_mask_dapo": dict(loss_type="dapo", tool_mask=True),
     "tool_mask_grpo_gspo": dict(loss_type="grpo", importance_sampling_level="sequence",
                                 tool_mask=True, accumulation=2),
+    "tool_mask_vespo": dict(loss_type="vespo", tool_mask=True),
     "tool_mask_entropy": dict(loss_type="bnpo", tool_mask=True, top_entropy_quantile=0.5,
                               entropy_coef=0.05),
     "bnpo_accumulation": dict(loss_type="bnpo", accumulation=2),
