@@ -30,6 +30,7 @@ from cppo.algorithm import (adapted_entropy_coef, applied_entropy_coef, combine_
 from cppo.algorithm.sampler_correction import sampler_correction_stats, sampler_importance_weights
 from cppo.algorithm.selection import GLOBAL_SCOPE, local_scope, rule_traits
 from cppo.algorithm.skipping import keep_probability, updated_streaks, zero_variance_groups
+from cppo.algorithm.two_stage import balanced_continued, completions_to_keep, continued_questions
 from cppo.config import CPPOConfig
 from cppo.config.checks import check_generation_batch_size, check_reward_weights
 from cppo.data.sources import TaskData, TaskSource, load_task, user_task
@@ -47,7 +48,7 @@ from cppo.run.completions_log import CompletionsLog
 from cppo.run.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to,
                                length_metrics, write_plots)
 from cppo.sampling.backends import make_backend, speculation_slots
-from cppo.sampling.batches import Completions, PromptBatch
+from cppo.sampling.batches import Completions, PromptBatch, merge_groups
 from cppo.sampling.logprobs import completion_logprobs
 from cppo.sampling.multi_turn import rollout_from_output
 from cppo.sampling.sampler import chunk_seed, encode_prompts, sample_completions
@@ -96,6 +97,10 @@ class CPPOTrainer:
         self.args = args = args or CPPOConfig()
         self.rollout_func = self._multi_turn(rollout_func, tools, environment_factory)
         self.rollout_columns: dict[str, list] = {}   # a rollout's extra reward columns
+        if args.two_stage_generations and self.rollout_func is not None:
+            raise ConfigError(f"'two_stage_generations' is {args.two_stage_generations}, which "
+                              f"applies to the built-in sampler; a rollout_func, tools or an "
+                              f"environment_factory roll out whole groups: set it to 0")
         check_report_to(args.report_to)   # a tracker's missing library, before any loading
         env_rewards = getattr(self.rollout_func, "env_rewards", [])   # environments' get_reward
         funcs = reward_funcs if reward_funcs is not None else \
@@ -160,6 +165,7 @@ class CPPOTrainer:
         self.run_state = ckpt.RunState()   # step, counters, history, ...: what a checkpoint resumes
         self.step_order: list[int] = []   # the step's question indices (all processes')
         self.prompts_skipped_now = 0      # questions passed over by skip_zero_variance_prompts
+        self.two_stage_now: dict = {}     # two_stage_generations: this round's counts
         self.stop_requested = False
         self.window = MetricsWindow()     # each metric's values since the last logging step
         self.completions_log = CompletionsLog(self.output_dir, self.rewards.names,
@@ -316,6 +322,36 @@ class CPPOTrainer:
                                                 question_offset=self.dist.rank * len(rows))
         return prompts, completions
 
+    def generate_two_stage(self, rows: list[dict]) -> tuple[list[dict], PromptBatch, Completions]:
+        """two_stage_generations = k: k completions per row, scored; the other G - k only for the
+        rows cppo.algorithm.two_stage continues (the same decision on every process, from all
+        processes' first-stage rewards). Returns the continued rows, their prompts and G
+        completions each (the k first-stage ones first)."""
+        args, k, q, rank = self.args, self.args.two_stage_generations, len(rows), self.dist.rank
+        prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
+                                 args.max_prompt_length).to(self.device)
+        with self.engine.gathered():
+            first = self.backend.generate(prompts, round_index=self.round_index,
+                                          question_offset=rank * q, num_generations=k)
+        first_rewards = self.dist.gather(self.score(rows, first, group_size=k, log=False)[0]).cpu()
+        gen = torch.Generator().manual_seed(chunk_seed(args.seed, self.round_index, -2_000))
+        draws = torch.rand(len(first_rewards), generator=gen, dtype=torch.float64)
+        keep = continued_questions(first_rewards, draws, args.two_stage_exploration)
+        keep = balanced_continued(keep.view(-1, q), draws.view(-1, q))
+        mine = keep[rank].nonzero().squeeze(1)
+        with self.engine.gathered():
+            second = self.backend.generate(prompts.select(mine.to(self.device)),
+                                           round_index=self.round_index,
+                                           question_offset=rank * len(mine),
+                                           num_generations=args.num_generations - k, stage=2)
+        dropped_here = (~keep[rank]).nonzero().squeeze(1).to(first.mask.device)
+        dropped_rows = (dropped_here[:, None] * k + torch.arange(k, device=first.mask.device)).flatten()
+        self.two_stage_now = {"dropped": int((~keep).sum()), "dropped_here": len(dropped_here),
+                              "explored": int((keep & zero_variance_groups(first_rewards).view(-1, q)).sum()),
+                              "dropped_tokens": int(first.mask[dropped_rows].sum())}
+        return ([rows[i] for i in mine.tolist()], prompts.select(mine.to(self.device)),
+                merge_groups(first, k, mine, second, self.tokenizer.pad_token_id))
+
     def rollout(self, rows: list[dict]) -> tuple[PromptBatch, Completions]:
         """TRL's rollout_func: called with each row's prompt num_generations times (a copy) and
         the trainer; its output checked and padded (cppo.sampling.multi_turn)."""
@@ -338,19 +374,25 @@ class CPPOTrainer:
         self.rollout_columns = out.columns
         return out.prompts, out.completions
 
-    def score(self, rows: list[dict], completions: Completions) -> tuple[torch.Tensor, dict]:
-        """Rewards (Q, G) of the weighted reward functions, plus per-function means."""
+    def score(self, rows: list[dict], completions: Completions, group_size: int | None = None,
+              log: bool = True) -> tuple[torch.Tensor, dict]:
+        """Rewards (Q, G) of the weighted reward functions, plus per-function means. group_size:
+        completions per row (None: num_generations); log=False (two_stage_generations' first
+        stage) leaves the step's state and the completions log alone."""
+        group = group_size or self.args.num_generations
         texts = self.tokenizer.batch_decode(completions.ids.cpu(), skip_special_tokens=True)
         per_function = self.rewards(rows, texts, unpadded_ids(completions.ids, completions.mask),
-                                    self.args.num_generations,
+                                    group,
                                     conversational=not isinstance(rows[0]["prompt"], str),
                                     extra_columns=self.rollout_columns,
                                     messages=getattr(self.rollout_func, "messages", None))
         rewards = combine_rewards(per_function, self.rewards.weights)
-        self.rewards_per_function = per_function.view(len(rows), self.args.num_generations, -1)
+        if not log:
+            return rewards.view(len(rows), group), {}
+        self.rewards_per_function = per_function.view(len(rows), group, -1)
         if self.completions_log is not None:
             self.completions_log.capture_scores(rows, texts, per_function)
-        return rewards.view(len(rows), self.args.num_generations), self.rewards.means(per_function)
+        return rewards.view(len(rows), group), self.rewards.means(per_function)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """(Q, G): group-relative advantages of the summed rewards, or, with
@@ -373,13 +415,14 @@ class CPPOTrainer:
         args = self.args
         if args.pruning_rate == 0:
             return torch.ones_like(advantages, dtype=torch.bool)
+        num_keep = completions_to_keep(self.plan, advantages.shape[0], args.num_generations)
         if args.selection_scope == GLOBAL_SCOPE and self.dist.world_size > 1:
             q, rank = advantages.shape[0], self.dist.rank
             return select_global(self.dist.gather(advantages), self.dist.gather(rewards),
-                                 num_keep=self.plan.completions_kept * self.dist.world_size,
+                                 num_keep=num_keep * self.dist.world_size,
                                  rows=slice(rank * q, (rank + 1) * q), rule=args.selection_rule,
                                  generator=self.selection_generator())
-        return select_completions(advantages, rewards, num_keep=self.plan.completions_kept,
+        return select_completions(advantages, rewards, num_keep=num_keep,
                                   scope=local_scope(args.selection_scope), rule=args.selection_rule,
                                   generator=self.selection_generator())
 
@@ -581,7 +624,10 @@ class CPPOTrainer:
         args, timer = self.args, self.timer
         rows = self.take_questions()
         with timer("generate"):
-            prompts, completions = self.generate(rows)
+            if args.two_stage_generations:   # rows: the questions that get all G completions
+                rows, prompts, completions = self.generate_two_stage(rows)
+            else:
+                prompts, completions = self.generate(rows)
         with timer("score"):
             rewards, per_function_means = self.score(rows, completions)
             if args.skip_zero_variance_prompts:
@@ -645,6 +691,14 @@ class CPPOTrainer:
             metrics["cppo/skipped_prompts"] = self.prompts_skipped_now
             metrics["cppo/skipped_completions"] = self.prompts_skipped_now * self.args.num_generations
             self.run_state.counters["prompts_skipped"] += self.prompts_skipped_now
+        if self.args.two_stage_generations:
+            now, k = self.two_stage_now, self.args.two_stage_generations
+            metrics["cppo/two_stage_dropped"] = now["dropped"]
+            metrics["cppo/two_stage_explored"] = now["explored"]
+            metrics["cppo/two_stage_saved_completions"] = now["dropped"] * (self.args.num_generations - k)
+            self.run_state.counters["two_stage_dropped"] += now["dropped"]
+            self.run_state.counters["completions_scored"] += now["dropped_here"] * k
+            self.run_state.counters["tokens_generated"] += now["dropped_tokens"]
         if completions.speculation is not None:
             metrics.update(completions.speculation.metrics())
         self.run_state.counters["questions_seen"] += len(rows)

@@ -151,6 +151,7 @@ def validate(cfg) -> None:
     _check_speculation(cfg)
     check(0 < cfg.skip_exploration_floor <= 1,
           f"'skip_exploration_floor' is {cfg.skip_exploration_floor}; allowed: (0, 1]")
+    _check_two_stage(cfg)
     check(cfg.vllm_server_timeout >= 0,
           f"'vllm_server_timeout' is {cfg.vllm_server_timeout}; must be >= 0 (seconds)")
     for key in ("vllm_server_port", "vllm_group_port"):
@@ -271,6 +272,22 @@ def _check_speculation(cfg) -> None:
               f"'num_speculative_tokens' is {k} with 'repetition_penalty' "
               f"{cfg.repetition_penalty}; speculative sampling does not apply a repetition "
               f"penalty (each drafted position would need its own history): set one of them off")
+
+
+def _check_two_stage(cfg) -> None:
+    k, g = cfg.two_stage_generations, cfg.num_generations
+    check(0 <= cfg.two_stage_exploration <= 1,
+          f"'two_stage_exploration' is {cfg.two_stage_exploration}; allowed: [0, 1]")
+    if not k:
+        return
+    check(k < g, f"'two_stage_generations' is {k} with 'num_generations' {g}; the first stage "
+                 f"samples k < num_generations completions per question (0: off)")
+    check(not cfg.use_vllm,
+          f"'two_stage_generations' is {k}, which applies to the built-in sampler; with use_vllm "
+          f"it is not supported: set it to 0")
+    check(not cfg.skip_zero_variance_prompts,
+          f"'two_stage_generations' is {k} with 'skip_zero_variance_prompts' true; the two are "
+          f"not combined: set one of them off")
 
 
 def validate_vllm(cfg) -> None:

@@ -113,6 +113,15 @@ class CPPOConfig:
         "The streaks are part of the checkpoint (docs/performance.md).")
     skip_exploration_floor: float = option(
         0.1, "skip_zero_variance_prompts: the least probability a question is rolled out with.")
+    two_stage_generations: int = option(
+        0, "Two-stage draw: sample this many (k < num_generations) completions per question first, "
+        "score them, and sample the other num_generations - k only for questions whose k rewards "
+        "differ (plus, with probability two_stage_exploration, ones whose k rewards are all equal); "
+        "the rest are dropped from the step (fewer completions, less generation; "
+        "docs/performance.md). 0: off.", at_least=0)
+    two_stage_exploration: float = option(
+        0.1, "two_stage_generations: the probability a question whose k first-stage rewards are "
+        "all equal still gets its other completions (seeded by the round, the same on every process).")
     num_speculative_tokens: int = option(
         0, "Speculative sampling in the built-in sampler: up to this many draft tokens per decode "
         "step, found by n-gram look-up in the prompt and the question's other completions, "

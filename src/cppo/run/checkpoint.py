@@ -55,7 +55,8 @@ class RunState:
     step: int = 0                       # optimizer steps done
     counters: dict = field(default_factory=lambda: {
         "skipped_steps": 0, "nonfinite_steps": 0, "questions_seen": 0, "completions_scored": 0,
-        "completions_trained": 0, "tokens_generated": 0, "num_tokens": 0, "prompts_skipped": 0})
+        "completions_trained": 0, "tokens_generated": 0, "num_tokens": 0, "prompts_skipped": 0,
+        "two_stage_dropped": 0})
     train_seconds: float = 0.0          # wall time of training phases (excludes eval, checkpoints)
     consecutive_nonfinite: int = 0      # NaN/inf steps in a row (stops the run at a limit)
     history: list = field(default_factory=list)   # held-out evaluations

@@ -41,13 +41,19 @@ class TransformersBackend:
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.chunk_size = chunk_size   # completions decoded together (None: all at once)
 
-    def questions_per_chunk(self, num_questions: int) -> int:
-        return questions_per_chunk(self.chunk_size, self.args.num_generations, num_questions)
+    def questions_per_chunk(self, num_questions: int, group_size: int | None = None) -> int:
+        return questions_per_chunk(self.chunk_size, group_size or self.args.num_generations,
+                                   num_questions)
 
-    def generate(self, prompts: PromptBatch, *, round_index: int, question_offset: int = 0) -> Completions:
+    def generate(self, prompts: PromptBatch, *, round_index: int, question_offset: int = 0,
+                 num_generations: int | None = None, stage: int = 1) -> Completions:
+        """num_generations: completions per prompt (None: args.num_generations); stage 2 (the
+        second stage of two_stage_generations) samples from its own seeds."""
         args, tok = self.args, self.tokenizer
+        group = num_generations or args.num_generations
+        round_key = round_index if stage == 1 else f"{round_index}/stage{stage}"
         device = next(self.model.parameters()).device
-        per_chunk = self.questions_per_chunk(len(prompts))
+        per_chunk = self.questions_per_chunk(len(prompts), group)
         parts = []
         was_training = self.model.training
         # dropout off for sampling; the lean forward has none, so the mode is left as it is
@@ -57,10 +63,10 @@ class TransformersBackend:
         try:
             for start in range(0, len(prompts), per_chunk):
                 generator = torch.Generator(device=device).manual_seed(
-                    chunk_seed(args.seed, round_index, question_offset + start))
+                    chunk_seed(args.seed, round_key, question_offset + start))
                 chunk = prompts.select(slice(start, start + per_chunk))
                 parts.append(sample_completions(
-                    self.model, chunk, num_generations=args.num_generations,
+                    self.model, chunk, num_generations=group,
                     max_new_tokens=args.max_completion_length, eos_token_id=tok.eos_token_id,
                     pad_token_id=tok.pad_token_id, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,

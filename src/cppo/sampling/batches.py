@@ -71,6 +71,33 @@ def concat_completions(parts: list[Completions], pad_token_id: int) -> Completio
         truncated=torch.cat([p.truncated for p in parts]), logprobs=logprobs, speculation=speculation)
 
 
+def merge_groups(first: Completions, k: int, rows: Tensor, second: Completions,
+                 pad_token_id: int) -> Completions:
+    """The first-stage groups (k completions per question, question-major) of the questions
+    `rows` (K,), each followed by that question's completions in `second` (K groups of G - k):
+    K question-major groups of G, the first-stage completions reused as they are."""
+    num, rest = len(rows), second.ids.shape[0] // max(1, len(rows))
+    picked = (rows.to(first.ids.device)[:, None] * k + torch.arange(k, device=first.ids.device)).flatten()
+    width = max(first.ids.shape[1], second.ids.shape[1])
+
+    def join(a: Tensor | None, b: Tensor | None, value=0) -> Tensor | None:
+        if a is None or b is None:
+            return None
+        a = a[picked]
+        if a.dim() == 2:
+            a, b = (F.pad(t, (0, width - t.shape[1]), value=value) for t in (a, b))
+        a, b = a.view(num, k, *a.shape[1:]), b.view(num, rest, *b.shape[1:])
+        return torch.cat([a, b.to(a.device)], dim=1).flatten(0, 1)
+
+    speculation = None
+    if first.speculation is not None and second.speculation is not None:
+        speculation = first.speculation + second.speculation
+    return Completions(ids=join(first.ids, second.ids, pad_token_id), mask=join(first.mask, second.mask),
+                       truncated=join(first.truncated, second.truncated),
+                       logprobs=join(first.logprobs, second.logprobs), speculation=speculation,
+                       tool_mask=join(first.tool_mask, second.tool_mask, 1))
+
+
 def completions_from_ids(ids: Tensor, eos: Tensor) -> Completions:
     """Completions from sampled tokens (N, T) padded after EOS; mask 1 up to and including the first EOS."""
     is_eos = torch.isin(ids, eos)
