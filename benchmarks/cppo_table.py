@@ -1,6 +1,6 @@
 """The CPPO paper table on the embedded task, measured honestly (also `cppo bench`).
 
-    python benchmarks/cppo_table.py            # the full table: 3 seeds, every row (10.4 min on a 2-core CPU)
+    python benchmarks/cppo_table.py            # the full table: 3 seeds, every row (8-11 min on a 2-core CPU)
     python benchmarks/cppo_table.py --quick    # smoke run: tiny N, 1 seed, 3 rows + TRL (~1-2 min)
 
 Every training run is one pass over the same N training questions (num_train_questions=N,
