@@ -48,7 +48,7 @@ from cppo.run.completions_log import CompletionsLog
 from cppo.run.tracking import (MetricsLog, MetricsWindow, PhaseTimer, check_report_to,
                                length_metrics, write_plots)
 from cppo.sampling.backends import make_backend, speculation_slots
-from cppo.sampling.batches import Completions, PromptBatch, merge_groups
+from cppo.sampling.batches import Completions, PromptBatch, group_rows, merge_groups
 from cppo.sampling.logprobs import completion_logprobs
 from cppo.sampling.multi_turn import rollout_from_output
 from cppo.sampling.sampler import chunk_seed, encode_prompts, sample_completions
@@ -345,7 +345,7 @@ class CPPOTrainer:
                                            question_offset=rank * len(mine),
                                            num_generations=args.num_generations - k, stage=2)
         dropped_here = (~keep[rank]).nonzero().squeeze(1).to(first.mask.device)
-        dropped_rows = (dropped_here[:, None] * k + torch.arange(k, device=first.mask.device)).flatten()
+        dropped_rows = group_rows(dropped_here, k)
         self.two_stage_now = {"dropped": int((~keep).sum()), "dropped_here": len(dropped_here),
                               "explored": int((keep & zero_variance_groups(first_rewards).view(-1, q)).sum()),
                               "dropped_tokens": int(first.mask[dropped_rows].sum())}

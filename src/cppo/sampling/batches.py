@@ -71,13 +71,18 @@ def concat_completions(parts: list[Completions], pad_token_id: int) -> Completio
         truncated=torch.cat([p.truncated for p in parts]), logprobs=logprobs, speculation=speculation)
 
 
+def group_rows(questions: Tensor, group_size: int) -> Tensor:
+    """Row indices (K * group_size,) of the groups of `questions` (K,) in a question-major batch."""
+    return (questions[:, None] * group_size + torch.arange(group_size, device=questions.device)).flatten()
+
+
 def merge_groups(first: Completions, k: int, rows: Tensor, second: Completions,
                  pad_token_id: int) -> Completions:
     """The first-stage groups (k completions per question, question-major) of the questions
     `rows` (K,), each followed by that question's completions in `second` (K groups of G - k):
     K question-major groups of G, the first-stage completions reused as they are."""
     num, rest = len(rows), second.ids.shape[0] // max(1, len(rows))
-    picked = (rows.to(first.ids.device)[:, None] * k + torch.arange(k, device=first.ids.device)).flatten()
+    picked = group_rows(rows.to(first.ids.device), k)
     width = max(first.ids.shape[1], second.ids.shape[1])
 
     def join(a: Tensor | None, b: Tensor | None, value=0) -> Tensor | None:
