@@ -16,6 +16,7 @@ CPPO with P = 0.875 as there).
     python benchmarks/generation_engines.py                     # both models, both engines
     python benchmarks/generation_engines.py --models embedded --rounds 5
     python benchmarks/generation_engines.py --full --shared
+    python benchmarks/generation_engines.py --engines cppo_sampler cppo_sampler_bf16 vllm
 
 Writes benchmarks/results/generation_engines/results.md and results.json.
 """
@@ -36,6 +37,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ENGINES = ("cppo_sampler", "vllm")
+# cppo's sampler on a bfloat16 copy of the float32 policy (generation_dtype, importance-sampling
+# corrected); only where --engines names it
+BF16_SAMPLER = "cppo_sampler_bf16"
 MODELS = ("embedded", "real_shape")
 
 
@@ -44,6 +48,7 @@ def trainer_for(model: str, engine: str, folder: Path | None, shape: dict):
     from cppo.config import CPPOConfig
     from cppo.trainer import CPPOTrainer
     common = dict(use_vllm=engine == "vllm", vllm_enable_sleep_mode=False, eval_steps=0,
+                  generation_dtype="bfloat16" if engine == BF16_SAMPLER else None,
                   save_steps=0, progress_bar=False,
                   output_dir=tempfile.mkdtemp(prefix="cppo_engines_"))
     if model == "embedded":
@@ -132,6 +137,10 @@ def write_report(result: dict, out: Path) -> None:
                          f"{fmt(s['generate_seconds'])} | {fmt(s['round_seconds'])} |")
     lines += ["", "vLLM's generation time includes the weight push into the engine before each "
               "round and the 4-token check after it (both part of every real round)."]
+    if BF16_SAMPLER in {e for engines in result["summary"].values() for e in engines}:
+        lines += ["", f"{BF16_SAMPLER}: cppo's sampler on a bfloat16 copy of the float32 policy "
+                  "(generation_dtype: bfloat16, importance-sampling corrected); the other engines "
+                  "sample in float32."]
     if result.get("note"):
         lines += ["", result["note"]]
     (out / "results.md").write_text("\n".join(lines) + "\n")
@@ -141,7 +150,7 @@ def write_report(result: dict, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES + (BF16_SAMPLER,))
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per process")
     parser.add_argument("--repeats", type=int, default=1, help="processes per engine and model")
     parser.add_argument("--full", action="store_true", help="the full real-shape model (~0.1B)")

@@ -18,6 +18,8 @@ compute on, peak resident memory, and the CPU capability.
     python benchmarks/real_shape.py --quick         # small: same vocabulary, 4 layers, G = 8, 64 tokens
     python benchmarks/real_shape.py --emulate-avx2  # torch held to AVX2 code paths
     python benchmarks/real_shape.py --device cuda --dtype bfloat16
+    python benchmarks/real_shape.py --systems cppo_grpo trl_grpo cppo_cppo \
+        cppo_grpo_bf16_sampling cppo_cppo_bf16_sampling   # + sampling from a bf16 copy
     python benchmarks/real_shape.py --profile          # where cppo's time goes -> profile.md
 
 Writes benchmarks/results/real_shape/results.md and results.json.
@@ -47,6 +49,9 @@ CPPO_PRUNING = 0.875
 # from step to step, so later steps would not be at the shape asked for.
 LEARNING_RATE = 1e-12
 SYSTEMS = ("cppo_grpo", "trl_grpo", "cppo_cppo")
+# the same cppo steps sampling from a bfloat16 copy of the float32 policy (generation_dtype,
+# importance-sampling corrected); only where --systems names them
+BF16_SAMPLING = ("cppo_grpo_bf16_sampling", "cppo_cppo_bf16_sampling")
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 SYLLABLES = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "ve", "da", "an", "or", "el", "is",
              "um", "th", "qu", "st", "br", "gr", "ch", "sh", "ph", "wy", "zo", "ex", "ig", "ul"]
@@ -210,13 +215,14 @@ def run_cppo(system, folder, rows, shape, device, dtype, steps) -> dict:
     import io
     from cppo.config import CPPOConfig
     from cppo.trainer import CPPOTrainer
-    P = 0.0 if system == "cppo_grpo" else CPPO_PRUNING
+    P = 0.0 if system.startswith("cppo_grpo") else CPPO_PRUNING
     low = dtype == "bfloat16"
+    bf16_sampling = low or system in BF16_SAMPLING
     cfg = CPPOConfig(model=str(folder), pruning_rate=P, num_generations=shape["group"],
                      per_device_train_batch_size=shape["group"], max_completion_length=shape["max_new"],
                      max_prompt_length=128, beta=0.0, loss_type="dapo", learning_rate=LEARNING_RATE,
                      max_steps=steps, eval_steps=0, save_steps=0, progress_bar=False, seed=0,
-                     bf16=low, generation_dtype="bfloat16" if low else None,
+                     bf16=low, generation_dtype="bfloat16" if bf16_sampling else None,
                      output_dir=tempfile.mkdtemp(prefix="cppo_real_shape_"))
     with contextlib.redirect_stdout(io.StringIO()):
         trainer = CPPOTrainer(reward_funcs=[shorter_is_better], args=cfg, train_dataset=rows)
@@ -353,6 +359,16 @@ def summarise(runs: dict[str, list[dict]], shape: dict, bound: dict) -> dict:
             "cppo_per_question_speedup_vs_trl": trl_row["seconds_per_question"] / cppo["seconds_per_question"]
             if "seconds_per_question" in cppo else None,
             "generation_share_of_bound_batch_ge_64": cppo.get("generation_share_of_bound")}
+        low_grpo, low_cppo = (out.get(s, {}) for s in BF16_SAMPLING)
+        if "seconds_per_step" in low_grpo:
+            out["goals"]["bf16_sampling_grpo_step_speedup_vs_trl"] = \
+                trl_row["seconds_per_step"] / low_grpo["seconds_per_step"]
+        if "seconds_per_question" in low_cppo:
+            out["goals"]["bf16_sampling_cppo_per_question_speedup_vs_trl"] = \
+                trl_row["seconds_per_question"] / low_cppo["seconds_per_question"]
+            if "seconds_per_question" in cppo:
+                out["goals"]["bf16_sampling_cppo_per_question_speedup_vs_float32"] = \
+                    cppo["seconds_per_question"] / low_cppo["seconds_per_question"]
     return out
 
 
@@ -380,7 +396,7 @@ def write_report(result: dict, out: Path) -> None:
              "| system | executed steps | s/step (median, range) | questions/step | s/question | "
              "generate | score | log-probs | update | gen tok/s (% of bound) | update tok/s (% of bound) | "
              "padding before -> after trim -> computed (packed) | peak RSS MB |", "|" + "---|" * 13]
-    for name in SYSTEMS:
+    for name in SYSTEMS + tuple(n for n in BF16_SAMPLING if n in s):
         r = s.get(name, {})
         if "seconds_per_step" not in r:
             lines.append(f"| {name} | {r.get('error', 'not run')} |" + " |" * 12)
@@ -408,6 +424,15 @@ def write_report(result: dict, out: Path) -> None:
                   f"- generation at batch >= 64 at >= 50 % of the compute bound: "
                   f"**{100 * (g['generation_share_of_bound_batch_ge_64'] or 0):.0f} %** "
                   f"({'met' if (g['generation_share_of_bound_batch_ge_64'] or 0) >= 0.5 else 'missed'})"]
+        if "bf16_sampling_grpo_step_speedup_vs_trl" in g:
+            lines.append(f"- sampling from a bf16 copy: cppo GRPO step against TRL's: "
+                         f"**{f(g['bf16_sampling_grpo_step_speedup_vs_trl'])}x**")
+        if "bf16_sampling_cppo_per_question_speedup_vs_trl" in g:
+            lines.append(f"- sampling from a bf16 copy: CPPO per training question against TRL's GRPO: "
+                         f"**{f(g['bf16_sampling_cppo_per_question_speedup_vs_trl'])}x**"
+                         + (f"; against CPPO sampling in float32: "
+                            f"**{f(g['bf16_sampling_cppo_per_question_speedup_vs_float32'])}x**"
+                            if "bf16_sampling_cppo_per_question_speedup_vs_float32" in g else ""))
     prec = result["precision"]
     lines += ["", "A Linear of 800 tokens x 576 -> 1536 (milliseconds, median of 5; bf16 / fp32 > 1: "
               "bf16 is slower):", "", "| pass | float32 | bfloat16 | bf16 / fp32 |", "|---|---|---|---|"]
@@ -417,6 +442,10 @@ def write_report(result: dict, out: Path) -> None:
     lines += ["", "FLOPs are counted as 2 x (layer weights + output head) per generated token plus "
               "attention, and 3x that per trained token (forward + backward). s/question = s/step / "
               "questions per step (CPPO samples 1/(1-P) questions per update of G completions)."]
+    if any(n in s for n in BF16_SAMPLING):
+        lines.append("The *_bf16_sampling rows train in float32 and sample from a bfloat16 copy "
+                     "(generation_dtype: bfloat16, importance-sampling corrected); their generation "
+                     "share is of the float32 bound above.")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -502,7 +531,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per process")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats")
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS + BF16_SAMPLING)
     parser.add_argument("--emulate-avx2", action="store_true")
     parser.add_argument("--shared", action="store_true", help="record that other work shared the machine")
     parser.add_argument("--assets", default=None, help="model folder (default: a cache under /tmp)")

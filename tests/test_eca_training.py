@@ -36,7 +36,8 @@ def one_step(model_dir, tmp_path, impl):
     cfg = CPPOConfig(model=model_dir, output_dir=str(tmp_path / impl), max_steps=1,
                      per_device_train_batch_size=8, num_generations=4, pruning_rate=0.5,
                      max_completion_length=5, eval_steps=0, progress_bar=False,
-                     learning_rate=1e-3, seed=3, attn_implementation=impl)
+                     learning_rate=1e-3, seed=3, attn_implementation=impl,
+                     generation_dtype=None)   # both sample with the policy (eca has no lean forward)
     trainer = CPPOTrainer(model=load_model(model_dir, attn_implementation=impl),
                           processing_class=load_tokenizer(model_dir),
                           reward_funcs=[odd_length_reward], args=cfg, train_dataset=ROWS)

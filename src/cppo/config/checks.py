@@ -161,10 +161,11 @@ def validate(cfg) -> None:
           f"http://host:8000")
     if cfg.use_vllm:
         validate_vllm(cfg)
-    check(not (cfg.generation_dtype and cfg.use_vllm),
+    explicit_generation_dtype = cfg.generation_dtype not in (None, "auto")
+    check(not (explicit_generation_dtype and cfg.use_vllm),
           "'generation_dtype' applies to the built-in sampler; with use_vllm, vLLM's dtype is set "
           "by torch_dtype")
-    check(not (cfg.generation_dtype and not cfg.lean_forward),
+    check(not (explicit_generation_dtype and not cfg.lean_forward),
           f"'generation_dtype' is {cfg.generation_dtype!r} but 'lean_forward' is false; sampling "
           f"in another dtype needs the lean forward")
     check(cfg.max_completion_length >= 1,

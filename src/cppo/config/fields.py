@@ -102,10 +102,13 @@ class CPPOConfig:
         "optimizer state and reference). Sets the generation, evaluation and scoring batch "
         "sizes. None: 90% of the device's memory less the model states.", above=0)
     generation_dtype: Optional[str] = option(
-        None, "Sample from a copy of the policy's weights in this dtype (None: the policy's own). "
-        "bfloat16 samples faster on CPUs with AVX512-BF16/AMX and on GPUs (docs/benchmarks.md); the tokens then "
-        "come from a slightly different distribution, corrected by importance sampling (below). "
-        "Lean forward only (Llama/Qwen2/Mistral, no LoRA).", ("float32", "bfloat16", "float16"))
+        "auto", "Sample from a copy of the policy's weights in this dtype (None: the policy's own). "
+        "bfloat16 samples faster on CPUs with AVX512-BF16/AMX and on GPUs (docs/performance.md); "
+        "the tokens then come from a slightly different distribution, corrected by importance "
+        "sampling (below). Lean forward only (Llama/Qwen2/Mistral, no LoRA). 'auto': bfloat16 "
+        "where the device computes it fast, the policy is float32 and the built-in sampler runs "
+        "the lean forward (no vLLM, rollout_func or tools); the policy's own dtype otherwise.",
+        ("auto", "float32", "bfloat16", "float16"))
     skip_zero_variance_prompts: bool = option(
         False, "Skip rolling out questions whose latest groups all had zero reward variance (every "
         "advantage 0): one is rolled out with probability max(skip_exploration_floor, 2^-streak), "

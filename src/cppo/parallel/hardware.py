@@ -80,6 +80,16 @@ def has_fast_dtype(dtype: str, device: torch.device | str = "cpu") -> bool:
     return True   # other accelerators: trust the user's choice
 
 
+def auto_generation_dtype(policy_dtype: torch.dtype, device: torch.device | str,
+                          samples_from_a_copy: bool) -> str | None:
+    """What generation_dtype 'auto' samples in: bfloat16 where `device` computes it fast and the
+    policy is float32, when the sampler can sample from a copy of the weights (the built-in
+    sampler on the lean forward); None, the policy's own dtype, otherwise."""
+    if not samples_from_a_copy or policy_dtype != torch.float32:
+        return None
+    return "bfloat16" if has_fast_dtype("bfloat16", device) else None
+
+
 def describe(device: torch.device | str = "cpu") -> dict:
     """A record of the compute a measurement ran on, for benchmark results."""
     flags = cpu_flags()
