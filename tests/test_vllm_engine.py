@@ -163,6 +163,20 @@ def test_vllm_logprobs_equal_the_policy(tied, untied):
         assert diff <= LOGPROB_TOLERANCE, diff
 
 
+def test_a_round_over_one_scheduler_step_of_prompt_tokens_samples_every_completion(untied):
+    """More prompt tokens than vLLM schedules in one step (max_num_batched_tokens, 2,048 by
+    default): a prompt split across steps has its first sample thrown away, and the CPU build's
+    per-request generators cannot rewind for it (vLLM 0.32: 'CPU Generator does not use
+    offset'), so cppo has vLLM prefill each prompt whole."""
+    texts = [f"{a}*{b}+" * 10 + "1=" for a, b in zip(range(10, 74), range(20, 84))]
+    prompts = untied.prompts(texts)
+    assert int(prompts.mask.sum()) * G > 2048
+    out = untied.backend.generate(prompts, round_index=0, question_offset=0)
+    assert out.ids.shape[0] == len(texts) * G and (out.mask.sum(1) > 0).all()
+    alone = untied.backend.generate(untied.prompts(texts[40:41]), round_index=0, question_offset=40)
+    assert torch.equal(out.ids[40 * G:41 * G, :alone.ids.shape[1]], alone.ids)
+
+
 def test_same_seed_same_tokens_other_round_other_tokens(untied):
     prompts = untied.prompts()
     a = untied.backend.generate(prompts, round_index=5, question_offset=0)

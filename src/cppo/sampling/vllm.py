@@ -383,6 +383,11 @@ class VLLMBackend:
                       tensor_parallel_size=args.vllm_tensor_parallel_size)
         if platform.is_cpu():
             kwargs["enforce_eager"] = True   # no inductor compile at start-up
+            # a prompt prefilled over two steps has its first sample discarded, and vLLM then
+            # rewinds the request's seeded generator, which a CPU generator cannot do (vLLM
+            # 0.32: RuntimeError 'CPU Generator does not use offset'): each prompt whole
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(self.max_model_len, 2048)
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):   # vLLM's own setting wins
                 kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
                     args, self.model.config, self.dtype, self.max_model_len,
