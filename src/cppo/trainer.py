@@ -229,7 +229,7 @@ class CPPOTrainer:
         if args.num_speculative_tokens and not args.use_vllm:
             wants.append(f"'num_speculative_tokens' is {args.num_speculative_tokens}")
         built_in = args.lean_forward and not args.use_vllm and self.rollout_func is None
-        lean, reason = None, "not needed"
+        lean = reason = None
         if wants or (auto and built_in):
             from cppo.models.lean import lean_forward_for
             with self.engine.gathered():   # the sampler runs on the gathered weights

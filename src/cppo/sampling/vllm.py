@@ -386,8 +386,10 @@ class VLLMBackend:
             # a prompt prefilled over two steps has its first sample discarded, and vLLM then
             # rewinds the request's seeded generator, which a CPU generator cannot do (vLLM
             # 0.32: RuntimeError 'CPU Generator does not use offset'): each prompt whole
+            from vllm.config import SchedulerConfig
             kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(self.max_model_len, 2048)
+            kwargs["max_num_batched_tokens"] = max(self.max_model_len,
+                                                   SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS)
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):   # vLLM's own setting wins
                 kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
                     args, self.model.config, self.dtype, self.max_model_len,
