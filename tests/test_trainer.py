@@ -218,6 +218,7 @@ def test_auto_generation_dtype_samples_from_a_bfloat16_copy_only_where_bfloat16_
         tiny_model_dir, tmp_path, monkeypatch, capsys, fast):
     from cppo.parallel import hardware
     monkeypatch.setattr(hardware, "cpu_has_fast_dtype", lambda dtype: fast)
+    monkeypatch.setattr(hardware, "BF16_MIN_DECODE_MULTIPLY_ADDS", 0)   # any decode step pays
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", generation_dtype="auto", max_steps=1)
     assert trainer.args.generation_dtype == ("bfloat16" if fast else None)
     # a bfloat16 sampler records its own log-probs, which the loss corrects with
@@ -230,6 +231,7 @@ def test_auto_generation_dtype_keeps_the_policys_dtype_where_no_copy_can_sample(
         tiny_model_dir, tmp_path, monkeypatch):
     from cppo.parallel import hardware
     monkeypatch.setattr(hardware, "cpu_has_fast_dtype", lambda dtype: True)
+    monkeypatch.setattr(hardware, "BF16_MIN_DECODE_MULTIPLY_ADDS", 0)   # only the copy decides
     assert CPPOConfig().generation_dtype == "auto"
     assert CPPOConfig(use_vllm=True, vllm_enable_sleep_mode=False).generation_dtype == "auto"
     no_lean = make_trainer(tiny_model_dir, tmp_path / "a", lean_forward=False, max_steps=1)
@@ -241,6 +243,27 @@ def test_auto_generation_dtype_keeps_the_policys_dtype_where_no_copy_can_sample(
     assert tools.args.generation_dtype is None   # the tool loop samples with the policy itself
     assert hardware.auto_generation_dtype(torch.bfloat16, "cpu", True) is None
     assert hardware.auto_generation_dtype(torch.float32, "cpu", True) == "bfloat16"
+
+
+def test_auto_generation_dtype_keeps_float32_where_a_cpu_decode_step_is_too_small_to_pay(
+        tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from cppo.parallel import hardware
+    monkeypatch.setattr(hardware, "cpu_has_fast_dtype", lambda dtype: True)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", generation_dtype="auto", max_steps=1)
+    # the work of one decode step: 4 questions x G = 4 rows x every Linear's weights (lm_head too)
+    linear = sum(m.weight.numel() for m in trainer.policy.modules() if isinstance(m, torch.nn.Linear))
+    assert trainer._decode_multiply_adds() == 16 * linear
+    assert trainer._decode_multiply_adds() < hardware.BF16_MIN_DECODE_MULTIPLY_ADDS
+    assert trainer.args.generation_dtype is None and "auto -> bfloat16" not in capsys.readouterr().out
+    chunked = make_trainer(tiny_model_dir, tmp_path / "chunked", generation_dtype="auto",
+                           max_steps=1, generation_chunk_size=8)
+    assert chunked._decode_multiply_adds() == 8 * linear   # a chunk is what decodes together
+    limit = hardware.BF16_MIN_DECODE_MULTIPLY_ADDS
+    assert hardware.auto_generation_dtype(torch.float32, "cpu", True, limit) == "bfloat16"
+    assert hardware.auto_generation_dtype(torch.float32, "cpu", True, limit - 1) is None
+    # a GPU has no per-call cost of that kind: its decision does not depend on the batch
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert hardware.auto_generation_dtype(torch.float32, "cuda", True, 1) == "bfloat16"
 
 
 def test_generation_dtype_needs_a_model_the_lean_forward_supports(tiny_model_dir, tmp_path):

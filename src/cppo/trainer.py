@@ -38,7 +38,7 @@ from cppo.errors import CallbackError, ConfigError
 from cppo.evaluate import evaluate
 from cppo.parallel.engines import Engine, check_layout, pad_rows, resolve_strategy
 from cppo.parallel.hardware import auto_generation_dtype, warn_slow_precision
-from cppo.parallel.memory import check_batch_settings, device_memory_bytes, plan_for_run
+from cppo.parallel.memory import ModelShape, check_batch_settings, device_memory_bytes, plan_for_run
 from cppo.parallel.processes import Distributed, launcher_restarts
 from cppo.rewards.runner import RewardRunner, unpadded_ids
 from cppo.run import checkpoint as ckpt
@@ -236,7 +236,9 @@ class CPPOTrainer:
                 lean, reason = lean_forward_for(self.policy)
         if auto:
             dtype = next(self.policy.parameters()).dtype
-            args.generation_dtype = auto_generation_dtype(dtype, self.device, built_in and lean is not None)
+            args.generation_dtype = auto_generation_dtype(
+                dtype, self.device, built_in and lean is not None,
+                decode_multiply_adds=self._decode_multiply_adds() if lean is not None else 0)
             if args.generation_dtype and self.dist.is_main:
                 print(f"generation_dtype: auto -> {args.generation_dtype}: sampling from a "
                       f"{args.generation_dtype} copy of the policy, which this device computes "
@@ -245,6 +247,14 @@ class CPPOTrainer:
         if wants and lean is None:
             raise ConfigError(f"{' and '.join(wants)}, which needs the lean forward, but it does "
                               f"not support this model: {reason}")
+
+    def _decode_multiply_adds(self) -> int:
+        """One decode step's linear-layer work on this process: the completions a round decodes
+        together (its questions x G, at most generation_chunk_size) x multiply-adds per token."""
+        rows = self.args.step_plan().questions_per_step * self.args.num_generations
+        if self.args.generation_chunk_size:
+            rows = min(rows, self.args.generation_chunk_size)
+        return rows * ModelShape.from_config(self.policy.config).multiply_adds_per_token()
 
     def _load_reference(self, model):
         """No reference when beta = 0; with LoRA the base (adapters disabled) is the reference."""

@@ -107,7 +107,9 @@ class CPPOConfig:
         "the tokens then come from a slightly different distribution, corrected by importance "
         "sampling (below). Lean forward only (Llama/Qwen2/Mistral, no LoRA). 'auto': bfloat16 "
         "where the device computes it fast, the policy is float32 and the built-in sampler runs "
-        "the lean forward (no vLLM, rollout_func or tools); the policy's own dtype otherwise.",
+        "the lean forward (no vLLM, rollout_func or tools) and, on a CPU, a decode step is large "
+        "enough to pay for bfloat16's per-matmul cost (completions decoded together x the model's "
+        "multiply-adds per token >= 4e8); the policy's own dtype otherwise.",
         ("auto", "float32", "bfloat16", "float16"))
     skip_zero_variance_prompts: bool = option(
         False, "Skip rolling out questions whose latest groups all had zero reward variance (every "

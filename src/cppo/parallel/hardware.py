@@ -10,6 +10,7 @@ AVX512-FP16 or AMX-FP16. See docs/performance.md.
 
 from __future__ import annotations
 
+import math
 import platform
 import warnings
 from functools import lru_cache
@@ -18,6 +19,10 @@ import torch
 from cppo.errors import SlowPrecisionWarning
 
 LOW_PRECISION = ("bfloat16", "float16")
+# A CPU's bfloat16 matmul has a fixed cost per call (oneDNN's set-up and conversions) that float32
+# does not: sampling from a bfloat16 copy pays only once a decode step has this much work
+# (completions decoded together x the model's multiply-adds per token; docs/performance.md).
+BF16_MIN_DECODE_MULTIPLY_ADDS = 4e8
 
 
 @lru_cache(maxsize=1)
@@ -81,13 +86,19 @@ def has_fast_dtype(dtype: str, device: torch.device | str = "cpu") -> bool:
 
 
 def auto_generation_dtype(policy_dtype: torch.dtype, device: torch.device | str,
-                          samples_from_a_copy: bool) -> str | None:
+                          samples_from_a_copy: bool, decode_multiply_adds: float = math.inf) -> str | None:
     """What generation_dtype 'auto' samples in: bfloat16 where `device` computes it fast and the
     policy is float32, when the sampler can sample from a copy of the weights (the built-in
-    sampler on the lean forward); None, the policy's own dtype, otherwise."""
+    sampler on the lean forward) and, on a CPU, when one decode step is large enough
+    (`decode_multiply_adds`: completions decoded together x multiply-adds per token, at least
+    BF16_MIN_DECODE_MULTIPLY_ADDS); None, the policy's own dtype, otherwise."""
     if not samples_from_a_copy or policy_dtype != torch.float32:
         return None
-    return "bfloat16" if has_fast_dtype("bfloat16", device) else None
+    if not has_fast_dtype("bfloat16", device):
+        return None
+    if torch.device(device).type == "cpu" and decode_multiply_adds < BF16_MIN_DECODE_MULTIPLY_ADDS:
+        return None
+    return "bfloat16"
 
 
 def describe(device: torch.device | str = "cpu") -> dict:

@@ -64,6 +64,13 @@ class ModelShape:
         """2 (k and v) x layers x kv_heads x head_dim x dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
+    def multiply_adds_per_token(self) -> int:
+        """Multiply-adds of the linear layers for one token: q, k, v, o, the MLP's gate, up and
+        down in every layer, and the LM head (attention over the context not counted)."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + h * self.vocab_size
+
     def layer_activation_values(self) -> int:
         """Values per token that one decoder layer keeps for its backward pass: two norms' inputs
         and outputs (4h), q, k, v, attention and o_proj outputs, the MLP's gate, up, act(gate)
