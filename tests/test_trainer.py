@@ -225,6 +225,7 @@ def test_auto_generation_dtype_samples_from_a_bfloat16_copy_only_where_bfloat16_
     assert (trainer.generate(ROWS[:2])[1].logprobs is not None) == fast
     said = capsys.readouterr().out
     assert said.count("generation_dtype: auto -> bfloat16") == (1 if fast else 0)
+    assert "auto -> float32" not in said   # not fast: nothing to explain
 
 
 def test_auto_generation_dtype_keeps_the_policys_dtype_where_no_copy_can_sample(
@@ -254,7 +255,10 @@ def test_auto_generation_dtype_keeps_float32_where_a_cpu_decode_step_is_too_smal
     linear = sum(m.weight.numel() for m in trainer.policy.modules() if isinstance(m, torch.nn.Linear))
     assert trainer._decode_multiply_adds() == 16 * linear
     assert trainer._decode_multiply_adds() < hardware.BF16_MIN_DECODE_MULTIPLY_ADDS
-    assert trainer.args.generation_dtype is None and "auto -> bfloat16" not in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert trainer.args.generation_dtype is None and "auto -> bfloat16" not in said
+    assert said.count(f"generation_dtype: auto -> float32: a decode step here ({16 * linear:.1e} "
+                      f"multiply-adds) is too small") == 1
     chunked = make_trainer(tiny_model_dir, tmp_path / "chunked", generation_dtype="auto",
                            max_steps=1, generation_chunk_size=8)
     assert chunked._decode_multiply_adds() == 8 * linear   # a chunk is what decodes together

@@ -37,7 +37,8 @@ from cppo.data.sources import TaskData, TaskSource, load_task, user_task
 from cppo.errors import CallbackError, ConfigError
 from cppo.evaluate import evaluate
 from cppo.parallel.engines import Engine, check_layout, pad_rows, resolve_strategy
-from cppo.parallel.hardware import auto_generation_dtype, warn_slow_precision
+from cppo.parallel.hardware import (BF16_MIN_DECODE_MULTIPLY_ADDS, auto_generation_dtype,
+                                    warn_slow_precision)
 from cppo.parallel.memory import ModelShape, check_batch_settings, device_memory_bytes, plan_for_run
 from cppo.parallel.processes import Distributed, launcher_restarts
 from cppo.rewards.runner import RewardRunner, unpadded_ids
@@ -236,14 +237,19 @@ class CPPOTrainer:
                 lean, reason = lean_forward_for(self.policy)
         if auto:
             dtype = next(self.policy.parameters()).dtype
-            args.generation_dtype = auto_generation_dtype(
-                dtype, self.device, built_in and lean is not None,
-                decode_multiply_adds=self._decode_multiply_adds() if lean is not None else 0)
+            copy = built_in and lean is not None
+            work = self._decode_multiply_adds() if copy else 0
+            args.generation_dtype = auto_generation_dtype(dtype, self.device, copy, work)
             if args.generation_dtype and self.dist.is_main:
                 print(f"generation_dtype: auto -> {args.generation_dtype}: sampling from a "
                       f"{args.generation_dtype} copy of the policy, which this device computes "
                       f"fast (importance-sampling corrected; --generation_dtype none samples in "
                       f"{str(dtype).removeprefix('torch.')})", flush=True)
+            elif copy and auto_generation_dtype(dtype, self.device, copy) and self.dist.is_main:
+                print(f"generation_dtype: auto -> {str(dtype).removeprefix('torch.')}: a decode "
+                      f"step here ({work:.1e} multiply-adds) is too small for bfloat16 to pay on "
+                      f"this CPU (from {BF16_MIN_DECODE_MULTIPLY_ADDS:.0e}); "
+                      f"--generation_dtype bfloat16 samples from the copy anyway", flush=True)
         if wants and lean is None:
             raise ConfigError(f"{' and '.join(wants)}, which needs the lean forward, but it does "
                               f"not support this model: {reason}")
