@@ -126,6 +126,7 @@ class CPPOTrainer:
                              bf16=args.bf16, block_names=args.fsdp_transformer_layer_cls_to_wrap)
         self.reference = self.engine.shard_reference(self.reference)
         torch.manual_seed(args.seed + self.dist.rank)  # dropout differs per process
+        self.plan = args.step_plan()   # questions sampled, scored and kept per step
         self._resolve_generation_dtype()
         warn_slow_precision(args, self.device)   # bf16 on a CPU without native bf16
         self.task = self._load_data(train_dataset, eval_dataset)
@@ -143,7 +144,6 @@ class CPPOTrainer:
         self.rewards = RewardRunner(funcs, weights,
                                     processing_classes=reward_processing_classes, device=self.device)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
-        self.plan = args.step_plan()
         check_batch_settings(self.batch_sizes,
                              per_device_train_batch_size=args.per_device_train_batch_size,
                              max_completion_length=args.max_completion_length,
@@ -222,7 +222,8 @@ class CPPOTrainer:
 
     def _resolve_generation_dtype(self) -> None:
         """generation_dtype 'auto' becomes bfloat16 or None in the run's config
-        (hardware.auto_generation_dtype, said in one line when it is bfloat16); an explicit
+        (hardware.auto_generation_dtype, said in one line when it is bfloat16 or when the batch
+        alone kept float32); an explicit
         generation_dtype and num_speculative_tokens need the lean forward on this model."""
         args = self.args
         auto = args.generation_dtype == "auto"
@@ -257,7 +258,7 @@ class CPPOTrainer:
     def _decode_multiply_adds(self) -> int:
         """One decode step's linear-layer work on this process: the completions a round decodes
         together (its questions x G, at most generation_chunk_size) x multiply-adds per token."""
-        rows = self.args.step_plan().questions_per_step * self.args.num_generations
+        rows = self.plan.questions_per_step * self.args.num_generations
         if self.args.generation_chunk_size:
             rows = min(rows, self.args.generation_chunk_size)
         return rows * ModelShape.from_config(self.policy.config).multiply_adds_per_token()
