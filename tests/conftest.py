@@ -3,9 +3,10 @@ import torch
 
 torch.set_num_threads(1)  # 2 threads on a busy 2-core machine spin badly (OpenMP)
 
-# The files that start processes of their own (torchrun groups, vLLM engines, killed children), the
-# longest first: under `pytest -n 2` (one file per worker, in this order) they start at once on
-# different workers and the short files fill in around them, instead of one of them starting last.
+# The longest files, most of them starting processes of their own (torchrun groups, vLLM engines,
+# killed children), the two longest first: under `pytest -n 2` (one file per worker, in this order)
+# those two start at once on different workers and the short files fill in around the long ones,
+# instead of a long one starting last.
 LONGEST_FIRST = ("test_distributed.py", "test_vllm_engine.py", "test_reliability_crash.py",
                  "test_vllm_server.py", "test_trl_differential.py")
 
