@@ -388,12 +388,12 @@ class LeanForward:
         for w in weights.layers:
             qkv = self._qkv_packed(w, h, rope)                           # (M_in, H + 2 H_kv, D)
             qp, kp, vp = self._unpack(qkv[:num_prompt_tokens], prompt_slots, num_prompts, q_len)
-            attended = [self._attend(qp, kp, vp, allowed_prompt).flatten(0, 1)[prompt_slots]]
+            attended = [self._attend(qp, kp, vp, allowed_prompt).flatten(0, 1).index_select(0, prompt_slots)]
             if len(completion_slots):
                 qc, kc, vc = self._unpack(qkv[num_prompt_tokens:], completion_slots, n, t_len - 1)
-                attended.append(self._attend(qc, torch.cat([kp[question], kc], dim=2),
-                                             torch.cat([vp[question], vc], dim=2),
-                                             allowed).flatten(0, 1)[completion_slots])
+                attended.append(self._attend(qc, torch.cat([kp.index_select(0, question), kc], dim=2),
+                                             torch.cat([vp.index_select(0, question), vc], dim=2),
+                                             allowed).flatten(0, 1).index_select(0, completion_slots))
             h = self._finish(w, h, torch.cat(attended))
         # the packed row predicting each completion token (N, T): token 0 the prompt's last
         # position, token t the completion's input t-1
@@ -401,9 +401,10 @@ class LeanForward:
         completion_rows = num_prompt_tokens + inputs.flatten().long().cumsum(0) - 1
         source = torch.cat([prompt_rows.view(num_prompts, q_len)[question, -1:],
                             completion_rows.view(n, t_len - 1)], dim=1)
+        h = h.index_select(0, source[completion_mask])
         if not head:
-            return self._norm(h[source[completion_mask]], weights.norm), weights.head, weights.head_bias
-        return self._logits(weights, h[source[completion_mask]])
+            return self._norm(h, weights.norm), weights.head, weights.head_bias
+        return self._logits(weights, h)
 
     def _qkv_packed(self, w: "LayerWeights", h: Tensor, rope: tuple[Tensor, Tensor, Tensor]) -> Tensor:
         """Rotated queries and keys, and values, of packed tokens h (M, d): (M, H + 2*H_kv, D)."""
@@ -449,8 +450,9 @@ class LeanForward:
             qc, kc, vc = (t[0, :, split:].unflatten(1, (n, t_len)).transpose(0, 1)
                           for t in (q, k, v))                 # (N, H, T, D)
             attended_prompt = self._attend(qp, kp, vp, allowed_prompt)              # (Q, Lp, H*D)
-            attended = self._attend(qc, torch.cat([kp[question], kc], dim=2),
-                                    torch.cat([vp[question], vc], dim=2), allowed)  # (N, T, H*D)
+            attended = self._attend(qc, torch.cat([kp.index_select(0, question), kc], dim=2),
+                                    torch.cat([vp.index_select(0, question), vc], dim=2),
+                                    allowed)  # (N, T, H*D)
             h = self._finish(w, h, torch.cat([attended_prompt.reshape(-1, heads * dim),
                                               attended.reshape(-1, heads * dim)])[None])
         h_prompt, h_completion = h[0, :split].view(num_prompts, q_len, -1), h[0, split:].view(n, t_len, -1)
