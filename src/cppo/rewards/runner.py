@@ -26,7 +26,8 @@ PREFLIGHT_ENCODED_ROWS = 8          # prompts tokenised by preflight (all rows a
 def unpadded_ids(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     """Padded completion ids (N, T) and their mask (N, T) -> N lists of the real tokens (up to and
     including EOS), what TRL hands reward functions as `completion_ids`."""
-    return [row[keep].tolist() for row, keep in zip(ids.cpu(), mask.cpu().bool())]
+    return [[token for token, real in zip(row, keep) if real]   # plain lists: one call per tensor
+            for row, keep in zip(ids.tolist(), mask.bool().tolist())]
 
 
 class RewardRunner:
