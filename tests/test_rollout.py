@@ -109,6 +109,69 @@ def test_sample_categorical_draws_from_the_given_distribution():
         torch.testing.assert_close(freq, expected, atol=0.005, rtol=0)
 
 
+def test_a_large_vocabulary_is_sampled_block_by_block_from_the_same_distribution():
+    """Over 2 blocks the draw is inverted block first, then token: the frequencies are the
+    weights' (zero weights at a block's edges and in the shorter last block never drawn), and
+    each draw is the token one inversion of the whole row gives for the same uniform number,
+    up to rounding at the boundaries."""
+    from cppo.sampling.logits import SAMPLING_BLOCK, sample_categorical
+    vocab = 3 * SAMPLING_BLOCK + 40                        # a last block of 40 tokens
+    weights = torch.zeros(vocab)
+    heavy = [0, SAMPLING_BLOCK - 1, SAMPLING_BLOCK + 1, 2 * SAMPLING_BLOCK + 7, vocab - 1]
+    weights[heavy] = torch.tensor([1.0, 4.0, 2.0, 0.5, 2.5])
+    weights[SAMPLING_BLOCK + 100] = 1e-3                   # a light one, in a block of its own
+    draws = 100_000
+    tokens = sample_categorical(weights.repeat(draws, 1), torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=vocab).float() / draws
+    assert (freq[weights == 0] == 0).all()
+    torch.testing.assert_close(freq, weights / weights.sum(), atol=0.004, rtol=0)
+    probs = torch.randn(64, vocab).mul(3).softmax(-1)
+    cdf = probs.cumsum(-1)
+    same = 0
+    for seed in range(20):
+        u = torch.rand(64, 1, generator=torch.Generator().manual_seed(seed)) * cdf[:, -1:]
+        whole_row = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+        same += int((sample_categorical(probs, torch.Generator().manual_seed(seed)) == whole_row).sum())
+    assert same >= 64 * 20 - 3
+
+
+def test_a_uniform_number_at_the_top_of_the_row_still_draws_a_token_of_weight(monkeypatch):
+    """With u as close to 1 as float32 goes, rounding between the block sums and the sums within
+    a block must not carry the draw past the last token of weight (into a zero, or past the
+    vocabulary in the shorter last block)."""
+    from cppo.sampling import logits as sampling
+    vocab = 3 * sampling.SAMPLING_BLOCK + 40
+    weights = torch.rand(4096, vocab, generator=torch.Generator().manual_seed(5)) * 1e3
+    weights[:, -20:-1] = 0.0                # tokens of no weight before the last one
+    top = 1 - 2.0 ** -24
+    monkeypatch.setattr(sampling.torch, "rand", lambda n, one, **kw: torch.full((n, one), top))
+    tokens = sampling.sample_categorical(weights)
+    assert int(tokens.max()) < vocab
+    assert bool((weights.gather(1, tokens[:, None]) > 0).all())
+
+
+def test_sampled_logprobs_are_the_softmax_logprobs_of_the_drawn_tokens():
+    """sample_logits draws from softmax(logits) and returns log_softmax at the drawn tokens,
+    from bfloat16 logits too, and the same with a reused buffer as without."""
+    from cppo.sampling.logits import sample_logits, sampling_logits
+    logits = torch.randn(6, 3 * 256 + 5, generator=torch.Generator().manual_seed(1)) * 4
+    logits[:, 7] = float("-inf")                            # masked: never drawn
+    for dtype in (torch.float32, torch.bfloat16):
+        given = logits.to(dtype)
+        tokens, logprobs = sample_logits(given, torch.Generator().manual_seed(2))
+        expected = torch.log_softmax(given.float(), -1).gather(1, tokens[:, None]).squeeze(1)
+        torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=1e-5)
+        again, again_logprobs = sample_logits(given, torch.Generator().manual_seed(2),
+                                              out=torch.empty(9, logits.shape[1])[:6])
+        assert torch.equal(again, tokens) and torch.equal(again_logprobs, logprobs)
+    many = torch.tensor([[0.0, 1.0, 2.0, float("-inf")]]).repeat(200_000, 1)
+    drawn, _ = sample_logits(many, torch.Generator().manual_seed(3))
+    freq = torch.bincount(drawn, minlength=4).float() / len(many)
+    torch.testing.assert_close(freq, torch.softmax(many[0], -1), atol=0.005, rtol=0)
+    assert sampling_logits(given) is given                   # no transform: no copy
+    assert sampling_logits(given, temperature=0.7).dtype == torch.float32
+
+
 def test_sample_categorical_refuses_a_broken_distribution():
     import pytest
     from cppo.sampling.logits import sample_categorical

@@ -64,10 +64,14 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0,
 def sampling_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0,
                     top_p: float = 1.0, min_p: float | None = None,
                     repetition_penalty: float = 1.0, seen: Tensor | None = None) -> Tensor:
-    """The logits (N, V), float32, of the distribution a token is drawn from: repetition
-    penalty over `seen` (N, V), temperature, top-k, top-p, min-p."""
+    """The logits (N, V) of the distribution a token is drawn from: repetition penalty over
+    `seen` (N, V), temperature, top-k, top-p, min-p, in float32; with every transform off, the
+    input itself (in its own dtype: no row-sized copy is made for nothing)."""
+    if (repetition_penalty == 1.0 or seen is None) and temperature == 1.0 and not top_k \
+            and top_p >= 1.0 and not min_p:
+        return logits
     logits = penalize_repetition(logits.float(), seen, repetition_penalty)
-    return filter_logits(logits / temperature, top_k, top_p, min_p)
+    return filter_logits(logits if temperature == 1.0 else logits / temperature, top_k, top_p, min_p)
 
 
 def greedy_logits(logits: Tensor, *, repetition_penalty: float = 1.0,
@@ -77,18 +81,58 @@ def greedy_logits(logits: Tensor, *, repetition_penalty: float = 1.0,
     return penalize_repetition(logits, seen, repetition_penalty)
 
 
+SAMPLING_BLOCK = 256   # vocabularies over 2 blocks are sampled block first, then token
+
+
 def sample_categorical(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One draw (N,) from each row of probs (N, V) (non-negative weights, rows need not sum to 1)
     by inverting its cumulative distribution.
 
     One uniform number per row, against V per row for torch.multinomial (which runs an
-    exponential race): far less work for large vocabularies. Tokens of weight 0 are never drawn."""
-    cdf = probs.cumsum(-1)
+    exponential race): far less work for large vocabularies. A large vocabulary is inverted in
+    two levels, over the sums of blocks of SAMPLING_BLOCK tokens and then within the chosen
+    block, so no cumulative sum runs over the whole row. Tokens of weight 0 are never drawn."""
+    n, vocab = probs.shape
+    blocked = vocab > 2 * SAMPLING_BLOCK
+    if blocked:
+        whole = vocab - vocab % SAMPLING_BLOCK              # the last block may be shorter
+        sums = probs[:, :whole].view(n, -1, SAMPLING_BLOCK).sum(-1)
+        if whole < vocab:
+            sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True)], dim=1)
+        cdf = sums.cumsum(-1)                                           # (N, blocks)
+    else:
+        cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     if not bool((torch.isfinite(total) & (total > 0)).all()):
         raise ValueError("cannot sample: a row of the sampling distribution is not finite or is "
                          "all zero (the model's logits hold NaN or inf)")
     device = generator.device if generator is not None else probs.device
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=device).to(probs.device)
-    # u < 1, so u * total < total: the index is always a token of nonzero weight
-    return torch.searchsorted(cdf, u * total, right=True).squeeze(-1)
+    u = torch.rand(n, 1, generator=generator, device=device).to(probs.device) * total
+    # u < total, so the first entry of cdf above u has nonzero weight
+    index = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
+    if not blocked:
+        return index.squeeze(-1)
+    before = torch.where(index > 0, cdf.gather(1, (index - 1).clamp(min=0)), 0.0)
+    columns = index * SAMPLING_BLOCK + torch.arange(SAMPLING_BLOCK, device=probs.device)
+    within = probs.gather(1, columns.clamp(max=vocab - 1)).masked_fill_(columns >= vocab, 0.0)
+    within = within.cumsum(-1)                                          # (N, block)
+    # the mass left inside the block, kept below the block's own (rounded) total
+    u = torch.minimum(u - before, torch.nextafter(within[:, -1:], torch.zeros_like(total)))
+    token = torch.searchsorted(within, u, right=True).clamp_(max=SAMPLING_BLOCK - 1)
+    return (index * SAMPLING_BLOCK + token).squeeze(-1)
+
+
+def sample_logits(logits: Tensor, generator: torch.Generator | None = None, *,
+                  out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One draw (N,) from softmax(logits) for logits (N, V) (any float dtype; -inf: never drawn)
+    and the draws' log-probs (N,), with no normalised copy of the row: the weights
+    exp(logits - max), computed in float32,
+    are sampled as they are, and log p = log(weight) - log(sum of the weights). out (N, V),
+    float32: where the weights are computed (a buffer reused from step to step, so no new
+    row-sized tensor is allocated: at a vocabulary of 152k that allocation costs more than the
+    arithmetic); None: a new tensor."""
+    weights = logits.to(torch.float32, copy=True) if out is None else out.copy_(logits)
+    weights.sub_(weights.amax(-1, keepdim=True)).exp_()
+    tokens = sample_categorical(weights, generator)
+    logprobs = weights.gather(1, tokens[:, None]).log_() - weights.sum(-1, keepdim=True).log_()
+    return tokens, logprobs.squeeze(-1)

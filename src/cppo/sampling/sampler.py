@@ -19,8 +19,7 @@ from torch import Tensor
 from cppo.algorithm.allocation import questions_per_chunk
 from cppo.models.lean import lean_forward_for
 from cppo.sampling.batches import Completions, PromptBatch, concat_completions, completions_from_ids
-from cppo.sampling.logits import (greedy_logits, mark_seen, sample_categorical, sampling_logits,
-                                  seen_tokens)
+from cppo.sampling.logits import greedy_logits, mark_seen, sample_logits, sampling_logits, seen_tokens
 from cppo.sampling.padding import pad_token_lists
 
 
@@ -51,18 +50,20 @@ def encode_prompts(tokenizer, prompts: Sequence, max_prompt_length: int | None =
 
 
 def _next_tokens(logits: Tensor, *, greedy: bool, generator: torch.Generator | None,
-                 logprobs: list | None = None, seen: Tensor | None = None, **transforms) -> Tensor:
+                 logprobs: list | None = None, seen: Tensor | None = None,
+                 workspace: Tensor | None = None, **transforms) -> Tensor:
     """Sample (or argmax) one token per row of logits (N, V) after the logit transforms of
     cppo.sampling.logits (`transforms`: temperature, top_k, top_p, min_p, repetition_penalty; seen
     (N, V): the tokens the repetition penalty looks at); append their log-probs under the
-    sampling distribution to `logprobs` when given."""
+    sampling distribution to `logprobs` when given. workspace (>= N, V) float32: a buffer for
+    the sampling weights, reused from step to step."""
     if greedy:
         return greedy_logits(logits, repetition_penalty=transforms["repetition_penalty"],
                              seen=seen).argmax(-1)
-    logits = sampling_logits(logits, seen=seen, **transforms)
-    tok = sample_categorical(logits.softmax(-1), generator)
+    tok, logp = sample_logits(sampling_logits(logits, seen=seen, **transforms), generator,
+                              out=None if workspace is None else workspace[:len(logits)])
     if logprobs is not None:
-        logprobs.append(torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
+        logprobs.append(logp)
     return tok
 
 
@@ -220,9 +221,10 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
     active = torch.arange(n, device=device)          # the row of ids each batch row fills
     finished = torch.zeros(n, dtype=torch.bool, device=device)   # per batch row
     width = 0
+    workspace = None if sampling["greedy"] else torch.empty(logits.shape, device=device)
     for step in range(max_new_tokens):
         logprobs = [] if recorded is not None else None
-        tok = _next_tokens(logits, logprobs=logprobs, seen=seen, **sampling)
+        tok = _next_tokens(logits, logprobs=logprobs, seen=seen, workspace=workspace, **sampling)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
         if seen is not None:
             mark_seen(seen, tok)

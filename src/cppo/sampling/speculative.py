@@ -31,7 +31,7 @@ from torch import Tensor
 from cppo.algorithm.speculative import (accepted_drafts, accepted_drafts_greedy,
                                         residual_weights)
 from cppo.sampling.batches import Completions, completions_from_ids
-from cppo.sampling.logits import sample_categorical, sampling_logits
+from cppo.sampling.logits import sample_categorical, sample_logits, sampling_logits
 
 
 @dataclass
@@ -185,10 +185,9 @@ def speculative_decode(lean, first_logits: Tensor, cache, keys: Tensor, position
     if greedy:
         tok = first_logits.argmax(-1)
     else:
-        logits = sampling_logits(first_logits, **sampling)
-        tok = sample_categorical(logits.softmax(-1), generator)
+        tok, logprobs = sample_logits(sampling_logits(first_logits, **sampling), generator)
         if recorded is not None:
-            recorded[:, 0] = torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
+            recorded[:, 0] = logprobs
     ids[:, 0] = tok
     real[:, lp] = True
     length += 1
@@ -219,7 +218,7 @@ def speculative_decode(lean, first_logits: Tensor, cache, keys: Tensor, position
             accepted = accepted_drafts_greedy(best[:, :width], drafts, counts)
             nxt = best[rows, accepted]
         else:
-            logits = sampling_logits(logits.flatten(0, 1), **sampling).view(m, width + 1, -1)
+            logits = sampling_logits(logits.flatten(0, 1).float(), **sampling).view(m, width + 1, -1)
             probs = logits.softmax(-1)
             draft_probs = probs[:, :width].gather(-1, drafts[..., None]).squeeze(-1)
             uniforms = torch.rand(m, width, generator=generator,
