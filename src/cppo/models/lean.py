@@ -388,12 +388,16 @@ class LeanForward:
         for w in weights.layers:
             qkv = self._qkv_packed(w, h, rope)                           # (M_in, H + 2 H_kv, D)
             qp, kp, vp = self._unpack(qkv[:num_prompt_tokens], prompt_slots, num_prompts, q_len)
-            attended = [self._attend(qp, kp, vp, allowed_prompt).flatten(0, 1).index_select(0, prompt_slots)]
+            attended = [self._attend(qp, kp, vp, allowed_prompt).flatten(0, 1)
+                        .index_select(0, prompt_slots)]
             if len(completion_slots):
                 qc, kc, vc = self._unpack(qkv[num_prompt_tokens:], completion_slots, n, t_len - 1)
-                attended.append(self._attend(qc, torch.cat([kp.index_select(0, question), kc], dim=2),
-                                             torch.cat([vp.index_select(0, question), vc], dim=2),
-                                             allowed).flatten(0, 1).index_select(0, completion_slots))
+                # index_select, not x[index]: its backward is an index add, far cheaper on a CPU
+                # than indexing's accumulating index put
+                attended.append(self._attend(
+                    qc, torch.cat([kp.index_select(0, question), kc], dim=2),
+                    torch.cat([vp.index_select(0, question), vc], dim=2),
+                    allowed).flatten(0, 1).index_select(0, completion_slots))
             h = self._finish(w, h, torch.cat(attended))
         # the packed row predicting each completion token (N, T): token 0 the prompt's last
         # position, token t the completion's input t-1

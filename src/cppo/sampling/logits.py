@@ -126,11 +126,10 @@ def sample_logits(logits: Tensor, generator: torch.Generator | None = None, *,
                   out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One draw (N,) from softmax(logits) for logits (N, V) (any float dtype; -inf: never drawn)
     and the draws' log-probs (N,), with no normalised copy of the row: the weights
-    exp(logits - max), computed in float32,
-    are sampled as they are, and log p = log(weight) - log(sum of the weights). out (N, V),
-    float32: where the weights are computed (a buffer reused from step to step, so no new
-    row-sized tensor is allocated: at a vocabulary of 152k that allocation costs more than the
-    arithmetic); None: a new tensor."""
+    exp(logits - max), in float32, are sampled as they are, and log p = log(weight) - log(sum of
+    the weights). out (N, V), float32: where the weights are computed (a buffer reused from step
+    to step, so no new row-sized tensor is allocated: at a vocabulary of 152k that allocation
+    costs more than the arithmetic); None: a new tensor."""
     weights = logits.to(torch.float32, copy=True) if out is None else out.copy_(logits)
     weights.sub_(weights.amax(-1, keepdim=True)).exp_()
     tokens = sample_categorical(weights, generator)
