@@ -123,15 +123,18 @@ def sample_categorical(probs: Tensor, generator: torch.Generator | None = None) 
 
 
 def sample_logits(logits: Tensor, generator: torch.Generator | None = None, *,
-                  out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  out: Tensor | None = None, logprobs: bool = True) -> tuple[Tensor, Tensor | None]:
     """One draw (N,) from softmax(logits) for logits (N, V) (any float dtype; -inf: never drawn)
     and the draws' log-probs (N,), with no normalised copy of the row: the weights
     exp(logits - max), in float32, are sampled as they are, and log p = log(weight) - log(sum of
     the weights). out (N, V), float32: where the weights are computed (a buffer reused from step
     to step, so no new row-sized tensor is allocated: at a vocabulary of 152k that allocation
-    costs more than the arithmetic); None: a new tensor."""
+    costs more than the arithmetic); None: a new tensor. logprobs=False: None for the
+    log-probs, which are then not computed."""
     weights = logits.to(torch.float32, copy=True) if out is None else out.copy_(logits)
     weights.sub_(weights.amax(-1, keepdim=True)).exp_()
     tokens = sample_categorical(weights, generator)
-    logprobs = weights.gather(1, tokens[:, None]).log_() - weights.sum(-1, keepdim=True).log_()
-    return tokens, logprobs.squeeze(-1)
+    if not logprobs:
+        return tokens, None
+    drawn = weights.gather(1, tokens[:, None]).log_() - weights.sum(-1, keepdim=True).log_()
+    return tokens, drawn.squeeze(-1)

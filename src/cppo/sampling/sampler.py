@@ -61,7 +61,8 @@ def _next_tokens(logits: Tensor, *, greedy: bool, generator: torch.Generator | N
         return greedy_logits(logits, repetition_penalty=transforms["repetition_penalty"],
                              seen=seen).argmax(-1)
     tok, logp = sample_logits(sampling_logits(logits, seen=seen, **transforms), generator,
-                              out=None if workspace is None else workspace[:len(logits)])
+                              out=None if workspace is None else workspace[:len(logits)],
+                              logprobs=logprobs is not None)
     if logprobs is not None:
         logprobs.append(logp)
     return tok

@@ -185,7 +185,8 @@ def speculative_decode(lean, first_logits: Tensor, cache, keys: Tensor, position
     if greedy:
         tok = first_logits.argmax(-1)
     else:
-        tok, logprobs = sample_logits(sampling_logits(first_logits, **sampling), generator)
+        tok, logprobs = sample_logits(sampling_logits(first_logits, **sampling), generator,
+                                      logprobs=recorded is not None)
         if recorded is not None:
             recorded[:, 0] = logprobs
     ids[:, 0] = tok
