@@ -40,6 +40,8 @@ ROWS = {
     "speculative": ["--num_speculative_tokens", "4"],
     "bf16_sampling": ["--generation_dtype", "bfloat16"],   # sample from a bf16 copy, IS-corrected
     "float32_sampling": ["--generation_dtype", "none"],   # the policy's own float32 on every CPU
+    "float32_matmuls": ["--matmul_dtype", "none"],   # training matmuls in float32 on every CPU
+    "float32": ["--generation_dtype", "none", "--matmul_dtype", "none"],   # float32 throughout
     "two_stage": ["--two_stage_generations", "4"],   # 4 of 8 first; the rest only where rewards differ
 }
 RECIPE_KEYS = ("pruning_rate", "num_generations", "per_device_train_batch_size", "max_steps",

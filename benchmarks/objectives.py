@@ -47,7 +47,8 @@ def run_row(objective: str, pruning_rate: float, seed: int, args, runs_dir: Path
                      max_steps=args.max_steps, eval_steps=0, save_steps=0,
                      eval_num_questions=args.eval_questions, output_dir=str(out),
                      progress_bar=False, report_to=["jsonl"],
-                     generation_dtype=None)   # float32 sampling on every machine ('auto' is by CPU)
+                     generation_dtype=None,   # float32 sampling on every machine ('auto' is by CPU)
+                     matmul_dtype=None)       # and float32 training matmuls
     start, load_start = time.perf_counter(), os.getloadavg()[0]
     summary = CPPOTrainer(args=cfg).train()
     return {"objective": objective, "options": OBJECTIVES[objective], "pruning_rate": pruning_rate,

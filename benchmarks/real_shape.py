@@ -223,6 +223,7 @@ def run_cppo(system, folder, rows, shape, device, dtype, steps) -> dict:
                      max_prompt_length=128, beta=0.0, loss_type="dapo", learning_rate=LEARNING_RATE,
                      max_steps=steps, eval_steps=0, save_steps=0, progress_bar=False, seed=0,
                      bf16=low, generation_dtype="bfloat16" if bf16_sampling else None,
+                     matmul_dtype=None,   # training passes in float32 (or bf16 autocast), as TRL's
                      output_dir=tempfile.mkdtemp(prefix="cppo_real_shape_"))
     with contextlib.redirect_stdout(io.StringIO()):
         trainer = CPPOTrainer(reward_funcs=[shorter_is_better], args=cfg, train_dataset=rows)

@@ -147,3 +147,61 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients(name):
     torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
     for got, expected in zip(results[True][1], results[False][1]):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def _decoder_linears_in_bfloat16(model) -> list:
+    """Make the model's own decoder Linear layers compute in bfloat16 (inputs and weights cast,
+    outputs back to float32); returns the patched modules (del their .forward to undo)."""
+    patched = []
+    for layer in model.model.layers:
+        for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                  layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            def forward(x, m=m):
+                bias = None if m.bias is None else m.bias.bfloat16()
+                return torch.nn.functional.linear(x.bfloat16(), m.weight.bfloat16(), bias).to(x.dtype)
+            m.forward = forward
+            patched.append(m)
+    return patched
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_matmul_dtype_runs_the_decoder_linears_in_it_and_nothing_else(name, packed):
+    """matmul_dtype=bfloat16: the same log-probs as the model's own forward with only its decoder
+    Linear layers in bfloat16 (embedding, norms, attention and the head in float32), gradients
+    on the float32 parameters; and not the float32 log-probs."""
+    model = MODELS[name]
+    ids, mask, _ = _padded_batch(n=3, length=6)
+    rows = torch.tensor([0, 1, 0, 2, 1, 0])
+    g = torch.Generator().manual_seed(5)
+    completion_ids = torch.randint(3, 40, (6, 4), generator=g)
+    completion_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0],
+                                    [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    results = {}
+    for run in ("float32", "bfloat16", "reference"):
+        model.zero_grad()
+        patched = _decoder_linears_in_bfloat16(model) if run == "reference" else []
+        try:
+            logprobs = completion_logprobs(
+                model, ids[rows], mask[rows], completion_ids, completion_mask, temperature=0.7,
+                lean=run != "reference", packed=packed,
+                matmul_dtype=torch.bfloat16 if run == "bfloat16" else None)
+            (logprobs * completion_mask).sum().backward()
+        finally:
+            for m in patched:
+                del m.forward
+        results[run] = (logprobs.detach() * completion_mask, [p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    logprobs, grads = results["bfloat16"]
+    torch.testing.assert_close(logprobs, results["reference"][0], atol=1e-5, rtol=0)
+    assert (logprobs - results["float32"][0]).abs().max() > 1e-4   # bfloat16 did round
+    for got, expected in zip(grads, results["reference"][1]):
+        assert got.dtype == torch.float32
+        assert (got - expected).norm() <= 2e-2 * expected.norm() + 1e-6
+
+
+def test_matmul_dtype_needs_the_lean_forward():
+    with pytest.raises(ValueError, match="matmul_dtype.*lean forward"):
+        completion_logprobs(MODELS["llama"], *_padded_batch(n=2, length=3)[:2],
+                            torch.ones(2, 2, dtype=torch.long), torch.ones(2, 2, dtype=torch.long),
+                            lean=False, matmul_dtype=torch.bfloat16)

@@ -1,6 +1,7 @@
-"""Every pass of a step runs at one precision: with bf16 on, the old-policy, reference and policy
-log-probs come from the same autocast, so the first iteration's ratio is exactly 1 and the KL to a
-reference equal to the policy is exactly 0."""
+"""Every pass of a step runs at one precision: with bf16 on (or matmul_dtype bfloat16), the
+old-policy, reference and policy log-probs come from the same autocast (the same bfloat16 Linear
+matmuls), so the first iteration's ratio is exactly 1 and the KL to a reference equal to the
+policy is exactly 0."""
 
 import pytest
 import torch
@@ -9,9 +10,10 @@ import cppo.trainer as trainer_module
 from helpers import make_trainer
 
 
-@pytest.mark.parametrize("lean_forward", [True, False])
+@pytest.mark.parametrize("lean_forward,precision", [(True, {"bf16": True}), (False, {"bf16": True}),
+                                                    (True, {"matmul_dtype": "bfloat16"})])
 def test_bf16_first_iteration_ratio_is_one_and_kl_is_zero(tiny_model_dir, tmp_path, monkeypatch,
-                                                           lean_forward):
+                                                           lean_forward, precision):
     calls = []
     policy_loss = trainer_module.per_token_policy_loss
 
@@ -20,7 +22,7 @@ def test_bf16_first_iteration_ratio_is_one_and_kl_is_zero(tiny_model_dir, tmp_pa
         return policy_loss(logps, old_logps, advantages, **kw)
     monkeypatch.setattr(trainer_module, "per_token_policy_loss", spy)
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, num_iterations=2, beta=0.04,
-                           bf16=True, lean_forward=lean_forward, per_device_train_batch_size=4,
+                           **precision, lean_forward=lean_forward, per_device_train_batch_size=4,
                            gradient_accumulation_steps=2, eval_num_questions=1, save_steps=0)
     metrics = trainer.training_round()
     assert len(calls) == 4                  # 2 iterations x 2 micro-batches
@@ -44,3 +46,32 @@ def test_bf16_passes_differ_from_fp32_ones(tiny_model_dir, tmp_path):
         with trainer.autocast():
             bf16 = trainer.logprobs(trainer.policy, batch)
     assert not torch.equal(fp32, bf16)
+
+
+def test_matmul_dtype_passes_differ_from_fp32_ones_and_reach_every_pass(tiny_model_dir, tmp_path,
+                                                                         monkeypatch):
+    """matmul_dtype bfloat16 changes the policy's log-probs (so the check above is not empty), and
+    the trainer asks for it in the policy's and the reference's passes alike."""
+    asked = []
+    logprobs_of = trainer_module.completion_logprobs
+
+    def spy(model, *args, **kw):
+        asked.append(kw.get("matmul_dtype"))
+        return logprobs_of(model, *args, **kw)
+    monkeypatch.setattr(trainer_module, "completion_logprobs", spy)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=1, beta=0.04,
+                           matmul_dtype="bfloat16", eval_num_questions=1, save_steps=0)
+    rows = trainer.take_questions()
+    prompts, completions = trainer.generate(rows)
+    keep = torch.ones(len(rows), trainer.args.num_generations, dtype=torch.bool)
+    batch = trainer.build_batch(prompts, completions, torch.ones(keep.shape), keep)
+    with torch.no_grad():
+        bf16 = trainer.logprobs(trainer.policy, batch)
+        trainer.args.matmul_dtype = None
+        fp32 = trainer.logprobs(trainer.policy, batch)
+    assert not torch.equal(fp32, bf16)
+    torch.testing.assert_close(bf16, fp32, atol=0.05, rtol=0)   # rounding, not another function
+    trainer.args.matmul_dtype = "bfloat16"
+    asked.clear()
+    trainer.training_round()
+    assert len(asked) >= 2 and set(asked) == {torch.bfloat16}   # reference and policy passes

@@ -2,6 +2,8 @@
 
 import json
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -268,6 +270,53 @@ def test_auto_generation_dtype_keeps_float32_where_a_cpu_decode_step_is_too_smal
     # a GPU has no per-call cost of that kind: its decision does not depend on the batch
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert hardware.auto_generation_dtype(torch.float32, "cuda", True, 1) == "bfloat16"
+
+
+@pytest.mark.filterwarnings("ignore::cppo.errors.SlowPrecisionWarning")   # bf16 where "slow"
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_matmul_dtype_is_bfloat16_only_where_fast_and_a_micro_batch_is_large_enough(
+        tiny_model_dir, tmp_path, monkeypatch, capsys, fast):
+    from cppo.parallel import hardware
+    monkeypatch.setattr(hardware, "cpu_has_fast_dtype", lambda dtype: fast)
+    small = make_trainer(tiny_model_dir, tmp_path / "small", matmul_dtype="auto", max_steps=1)
+    assert small.args.matmul_dtype is None   # 8 completions x 5 tokens: too little work to pay
+    monkeypatch.setattr(hardware, "BF16_MIN_DECODE_MULTIPLY_ADDS", 0)
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", matmul_dtype="auto", max_steps=1)
+    assert trainer.args.matmul_dtype == ("bfloat16" if fast else None)
+    said = capsys.readouterr().out
+    assert said.count("matmul_dtype: auto -> bfloat16") == (1 if fast else 0)
+    # not with bf16 autocast, nor where the lean forward does not run the passes
+    assert make_trainer(tiny_model_dir, tmp_path / "b", matmul_dtype="auto", bf16=True,
+                        max_steps=1).args.matmul_dtype is None
+    assert make_trainer(tiny_model_dir, tmp_path / "c", matmul_dtype="auto", lean_forward=False,
+                        max_steps=1).args.matmul_dtype is None
+    linear = sum(m.weight.numel() for m in trainer.policy.modules() if isinstance(m, torch.nn.Linear))
+    work = 8 * 5 * linear   # per_device_train_batch_size x max_completion_length x per token
+    monkeypatch.setattr(hardware, "cpu_has_fast_dtype", lambda dtype: True)
+    monkeypatch.setattr(hardware, "BF16_MIN_DECODE_MULTIPLY_ADDS", work)
+    assert make_trainer(tiny_model_dir, tmp_path / "d", matmul_dtype="auto",
+                        max_steps=1).args.matmul_dtype == "bfloat16"
+    monkeypatch.setattr(hardware, "BF16_MIN_DECODE_MULTIPLY_ADDS", work + 1)
+    assert make_trainer(tiny_model_dir, tmp_path / "e", matmul_dtype="auto",
+                        max_steps=1).args.matmul_dtype is None
+    assert hardware.auto_matmul_dtype(torch.bfloat16, "cpu", True, math.inf) is None
+    assert hardware.auto_matmul_dtype(torch.float32, "cpu", False, math.inf) is None
+
+
+def test_matmul_dtype_needs_a_model_the_lean_forward_supports(tiny_model_dir, tmp_path):
+    from cppo.errors import ConfigError
+    with pytest.raises(ConfigError, match="'matmul_dtype' is 'bfloat16' but 'lean_forward' is false"):
+        CPPOConfig(matmul_dtype="bfloat16", lean_forward=False)
+    with pytest.raises(ConfigError, match="'matmul_dtype' is 'bfloat16' with 'bf16' true"):
+        CPPOConfig(matmul_dtype="bfloat16", bf16=True)
+    model = load_model(tiny_model_dir)
+    model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    with pytest.raises(ConfigError, match="'matmul_dtype' is 'bfloat16'.*forward hooks"):
+        CPPOTrainer(model=model, processing_class=load_tokenizer(tiny_model_dir),
+                    reward_funcs=[odd_length_reward], train_dataset=ROWS,
+                    args=CPPOConfig(output_dir=str(tmp_path / "run"), matmul_dtype="bfloat16",
+                                    generation_dtype=None, max_steps=1,
+                                    per_device_train_batch_size=8, num_generations=4))
 
 
 def test_generation_dtype_needs_a_model_the_lean_forward_supports(tiny_model_dir, tmp_path):

@@ -38,7 +38,7 @@ from cppo.errors import CallbackError, ConfigError
 from cppo.evaluate import evaluate
 from cppo.parallel.engines import Engine, check_layout, pad_rows, resolve_strategy
 from cppo.parallel.hardware import (BF16_MIN_DECODE_MULTIPLY_ADDS, auto_generation_dtype,
-                                    warn_slow_precision)
+                                    auto_matmul_dtype, warn_slow_precision)
 from cppo.parallel.memory import ModelShape, check_batch_settings, device_memory_bytes, plan_for_run
 from cppo.parallel.processes import Distributed, launcher_restarts
 from cppo.rewards.runner import RewardRunner, unpadded_ids
@@ -128,6 +128,7 @@ class CPPOTrainer:
         torch.manual_seed(args.seed + self.dist.rank)  # dropout differs per process
         self.plan = args.step_plan()   # questions sampled, scored and kept per step
         self._resolve_generation_dtype()
+        self._resolve_matmul_dtype()
         warn_slow_precision(args, self.device)   # bf16 on a CPU without native bf16
         self.task = self._load_data(train_dataset, eval_dataset)
         self.batch_sizes = plan_for_run(   # how many completions fit at once, in each pass
@@ -254,6 +255,32 @@ class CPPOTrainer:
         if wants and lean is None:
             raise ConfigError(f"{' and '.join(wants)}, which needs the lean forward, but it does "
                               f"not support this model: {reason}")
+
+    def _resolve_matmul_dtype(self) -> None:
+        """matmul_dtype 'auto' becomes bfloat16 or None in the run's config
+        (hardware.auto_matmul_dtype, said in one line when it is bfloat16); an explicit one needs
+        the lean forward to run the training passes on this model."""
+        args = self.args
+        if args.matmul_dtype is None:
+            return
+        from cppo.models.lean import lean_forward_for
+        lean, reason = lean_forward_for(self.policy) if args.lean_forward else (None, "lean_forward is false")
+        if args.matmul_dtype != "auto":
+            if lean is None:
+                raise ConfigError(f"'matmul_dtype' is {args.matmul_dtype!r}, which needs the lean "
+                                  f"forward, but it does not run this model's training passes: {reason}")
+            return
+        dtype = next(self.policy.parameters()).dtype
+        shape = ModelShape.from_config(self.policy.config)
+        work = (args.per_device_train_batch_size * args.max_completion_length
+                * shape.multiply_adds_per_token())
+        args.matmul_dtype = None if args.bf16 else auto_matmul_dtype(
+            dtype, self.device, lean is not None, work)
+        if args.matmul_dtype and self.dist.is_main:
+            print(f"matmul_dtype: auto -> {args.matmul_dtype}: the training passes' Linear matmuls "
+                  f"run in {args.matmul_dtype}, which this device computes fast (weights, "
+                  f"optimizer, attention, head and loss stay {str(dtype).removeprefix('torch.')}; "
+                  f"--matmul_dtype none keeps every matmul in it)", flush=True)
 
     def _decode_multiply_adds(self) -> int:
         """One decode step's linear-layer work on this process: the completions a round decodes
@@ -479,7 +506,9 @@ class CPPOTrainer:
                                    batch.completion_mask, temperature=self.args.temperature,
                                    batch_size=self.args.per_device_train_batch_size,
                                    lean=self.args.lean_forward, entropies=entropies,
-                                   entropy_grad=entropies is not None and self.entropy_bonus_on)
+                                   entropy_grad=entropies is not None and self.entropy_bonus_on,
+                                   matmul_dtype=(getattr(torch, self.args.matmul_dtype)
+                                                 if self.args.matmul_dtype else None))
 
     @property
     def entropy_bonus_on(self) -> bool:

@@ -168,6 +168,12 @@ def validate(cfg) -> None:
     check(not (explicit_generation_dtype and not cfg.lean_forward),
           f"'generation_dtype' is {cfg.generation_dtype!r} but 'lean_forward' is false; sampling "
           f"in another dtype needs the lean forward")
+    check(not (cfg.matmul_dtype == "bfloat16" and not cfg.lean_forward),
+          f"'matmul_dtype' is {cfg.matmul_dtype!r} but 'lean_forward' is false; Linear matmuls "
+          f"in another dtype need the lean forward")
+    check(not (cfg.matmul_dtype == "bfloat16" and cfg.bf16),
+          f"'matmul_dtype' is {cfg.matmul_dtype!r} with 'bf16' true; bf16 already autocasts the "
+          f"forward passes' matmuls (and more): set one of the two")
     check(cfg.max_completion_length >= 1,
           f"'max_completion_length' is {cfg.max_completion_length}; must be >= 1")
     check(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1,

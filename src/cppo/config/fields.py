@@ -111,6 +111,17 @@ class CPPOConfig:
         "enough to pay for bfloat16's per-matmul cost (completions decoded together x the model's "
         "multiply-adds per token >= 4e8); the policy's own dtype otherwise.",
         ("auto", "float32", "bfloat16", "float16"))
+    matmul_dtype: Optional[str] = option(
+        "auto", "Run the decoder layers' Linear matmuls of the training passes (policy, old policy, "
+        "reference) in this dtype: inputs and weights cast to it, outputs back; embedding, norms, "
+        "attention, the LM head, the loss, the gradients' accumulation and the optimizer stay in "
+        "the policy's dtype. bfloat16 makes the update faster on CPUs with AVX512-BF16/AMX and on "
+        "GPUs (docs/performance.md). Lean forward only; not with bf16 (which autocasts every op "
+        "autocast covers). 'auto': bfloat16 where the device computes it fast, the policy is "
+        "float32, the lean forward runs the training passes and, on a CPU, a micro-batch is large "
+        "enough to pay for bfloat16's per-matmul cost (per_device_train_batch_size x "
+        "max_completion_length x the model's multiply-adds per token >= 4e8); None otherwise.",
+        ("auto", "bfloat16"))
     skip_zero_variance_prompts: bool = option(
         False, "Skip rolling out questions whose latest groups all had zero reward variance (every "
         "advantage 0): one is rolled out with probability max(skip_exploration_floor, 2^-streak), "

@@ -109,8 +109,9 @@ def _model_init_kwargs(value, _):
 
 def _bf16(value, _):
     if value is None:   # TRL: None means on unless fp16 is set
-        return {"__ignored__": "null: TRL then turns bf16 on; cppo leaves it off (bfloat16 "
-                               "autocast is slow on most CPUs): set bf16: true for TRL's behaviour"}
+        return {"__ignored__": "null: TRL then turns bf16 on; cppo leaves autocast off (slow on most "
+                               "CPUs) and runs the Linear matmuls in bfloat16 where that is fast "
+                               "(matmul_dtype: auto): set bf16: true for TRL's behaviour"}
     return {"bf16": value}
 
 
@@ -355,7 +356,8 @@ DEFAULTS_DIFFER: dict[str, str] = {
     "learning_rate": "the embedded recipe's tiny model",
     "lr_scheduler_type": "the embedded recipe decays with cosine",
     "adam_beta2": "0.99, as the embedded recipe was tuned; TRL's is 0.999",
-    "bf16": "off: bfloat16 autocast is slow on most CPUs; TRL's null turns it on",
+    "bf16": "off: bfloat16 autocast is slow on most CPUs (matmul_dtype: auto runs the Linear "
+            "matmuls in bfloat16 where that is fast); TRL's null turns it on",
     "gradient_checkpointing": "off; TRL turns it on",
     "logging_steps": "every step",
     "report_to": "metrics.jsonl",

@@ -136,6 +136,14 @@ def _switch_reason(model, modules: list) -> str | None:
     return None
 
 
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear; a weight in another dtype than x (a matmul dtype) gets x cast to it, and the
+    result cast back to x's dtype."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+
 def _fsdp(module) -> bool:
     """True for a module that torch's fully_shard (FSDP2) manages."""
     return any(c.__name__ == "FSDPModule" for c in type(module).__mro__)
@@ -209,27 +217,32 @@ class LeanForward:
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * x.to(dtype)
 
-    def _weights(self, dtype=None) -> "Weights":
+    def _weights(self, dtype=None, matmul_dtype=None) -> "Weights":
         """The model's weights in the layout this forward uses: [q; k; v] and [gate; up] packed
         into one matrix each (one matmul instead of three and two). Built from the live
-        parameters, so gradients flow back to them; `dtype` casts (for a sampling snapshot)."""
+        parameters, so gradients flow back to them; `dtype` casts all (for a sampling snapshot),
+        `matmul_dtype` only the decoder layers' Linear weights and biases (their matmuls then run
+        in it; embedding, norms, attention and head stay in the parameters' dtype)."""
         def cast(t):
             return t if t is None or dtype is None else t.to(dtype)
 
         def cat(*tensors):
             return None if tensors[0] is None else cast(torch.cat(tensors))
+
+        def matrix(t):   # a decoder Linear's weight or bias: in matmul_dtype if given
+            return t if t is None or matmul_dtype is None else t.to(matmul_dtype)
         layers = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(LayerWeights(
                 input_norm=cast(layer.input_layernorm.weight),
-                qkv=cat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
-                qkv_bias=cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
-                o=cast(attn.o_proj.weight), o_bias=cast(attn.o_proj.bias),
+                qkv=matrix(cat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)),
+                qkv_bias=matrix(cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)),
+                o=matrix(cast(attn.o_proj.weight)), o_bias=matrix(cast(attn.o_proj.bias)),
                 post_norm=cast(layer.post_attention_layernorm.weight),
-                gate_up=cat(mlp.gate_proj.weight, mlp.up_proj.weight),
-                gate_up_bias=cat(mlp.gate_proj.bias, mlp.up_proj.bias),
-                down=cast(mlp.down_proj.weight), down_bias=cast(mlp.down_proj.bias)))
+                gate_up=matrix(cat(mlp.gate_proj.weight, mlp.up_proj.weight)),
+                gate_up_bias=matrix(cat(mlp.gate_proj.bias, mlp.up_proj.bias)),
+                down=matrix(cast(mlp.down_proj.weight)), down_bias=matrix(cast(mlp.down_proj.bias))))
         head = self.model.lm_head
         embed = self.model.model.embed_tokens
         return Weights(embed=cast(embed.weight), padding_idx=embed.padding_idx, layers=layers,
@@ -247,14 +260,16 @@ class LeanForward:
         finally:
             self._frozen = None
 
-    def _current_weights(self) -> "Weights":
-        return self._frozen if self._frozen is not None else self._weights()
+    def _current_weights(self, matmul_dtype=None) -> "Weights":
+        if self._frozen is not None:
+            return self._frozen
+        return self._weights(matmul_dtype=matmul_dtype)
 
     def _qkv(self, w: "LayerWeights", h: Tensor, rope: tuple[Tensor, Tensor, Tensor]):
         """Rotated queries (N, H, L, D), rotated keys and values (N, H_kv, L, D) of a layer."""
         n, length, _ = h.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = F.linear(self._norm(h, w.input_norm), w.qkv, w.qkv_bias)
+        qkv = _linear(self._norm(h, w.input_norm), w.qkv, w.qkv_bias)
         qkv = qkv.view(n, length, heads + 2 * kv_heads, self.head_dim)
         cos, sin, rotate_half = rope
         qk = qkv[:, :, :heads + kv_heads]
@@ -283,9 +298,9 @@ class LeanForward:
 
     def _finish(self, w: "LayerWeights", h: Tensor, attended: Tensor) -> Tensor:
         """The residual stream after a layer's output projection and MLP."""
-        h = h + F.linear(attended, w.o, w.o_bias)
-        gate, up = F.linear(self._norm(h, w.post_norm), w.gate_up, w.gate_up_bias).chunk(2, -1)
-        return h + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        h = h + _linear(attended, w.o, w.o_bias)
+        gate, up = _linear(self._norm(h, w.post_norm), w.gate_up, w.gate_up_bias).chunk(2, -1)
+        return h + _linear(F.silu(gate) * up, w.down, w.down_bias)
 
     def _logits(self, weights: "Weights", h: Tensor) -> Tensor:
         return F.linear(self._norm(h, weights.norm), weights.head, weights.head_bias)
@@ -343,7 +358,7 @@ class LeanForward:
 
     def completion_logits(self, prompt_ids: Tensor, prompt_mask: Tensor, question: Tensor,
                           completion_ids: Tensor, completion_mask: Tensor, *, packed: bool = True,
-                          head: bool = True):
+                          head: bool = True, matmul_dtype: torch.dtype | None = None):
         """Logits predicting each real completion token, with each distinct prompt run once.
 
         prompt_ids, prompt_mask (Q, Lp): the distinct left-padded prompts; question (N,): the
@@ -358,11 +373,13 @@ class LeanForward:
         completion tokens (completion_mask's True entries, row-major).
         packed=False: the padded layout throughout; returns (N, T, V).
         head=False (packed only): the final-normed hidden states (M, d) instead of the logits,
-        with the head's weight (V, d) and bias (V,) or None: for cppo.models.head's chunks."""
+        with the head's weight (V, d) and bias (V,) or None: for cppo.models.head's chunks.
+        matmul_dtype: the decoder layers' Linear matmuls run in this dtype (e.g. bfloat16), their
+        inputs cast to it and outputs back; the rest stays in the weights' dtype."""
         if not packed:
             return self._completion_logits_padded(prompt_ids, prompt_mask, question,
-                                                  completion_ids, completion_mask)
-        weights = self._current_weights()
+                                                  completion_ids, completion_mask, matmul_dtype)
+        weights = self._current_weights(matmul_dtype)
         prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
         (num_prompts, q_len), (n, t_len) = prompt_ids.shape, completion_ids.shape
         if num_prompts and not bool(prompt_mask[:, -1].all()):
@@ -413,7 +430,7 @@ class LeanForward:
     def _qkv_packed(self, w: "LayerWeights", h: Tensor, rope: tuple[Tensor, Tensor, Tensor]) -> Tensor:
         """Rotated queries and keys, and values, of packed tokens h (M, d): (M, H + 2*H_kv, D)."""
         rotated = self.num_heads + self.num_kv_heads
-        qkv = F.linear(self._norm(h, w.input_norm), w.qkv, w.qkv_bias)
+        qkv = _linear(self._norm(h, w.input_norm), w.qkv, w.qkv_bias)
         qkv = qkv.view(h.shape[0], rotated + self.num_kv_heads, self.head_dim)
         cos, sin, rotate_half = rope
         qk = qkv[:, :rotated]
@@ -428,11 +445,12 @@ class LeanForward:
         return padded[:, :heads], padded[:, heads:heads + kv_heads], padded[:, heads + kv_heads:]
 
     def _completion_logits_padded(self, prompt_ids: Tensor, prompt_mask: Tensor, question: Tensor,
-                                  completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
+                                  completion_ids: Tensor, completion_mask: Tensor,
+                                  matmul_dtype: torch.dtype | None = None) -> Tensor:
         """completion_logits in padded layout: logits (N, T, V), padding included. The per-token
         work runs on the prompt and completion tokens together, as one flat batch of Q*Lp + N*T
         tokens; only attention is done per part."""
-        weights = self._current_weights()
+        weights = self._current_weights(matmul_dtype)
         prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
         (num_prompts, q_len), (n, t_len) = prompt_ids.shape, completion_ids.shape
         split = num_prompts * q_len

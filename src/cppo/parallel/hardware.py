@@ -21,7 +21,8 @@ from cppo.errors import SlowPrecisionWarning
 LOW_PRECISION = ("bfloat16", "float16")
 # A CPU's bfloat16 matmul has a fixed cost per call (oneDNN's set-up and conversions) that float32
 # does not: sampling from a bfloat16 copy pays only once a decode step has this much work
-# (completions decoded together x the model's multiply-adds per token; docs/performance.md).
+# (completions decoded together x the model's multiply-adds per token; docs/performance.md), and
+# bfloat16 training matmuls once a micro-batch has it (its tokens x multiply-adds per token).
 BF16_MIN_DECODE_MULTIPLY_ADDS = 4e8
 
 
@@ -101,6 +102,19 @@ def auto_generation_dtype(policy_dtype: torch.dtype, device: torch.device | str,
     return "bfloat16"
 
 
+def auto_matmul_dtype(policy_dtype: torch.dtype, device: torch.device | str, lean: bool,
+                      micro_batch_multiply_adds: float = math.inf) -> str | None:
+    """What matmul_dtype 'auto' runs the training passes' Linear matmuls in: bfloat16 where
+    `device` computes it fast, the policy is float32, the lean forward runs the passes (`lean`)
+    and, on a CPU, a micro-batch's linear-layer work is at least BF16_MIN_DECODE_MULTIPLY_ADDS;
+    None (the policy's own dtype) otherwise."""
+    if not lean or policy_dtype != torch.float32 or not has_fast_dtype("bfloat16", device):
+        return None
+    if torch.device(device).type == "cpu" and micro_batch_multiply_adds < BF16_MIN_DECODE_MULTIPLY_ADDS:
+        return None
+    return "bfloat16"
+
+
 def describe(device: torch.device | str = "cpu") -> dict:
     """A record of the compute a measurement ran on, for benchmark results."""
     flags = cpu_flags()
@@ -131,7 +145,7 @@ def slow_precision_requests(args, device: torch.device | str) -> list[str]:
     asked = []
     if getattr(args, "bf16", False):
         asked.append(("bf16", "true", "bfloat16"))
-    for key in ("torch_dtype", "generation_dtype"):
+    for key in ("torch_dtype", "generation_dtype", "matmul_dtype"):
         value = getattr(args, key, None)
         if value in LOW_PRECISION:
             asked.append((key, value, value))

@@ -32,7 +32,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                         completion_mask: Tensor, *, temperature: float = 1.0,
                         batch_size: int | None = None, lean: bool = True,
                         entropies: list | None = None, packed: bool = True,
-                        entropy_grad: bool = False) -> Tensor:
+                        entropy_grad: bool = False, matmul_dtype: torch.dtype | None = None) -> Tensor:
     """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp).
 
     Logits are divided by the sampling temperature, as TRL does. Runs with grad if enabled.
@@ -42,11 +42,15 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     completion_mask is 0, which must be 1 on a prefix of each row). packed=False: the padded
     layout (for comparison). Without the lean forward, the model's own forward on padded rows
     (log-probs and entropies are 0 at padding there too). entropy_grad: the entropies carry the
-    gradient (an entropy bonus in the loss); else they are detached."""
+    gradient (an entropy bonus in the loss); else they are detached. matmul_dtype (lean forward
+    only): the dtype of the decoder layers' Linear matmuls (cppo.models.lean)."""
     entropy_of = differentiable_entropy if entropy_grad else (lambda lg: token_entropy(lg.detach()))
     n, t = completion_ids.shape
     step = n if batch_size is None else batch_size
     lean_forward = lean_forward_for(model)[0] if lean else None
+    if matmul_dtype is not None and lean_forward is None:
+        raise ValueError(f"matmul_dtype {matmul_dtype} needs the lean forward, which does not support "
+                         f"this model: {lean_forward_for(model)[1] if lean else 'lean=False'}")
     out = []
     for s in range(0, n, step):
         rows = slice(s, s + step)
@@ -59,7 +63,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
             if packed and int(real.sum()) * _vocab_size(model) > HEAD_CHUNK_ABOVE:
                 hidden, weight, bias = lean_forward.completion_logits(
                     prompts[:, :width], prompts[:, width:], question, ids, completion_mask[rows],
-                    packed=True, head=False)
+                    packed=True, head=False, matmul_dtype=matmul_dtype)
                 logps, entropy = chunked_logprobs_and_entropy(hidden, weight, bias, ids[real],
                                                               temperature)
                 out.append(logps.new_zeros(ids.shape).masked_scatter(real, logps))
@@ -68,7 +72,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                     entropies.append(entropy.new_zeros(ids.shape).masked_scatter(real, entropy))
                 continue
             logits = lean_forward.completion_logits(prompts[:, :width], prompts[:, width:], question,
-                                                    ids, completion_mask[rows], packed=packed)
+                                                    ids, completion_mask[rows], packed=packed,
+                                                    matmul_dtype=matmul_dtype)
         else:
             ids_full = torch.cat([prompt_ids[rows], ids], dim=1)
             mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
