@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 # per_device_train_batch_size (completions per update)
-POINTS = {"embedded": [16, 64, 256, 1024], "real_shape": [4, 16]}
+POINTS = {"embedded": [16, 64, 256, 512], "real_shape": [4, 16]}
 NEW_TOKENS = {"embedded": 5, "real_shape": 32}
 
 
