@@ -85,23 +85,52 @@ def measure(name: str, model: str | None, rows, questions: int, group: int, repe
             "auto_picks": hardware.auto_generation_dtype(policy.dtype, "cpu", True, work) or "float32"}
 
 
-def write(rows: list[dict], meta: dict, out: Path) -> None:
-    from cppo.parallel.hardware import BF16_MIN_DECODE_MULTIPLY_ADDS
+def header_lines(title: str, meta: dict) -> list[str]:
+    """results.md's title and machine line (meta: machine, load_before, load_after)."""
+    m = meta["machine"]
+    return [f"# {title}", "",
+            f"CPU: {m['cpu']}, torch {m['torch']}, CPU capability **{m['cpu_capability']}**, "
+            f"AVX512-BF16: {m['avx512_bf16']}, AMX-BF16: {m['amx_bf16']}, fast bf16 as torch runs "
+            f"here: {m['fast_bfloat16']}; {m['threads']} threads; 1-minute load average "
+            f"{meta['load_before']} before, {meta['load_after']} after.", ""]
+
+
+def real_shape_inputs(assets: str | None) -> tuple[str, list[dict]]:
+    """benchmarks/real_shape.py's random 0.12B Qwen2 (built in `assets`, or a temporary folder)
+    and 64 prompts for it."""
+    from real_shape import FULL, build_assets, words
+    folder = Path(assets or tempfile.mkdtemp(prefix="cppo_precision_assets_")) / "full"
+    rng = random.Random(0)
+    return str(build_assets(folder, dict(FULL))), [
+        {"prompt": "Repeat shortly: " + " ".join(words(rng, FULL["prompt_words"])) + "\n"}
+        for _ in range(64)]
+
+
+def run_meta(load_before: float, repeats: int) -> dict:
+    import torch
+    from cppo.parallel import hardware
+    return {"argv": " ".join(sys.argv[1:]), "machine": hardware.describe(), "repeats": repeats,
+            "torch_threads": torch.get_num_threads(), "load_before": round(load_before, 2),
+            "load_after": round(os.getloadavg()[0], 2)}
+
+
+def arguments(doc: str, points: dict, output: str) -> argparse.Namespace:
+    """The command line both precision benchmarks take."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(points), choices=list(points))
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--assets", default=None, help="folder for the real-shape model (kept between runs)")
+    parser.add_argument("--output", default=str(HERE / "results" / output))
+    return parser.parse_args()
+
+
+def write_results(lines: list[str], rows: list[dict], size: str, work: str, meta: dict, out: Path) -> None:
+    """results.md (lines, then one table line per row: its model, rows[size], rows[work], the
+    float32 and bfloat16 medians with ranges, the ratio and what auto picks) and results.json."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    m = meta["machine"]
-    lines = [f"# Sampling precision on a CPU (`python benchmarks/sampling_precision.py {meta['argv']}`)", "",
-             f"CPU: {m['cpu']}, torch {m['torch']}, CPU capability **{m['cpu_capability']}**, "
-             f"AVX512-BF16: {m['avx512_bf16']}, AMX-BF16: {m['amx_bf16']}, fast bf16 as torch runs "
-             f"here: {m['fast_bfloat16']}; {m['threads']} threads; 1-minute load average "
-             f"{meta['load_before']} before, {meta['load_after']} after.", "",
-             f"One generation round (`trainer.generate`), median of {meta['repeats']} alternating "
-             f"rounds per dtype (range in brackets). `auto` samples in bfloat16 on a CPU when a "
-             f"decode step has at least {BF16_MIN_DECODE_MULTIPLY_ADDS:.0e} multiply-adds.", "",
-             "| model | completions decoded together | multiply-adds per decode step | float32 ms | "
-             "bfloat16 copy ms | bf16 / f32 | auto picks |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['completions']} | {r['decode_multiply_adds']:.2e} | "
+        lines.append(f"| {r['model']} | {r[size]} | {r[work]:.2e} | "
                      f"{r['float32_ms']} [{r['float32_range_ms'][0]}-{r['float32_range_ms'][1]}] | "
                      f"{r['bfloat16_ms']} [{r['bfloat16_range_ms'][0]}-{r['bfloat16_range_ms'][1]}] | "
                      f"{r['ratio']:.2f}x | {r['auto_picks']} |")
@@ -109,33 +138,28 @@ def write(rows: list[dict], meta: dict, out: Path) -> None:
     print("\n".join(lines))
 
 
+def write(rows: list[dict], meta: dict, out: Path) -> None:
+    from cppo.parallel.hardware import BF16_MIN_DECODE_MULTIPLY_ADDS
+    lines = header_lines(f"Sampling precision on a CPU (`python benchmarks/sampling_precision.py "
+                         f"{meta['argv']}`)", meta) + [
+             f"One generation round (`trainer.generate`), median of {meta['repeats']} alternating "
+             f"rounds per dtype (range in brackets). `auto` samples in bfloat16 on a CPU when a "
+             f"decode step has at least {BF16_MIN_DECODE_MULTIPLY_ADDS:.0e} multiply-adds.", "",
+             "| model | completions decoded together | multiply-adds per decode step | float32 ms | "
+             "bfloat16 copy ms | bf16 / f32 | auto picks |", "|---|---|---|---|---|---|---|"]
+    write_results(lines, rows, "completions", "decode_multiply_adds", meta, out)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(POINTS), choices=list(POINTS))
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--assets", default=None, help="folder for the real-shape model (kept between runs)")
-    parser.add_argument("--output", default=str(HERE / "results" / "sampling_precision"))
-    args = parser.parse_args()
-    import torch
-    from cppo.parallel import hardware
-    from real_shape import FULL, build_assets, words
+    args = arguments(__doc__, POINTS, "sampling_precision")
     load_before = os.getloadavg()[0]
     rows = []
     for name in args.models:
-        model = data = None
-        if name == "real_shape":
-            folder = Path(args.assets or tempfile.mkdtemp(prefix="cppo_precision_assets_")) / "full"
-            model = str(build_assets(folder, dict(FULL)))
-            rng = random.Random(0)
-            data = [{"prompt": "Repeat shortly: " + " ".join(words(rng, FULL["prompt_words"])) + "\n"}
-                    for _ in range(64)]
+        model, data = real_shape_inputs(args.assets) if name == "real_shape" else (None, None)
         for questions, group in POINTS[name]:
             rows.append(measure(name, model, data, questions, group, args.repeats))
             print(json.dumps(rows[-1]), flush=True)
-    meta = {"argv": " ".join(sys.argv[1:]), "machine": hardware.describe(), "repeats": args.repeats,
-            "torch_threads": torch.get_num_threads(), "load_before": round(load_before, 2),
-            "load_after": round(os.getloadavg()[0], 2)}
-    write(rows, meta, Path(args.output))
+    write(rows, run_meta(load_before, args.repeats), Path(args.output))
 
 
 if __name__ == "__main__":

@@ -20,12 +20,10 @@ Writes benchmarks/results/update_precision/results.md and results.json.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -34,6 +32,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from sampling_precision import (arguments, header_lines, real_shape_inputs, run_meta,  # noqa: E402
+                                write_results)
 # per_device_train_batch_size (completions per update)
 POINTS = {"embedded": [16, 64, 256, 512], "real_shape": [4, 16]}
 NEW_TOKENS = {"embedded": 5, "real_shape": 32}
@@ -91,56 +91,27 @@ def measure(name: str, model: str | None, rows, batch: int, repeats: int) -> dic
 
 def write(rows: list[dict], meta: dict, out: Path) -> None:
     from cppo.parallel.hardware import BF16_MIN_DECODE_MULTIPLY_ADDS
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    m = meta["machine"]
-    lines = [f"# Update precision on a CPU (`python benchmarks/update_precision.py {meta['argv']}`)", "",
-             f"CPU: {m['cpu']}, torch {m['torch']}, CPU capability **{m['cpu_capability']}**, "
-             f"AVX512-BF16: {m['avx512_bf16']}, AMX-BF16: {m['amx_bf16']}, fast bf16 as torch runs "
-             f"here: {m['fast_bfloat16']}; {m['threads']} threads; 1-minute load average "
-             f"{meta['load_before']} before, {meta['load_after']} after.", "",
+    lines = header_lines(f"Update precision on a CPU (`python benchmarks/update_precision.py "
+                         f"{meta['argv']}`)", meta) + [
              f"One update (`trainer.update`: forward, backward and optimizer step over the kept "
              f"completions), median of {meta['repeats']} alternating updates per dtype (range in "
              f"brackets). `auto` runs the decoder's Linear matmuls in bfloat16 on a CPU when a "
              f"micro-batch has at least {BF16_MIN_DECODE_MULTIPLY_ADDS:.0e} multiply-adds.", "",
              "| model | completions per update | multiply-adds per micro-batch | float32 ms | "
              "bfloat16 matmuls ms | bf16 / f32 | auto picks |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['batch']} | {r['micro_batch_multiply_adds']:.2e} | "
-                     f"{r['float32_ms']} [{r['float32_range_ms'][0]}-{r['float32_range_ms'][1]}] | "
-                     f"{r['bfloat16_ms']} [{r['bfloat16_range_ms'][0]}-{r['bfloat16_range_ms'][1]}] | "
-                     f"{r['ratio']:.2f}x | {r['auto_picks']} |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(lines, rows, "batch", "micro_batch_multiply_adds", meta, out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(POINTS), choices=list(POINTS))
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--assets", default=None, help="folder for the real-shape model (kept between runs)")
-    parser.add_argument("--output", default=str(HERE / "results" / "update_precision"))
-    args = parser.parse_args()
-    import torch
-    from cppo.parallel import hardware
-    from real_shape import FULL, build_assets, words
+    args = arguments(__doc__, POINTS, "update_precision")
     load_before = os.getloadavg()[0]
     rows = []
     for name in args.models:
-        model = data = None
-        if name == "real_shape":
-            folder = Path(args.assets or tempfile.mkdtemp(prefix="cppo_precision_assets_")) / "full"
-            model = str(build_assets(folder, dict(FULL)))
-            rng = random.Random(0)
-            data = [{"prompt": "Repeat shortly: " + " ".join(words(rng, FULL["prompt_words"])) + "\n"}
-                    for _ in range(64)]
+        model, data = real_shape_inputs(args.assets) if name == "real_shape" else (None, None)
         for batch in POINTS[name]:
             rows.append(measure(name, model, data, batch, args.repeats))
             print(json.dumps(rows[-1]), flush=True)
-    meta = {"argv": " ".join(sys.argv[1:]), "machine": hardware.describe(), "repeats": args.repeats,
-            "torch_threads": torch.get_num_threads(), "load_before": round(load_before, 2),
-            "load_after": round(os.getloadavg()[0], 2)}
-    write(rows, meta, Path(args.output))
+    write(rows, run_meta(load_before, args.repeats), Path(args.output))
 
 
 if __name__ == "__main__":

@@ -33,14 +33,19 @@ def test_bf16_first_iteration_ratio_is_one_and_kl_is_zero(tiny_model_dir, tmp_pa
     assert metrics["kl"] > 0   # mean over both iterations: the second one is off the reference
 
 
+def _one_batch(trainer):
+    """One step's questions, sampled and kept whole: a batch for the passes to score."""
+    rows = trainer.take_questions()
+    prompts, completions = trainer.generate(rows)
+    keep = torch.ones(len(rows), trainer.args.num_generations, dtype=torch.bool)
+    return trainer.build_batch(prompts, completions, torch.ones(keep.shape), keep)
+
+
 def test_bf16_passes_differ_from_fp32_ones(tiny_model_dir, tmp_path):
     """The check above would be empty if bf16 autocast changed nothing on this model."""
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=1, bf16=True, beta=0.04,
                            eval_num_questions=1, save_steps=0)
-    rows = trainer.take_questions()
-    prompts, completions = trainer.generate(rows)
-    keep = torch.ones(len(rows), trainer.args.num_generations, dtype=torch.bool)
-    batch = trainer.build_batch(prompts, completions, torch.ones(keep.shape), keep)
+    batch = _one_batch(trainer)
     with torch.no_grad():
         fp32 = trainer.logprobs(trainer.policy, batch)
         with trainer.autocast():
@@ -61,10 +66,7 @@ def test_matmul_dtype_passes_differ_from_fp32_ones_and_reach_every_pass(tiny_mod
     monkeypatch.setattr(trainer_module, "completion_logprobs", spy)
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=1, beta=0.04,
                            matmul_dtype="bfloat16", eval_num_questions=1, save_steps=0)
-    rows = trainer.take_questions()
-    prompts, completions = trainer.generate(rows)
-    keep = torch.ones(len(rows), trainer.args.num_generations, dtype=torch.bool)
-    batch = trainer.build_batch(prompts, completions, torch.ones(keep.shape), keep)
+    batch = _one_batch(trainer)
     with torch.no_grad():
         bf16 = trainer.logprobs(trainer.policy, batch)
         trainer.args.matmul_dtype = None

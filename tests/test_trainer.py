@@ -303,33 +303,25 @@ def test_auto_matmul_dtype_is_bfloat16_only_where_fast_and_a_micro_batch_is_larg
     assert hardware.auto_matmul_dtype(torch.float32, "cpu", False, math.inf) is None
 
 
-def test_matmul_dtype_needs_a_model_the_lean_forward_supports(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("field", ["generation_dtype", "matmul_dtype"])
+def test_an_explicit_dtype_needs_a_model_the_lean_forward_supports(tiny_model_dir, tmp_path, field):
     from cppo.errors import ConfigError
-    with pytest.raises(ConfigError, match="'matmul_dtype' is 'bfloat16' but 'lean_forward' is false"):
-        CPPOConfig(matmul_dtype="bfloat16", lean_forward=False)
-    with pytest.raises(ConfigError, match="'matmul_dtype' is 'bfloat16' with 'bf16' true"):
-        CPPOConfig(matmul_dtype="bfloat16", bf16=True)
+    with pytest.raises(ConfigError, match=f"'{field}' is 'bfloat16' but 'lean_forward' is false"):
+        CPPOConfig(**{field: "bfloat16"}, lean_forward=False)
     model = load_model(tiny_model_dir)
     model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
-    with pytest.raises(ConfigError, match="'matmul_dtype' is 'bfloat16'.*forward hooks"):
+    with pytest.raises(ConfigError, match=f"'{field}' is 'bfloat16'.*forward hooks"):
         CPPOTrainer(model=model, processing_class=load_tokenizer(tiny_model_dir),
                     reward_funcs=[odd_length_reward], train_dataset=ROWS,
-                    args=CPPOConfig(output_dir=str(tmp_path / "run"), matmul_dtype="bfloat16",
-                                    generation_dtype=None, max_steps=1,
+                    args=CPPOConfig(output_dir=str(tmp_path / "run"), max_steps=1,
+                                    **{"generation_dtype": None, field: "bfloat16"},
                                     per_device_train_batch_size=8, num_generations=4))
 
 
-def test_generation_dtype_needs_a_model_the_lean_forward_supports(tiny_model_dir, tmp_path):
+def test_matmul_dtype_is_not_asked_for_with_bf16_autocast():
     from cppo.errors import ConfigError
-    with pytest.raises(ConfigError, match="lean_forward"):
-        CPPOConfig(generation_dtype="bfloat16", lean_forward=False)
-    model = load_model(tiny_model_dir)
-    model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
-    with pytest.raises(ConfigError, match="forward hooks"):
-        CPPOTrainer(model=model, processing_class=load_tokenizer(tiny_model_dir),
-                    reward_funcs=[odd_length_reward], train_dataset=ROWS,
-                    args=CPPOConfig(output_dir=str(tmp_path / "run"), generation_dtype="bfloat16",
-                                    max_steps=1, per_device_train_batch_size=8, num_generations=4))
+    with pytest.raises(ConfigError, match="'matmul_dtype' is 'bfloat16' with 'bf16' true"):
+        CPPOConfig(matmul_dtype="bfloat16", bf16=True)
 
 
 def test_ctrl_c_after_the_last_step_still_completes_cleanly(tiny_model_dir, tmp_path, monkeypatch):
