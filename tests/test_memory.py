@@ -233,6 +233,11 @@ def test_a_colocated_vllm_engine_takes_its_share_of_the_budget(tiny_model_dir, m
     memory.plan_for_run(policy, None, cpu, **run, engine_bytes=share)
     memory.plan_for_run(policy, None, cpu, **run)
     assert seen[1] - seen[0] == share == weights + 2 * GIB
+    # and less the training passes' bfloat16 copy of the decoder's Linear weights (matmul_dtype)
+    memory.plan_for_run(policy, None, cpu, **run, matmul_dtype="bfloat16")
+    linear = sum(p.numel() for name, p in policy.model.layers.named_parameters()
+                 if "proj" in name and name.endswith("weight"))
+    assert seen[1] - seen[2] == 2 * linear
 
 
 def test_an_engine_share_that_leaves_nothing_is_an_error_naming_the_field():

@@ -138,6 +138,7 @@ class CPPOTrainer:
             gradient_checkpointing=args.gradient_checkpointing,
             memory_budget_gib=args.memory_budget_gib, tokenizer=self.tokenizer,
             rows=self.task.train_rows, speculation_slots=speculation_slots(args),
+            matmul_dtype=args.matmul_dtype,
             engine_bytes=vllm_engine_bytes(args, self.policy, self.device,
                                            device_memory_bytes(self.device)))
         self.backend = make_backend(self.policy, self.tokenizer, args,

@@ -64,12 +64,16 @@ class ModelShape:
         """2 (k and v) x layers x kv_heads x head_dim x dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
+    def layer_linear_weights(self) -> int:
+        """Weights of one decoder layer's Linear layers: q, k, v, o and the MLP's gate, up, down."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * (q + 2 * kv) + q * h + 3 * h * i
+
     def multiply_adds_per_token(self) -> int:
         """Multiply-adds of the linear layers for one token: q, k, v, o, the MLP's gate, up and
         down in every layer, and the LM head (attention over the context not counted)."""
-        h, i = self.hidden_size, self.intermediate_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return self.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + h * self.vocab_size
+        return self.num_layers * self.layer_linear_weights() + self.hidden_size * self.vocab_size
 
     def layer_activation_values(self) -> int:
         """Values per token that one decoder layer keeps for its backward pass: two norms' inputs
@@ -245,12 +249,13 @@ def plan_for_run(policy, reference, device, *, max_prompt_length: int | None,
                  max_completion_length: int, num_generations: int, generation_dtype: str | None,
                  bf16: bool, gradient_checkpointing: bool, memory_budget_gib: float | None,
                  engine_bytes: int = 0, speculation_slots: int = 0, tokenizer=None,
-                 rows=()) -> BatchSizes:
+                 rows=(), matmul_dtype: str | None = None) -> BatchSizes:
     """plan_batch_sizes for a run's loaded models: the prompt length is max_prompt_length (None:
     the longest of `rows`), the sampler's KV cache is in generation_dtype (None: the weights'
     dtype), activations in bf16 under `bf16`; `engine_bytes` (a colocated vLLM engine's share)
     comes off the device's memory; `speculation_slots` KV-cache slots per completion are kept for
-    rejected drafts."""
+    rejected drafts; with `matmul_dtype`, the training passes' copy of the decoder layers' Linear
+    weights in it (kept for the backward) comes off too."""
     prompt_length = max_prompt_length
     if prompt_length is None:
         from cppo.sampling.sampler import encode_prompts
@@ -259,9 +264,14 @@ def plan_for_run(policy, reference, device, *, max_prompt_length: int | None,
     weight_bytes = next(policy.parameters()).element_size()
     sampling_bytes = (torch.empty(0, dtype=getattr(torch, generation_dtype)).element_size()
                       if generation_dtype else weight_bytes)
+    shape = ModelShape.from_config(policy.config)
+    matmul_copy = (shape.num_layers * shape.layer_linear_weights()
+                   * torch.empty(0, dtype=getattr(torch, matmul_dtype)).element_size()
+                   if matmul_dtype else 0)
     budget = budget_bytes(memory_budget_gib, device_bytes=device_memory_bytes(device),
-                          state_bytes=model_state_bytes(policy, reference), engine_bytes=engine_bytes)
-    return plan_batch_sizes(ModelShape.from_config(policy.config), budget_bytes=budget,
+                          state_bytes=model_state_bytes(policy, reference) + matmul_copy,
+                          engine_bytes=engine_bytes)
+    return plan_batch_sizes(shape, budget_bytes=budget,
                             prompt_length=prompt_length,
                             completion_length=max_completion_length + speculation_slots,
                             num_generations=num_generations,
