@@ -28,6 +28,15 @@ def _models():
 MODELS = _models()
 
 
+@pytest.fixture(params=["matmul", "fused"])
+def attention(request, monkeypatch):
+    """Run a test through each of the lean forward's attention paths: two matmuls (short rows)
+    and the fused kernel (long rows)."""
+    import cppo.models.lean as lean
+    monkeypatch.setattr(lean, "MATMUL_ATTENTION_MAX_SCORES", 10**9 if request.param == "matmul" else 0)
+    return request.param
+
+
 def _padded_batch(n=4, length=9, vocab=40):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (n, length), generator=g)
@@ -38,7 +47,7 @@ def _padded_batch(n=4, length=9, vocab=40):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_logits_match_the_models_forward_with_left_padding(name):
+def test_logits_match_the_models_forward_with_left_padding(name, attention):
     model = MODELS[name]
     lean, reason = lean_forward_for(model)
     assert reason is None
@@ -53,7 +62,7 @@ def test_logits_match_the_models_forward_with_left_padding(name):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_prefill_then_cached_decode_matches_one_full_pass(name):
+def test_prefill_then_cached_decode_matches_one_full_pass(name, attention):
     model = MODELS[name]
     lean, _ = lean_forward_for(model)
     ids, mask, pos = _padded_batch()
@@ -71,7 +80,7 @@ def test_prefill_then_cached_decode_matches_one_full_pass(name):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_gradients_reach_the_models_parameters_and_match(name):
+def test_gradients_reach_the_models_parameters_and_match(name, attention):
     model = MODELS[name]
     ids, mask, pos = _padded_batch()
     prompt_ids, prompt_mask = ids[:, :6], mask[:, :6]
@@ -125,7 +134,7 @@ def test_lora_models_use_their_own_forward():
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_shared_prompts_give_the_same_logprobs_and_gradients(name):
+def test_shared_prompts_give_the_same_logprobs_and_gradients(name, attention):
     """Completions of the same prompt (G per question) share one prompt pass in the lean path."""
     model = MODELS[name]
     ids, mask, _ = _padded_batch(n=3, length=6)

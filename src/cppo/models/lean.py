@@ -136,6 +136,10 @@ def _switch_reason(model, modules: list) -> str | None:
     return None
 
 
+MATMUL_ATTENTION_MAX_SCORES = 8192   # query x key positions per head up to which attention
+                                     # runs as two matmuls (_attend_matmul), not the fused kernel
+
+
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """F.linear; a weight in another dtype than x (a matmul dtype) gets x cast to it, and the
     result cast back to x's dtype."""
@@ -278,10 +282,30 @@ class LeanForward:
                 qkv[:, :, heads + kv_heads:].transpose(1, 2))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
-        """Attention (N, L, H*D) of q (N, H, L, D) over k, v (N, H_kv, S, D); allowed (N, 1, L, S)."""
+        """Attention (N, L, H*D) of q (N, H, L, D) over k, v (N, H_kv, S, D); allowed (N, 1, L, S).
+        Short rows (L x S up to MATMUL_ATTENTION_MAX_SCORES) take two matmuls, longer ones the
+        fused kernel."""
+        if q.shape[2] * k.shape[2] <= MATMUL_ATTENTION_MAX_SCORES:
+            return self._attend_matmul(q, k, v, allowed)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale,
                                            enable_gqa=self.num_kv_heads != self.num_heads)
         return a.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    def _attend_matmul(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+        """_attend as softmax(q k^T * scale + mask) v with the scores materialised, the softmax
+        in float32. The H / H_kv query heads that share a key/value head are stacked as rows of
+        one product, so keys and values are not repeated."""
+        n, heads, length, dim = q.shape
+        kv_heads, keys = k.shape[1], k.shape[2]
+        group = heads // kv_heads
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill_(~allowed, float("-inf"))                       # (N, 1, L, S)
+        if group > 1:
+            bias = bias[:, :, None].expand(n, 1, group, length, keys).reshape(n, 1, -1, keys)
+        scores = torch.matmul(q.reshape(n, kv_heads, group * length, dim), k.transpose(2, 3))
+        weights = (scores * self.scale + bias).softmax(-1, dtype=torch.float32).to(v.dtype)
+        out = torch.matmul(weights, v).view(n, heads, length, dim)
+        return out.transpose(1, 2).reshape(n, length, heads * dim)
 
     def _attend_bmm(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
         """_attend for one query position (L = 1) with an additive mask bias (N*H_kv, 1, S) made
