@@ -189,7 +189,6 @@ class LeanForward:
         self.scale = model.model.layers[0].self_attn.scaling
         self.rotary = model.model.rotary_emb
         self._frozen: Weights | None = None   # the sampling snapshot inside frozen()
-        self._rotations: dict = {}
 
     @property
     def device(self) -> torch.device:
@@ -197,21 +196,18 @@ class LeanForward:
 
     # --- pieces ---------------------------------------------------------------------------------
     def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin (N, L, 1, D) for integer positions (N, L)."""
+        """cos and signed sin (N, L, 1, D) for integer positions (N, L): the sin's first half
+        negated, so that _rotate needs no rotate_half."""
         freqs = positions[..., None].float() * self.rotary.inv_freq.float()
-        angles = torch.cat([freqs, freqs], dim=-1)[:, :, None]
         scaling = self.rotary.attention_scaling
-        return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
+        cos, sin = (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
+        return torch.cat([cos, cos], dim=-1)[:, :, None], torch.cat([-sin, sin], dim=-1)[:, :, None]
 
-    def _rotate_half(self, like: Tensor) -> Tensor:
-        """R (D, D) with x @ R == cat(-x[D/2:], x[:D/2]) (transformers' rotate_half)."""
-        key = (like.dtype, like.device)
-        if key not in self._rotations:
-            half = self.head_dim // 2
-            eye = torch.eye(half, dtype=like.dtype, device=like.device)
-            zero = torch.zeros_like(eye)
-            self._rotations[key] = torch.cat([torch.cat([zero, eye], 1), torch.cat([-eye, zero], 1)])
-        return self._rotations[key]
+    def _rotate(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """RoPE on x (..., D): transformers' x * cos + rotate_half(x) * sin, where
+        rotate_half(x) = cat(-x[D/2:], x[:D/2]) = roll(x, D/2) with the first half negated."""
+        cos, signed_sin = rope
+        return x * cos + x.roll(self.head_dim // 2, -1) * signed_sin
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
         if x.dtype == torch.float32:
@@ -269,15 +265,13 @@ class LeanForward:
             return self._frozen
         return self._weights(matmul_dtype=matmul_dtype)
 
-    def _qkv(self, w: "LayerWeights", h: Tensor, rope: tuple[Tensor, Tensor, Tensor]):
+    def _qkv(self, w: "LayerWeights", h: Tensor, rope: tuple[Tensor, Tensor]):
         """Rotated queries (N, H, L, D), rotated keys and values (N, H_kv, L, D) of a layer."""
         n, length, _ = h.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = _linear(self._norm(h, w.input_norm), w.qkv, w.qkv_bias)
         qkv = qkv.view(n, length, heads + 2 * kv_heads, self.head_dim)
-        cos, sin, rotate_half = rope
-        qk = qkv[:, :, :heads + kv_heads]
-        qk = qk * cos + (qk @ rotate_half) * sin
+        qk = self._rotate(qkv[:, :, :heads + kv_heads], rope)
         return (qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2),
                 qkv[:, :, heads + kv_heads:].transpose(1, 2))
 
@@ -352,7 +346,7 @@ class LeanForward:
         weights = self._current_weights()
         n, length = ids.shape
         h = F.embedding(ids, weights.embed, weights.padding_idx)
-        rope = (*self._rope(positions, h.dtype), self._rotate_half(h))
+        rope = self._rope(positions, h.dtype)
         if cache is None and new_cache_capacity is not None:
             shape = (n, self.num_kv_heads, new_cache_capacity, self.head_dim)
             cache = KVCache([h.new_zeros(shape) for _ in weights.layers],
@@ -421,8 +415,8 @@ class LeanForward:
         positions = torch.cat([prompt_positions.flatten()[prompt_slots],
                                completion_positions.flatten()[completion_slots]])
         h = F.embedding(ids, weights.embed, weights.padding_idx)          # (M_in, d)
-        cos, sin = self._rope(positions[None], h.dtype)
-        rope = (cos[0], sin[0], self._rotate_half(h))                     # (M_in, 1, D)
+        cos, signed_sin = self._rope(positions[None], h.dtype)
+        rope = (cos[0], signed_sin[0])                                    # (M_in, 1, D)
         allowed_prompt = self._allowed(prompt_mask, torch.arange(q_len, device=h.device))
         allowed = self._allowed(torch.cat([prompt_mask[question], inputs], dim=1),
                                 q_len + torch.arange(t_len - 1, device=h.device))
@@ -451,14 +445,12 @@ class LeanForward:
             return self._norm(h, weights.norm), weights.head, weights.head_bias
         return self._logits(weights, h)
 
-    def _qkv_packed(self, w: "LayerWeights", h: Tensor, rope: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    def _qkv_packed(self, w: "LayerWeights", h: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         """Rotated queries and keys, and values, of packed tokens h (M, d): (M, H + 2*H_kv, D)."""
         rotated = self.num_heads + self.num_kv_heads
         qkv = _linear(self._norm(h, w.input_norm), w.qkv, w.qkv_bias)
         qkv = qkv.view(h.shape[0], rotated + self.num_kv_heads, self.head_dim)
-        cos, sin, rotate_half = rope
-        qk = qkv[:, :rotated]
-        return torch.cat([qk * cos + (qk @ rotate_half) * sin, qkv[:, rotated:]], dim=1)
+        return torch.cat([self._rotate(qkv[:, :rotated], rope), qkv[:, rotated:]], dim=1)
 
     def _unpack(self, packed: Tensor, slots: Tensor, rows: int, length: int):
         """q (rows, H, L, D), k and v (rows, H_kv, L, D) in padded layout (zeros at padding) from
@@ -484,7 +476,7 @@ class LeanForward:
         ids = torch.cat([prompt_ids.reshape(-1), completion_ids.reshape(-1)])
         h = F.embedding(ids, weights.embed, weights.padding_idx)[None]          # (1, tokens, d)
         positions = torch.cat([prompt_positions.reshape(-1), completion_positions.reshape(-1)])
-        rope = (*self._rope(positions[None], h.dtype), self._rotate_half(h))
+        rope = self._rope(positions[None], h.dtype)
         allowed_prompt = self._allowed(prompt_mask, torch.arange(q_len, device=h.device))
         allowed = self._allowed(torch.cat([prompt_mask[question], completion_mask], dim=1),
                                 q_len + torch.arange(t_len, device=h.device))
