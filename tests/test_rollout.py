@@ -200,7 +200,7 @@ def test_finished_rows_leave_the_decode_batch():
             return original(logits, counted, *args, **kwargs)
         rollout._decode = spy
         try:
-            out = sample_completions(model, prompts, lean=lean, **kw)
+            out = sample_completions(model, prompts, lean=lean, share_prefixes=False, **kw)
         finally:
             rollout._decode = original
         lengths = out.mask.sum(1)
@@ -217,3 +217,73 @@ def test_finished_rows_leave_the_decode_batch():
             n = int(lengths[row])
             assert out.ids[row, :n].tolist() == ref[row, :n].tolist()
             assert (out.ids[row, n:] == tok.pad_token_id).all()
+
+
+def _decode_batch_sizes(monkeypatch) -> list:
+    """The number of sequences each decode step of the sampler runs (recorded into the list)."""
+    from cppo.sampling import sampler
+    sizes, original = [], sampler._decode
+
+    def spy(logits, advance, *args, **kwargs):
+        def counted(tokens, rows):
+            sizes.append(len(tokens))
+            return advance(tokens, rows)
+        return original(logits, counted, *args, **kwargs)
+    monkeypatch.setattr(sampler, "_decode", spy)
+    return sizes
+
+
+def test_identical_prefixes_are_decoded_once(monkeypatch):
+    """Greedy completions of a question are identical token for token: with share_prefixes each
+    decode step runs one sequence per question still decoding (without, every row), and the
+    completions are transformers' greedy ones either way."""
+    model, tok = _setup("embedded")
+    prompts = encode_prompts(tok, ["37*42=", "1*2=", "12*34+56=", "5*6="])
+    kw = dict(num_generations=4, max_new_tokens=12, greedy=True, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id)
+    ref = model.generate(input_ids=prompts.ids, attention_mask=prompts.mask, do_sample=False,
+                         max_new_tokens=12, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)[:, prompts.ids.shape[1]:].repeat_interleave(4, 0)
+    for lean in (True, False):
+        for share in (True, False):
+            sizes = _decode_batch_sizes(monkeypatch)
+            out = sample_completions(model, prompts, lean=lean, share_prefixes=share, **kw)
+            lengths = out.mask.sum(1)
+            per_question = lengths.view(4, 4)[:, 0]
+            assert per_question.min() < per_question.max()   # questions end at different steps
+            if share:
+                assert sizes == [int((per_question > step).sum()) for step in range(1, len(sizes) + 1)]
+            else:
+                assert sizes[0] == 16
+            for row in range(16):
+                n = int(lengths[row])
+                assert out.ids[row, :n].tolist() == ref[row, :n].tolist(), (lean, share, row)
+
+
+def test_shared_prefixes_sample_each_completion_from_the_policy(monkeypatch):
+    """Rows on a shared sequence each draw their own token: per-position token frequencies and
+    the number of distinct completions per question match plain sampling's (a rule giving all
+    rows of a sequence one draw would make siblings identical), while the decode steps run fewer
+    sequences than rows."""
+    model, tok = _setup("embedded")
+    prompts = encode_prompts(tok, ["37*42=", "12*34+56=", "5*6=", "99*9="] * 50)
+    kw = dict(num_generations=8, max_new_tokens=4, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id)
+
+    def draws(share: bool, first_seed: int):
+        frequencies, distinct = torch.zeros(4, 18), []
+        for seed in range(first_seed, first_seed + 3):
+            out = sample_completions(model, prompts, share_prefixes=share,
+                                     generator=torch.Generator().manual_seed(seed), **kw)
+            for position in range(out.ids.shape[1]):
+                frequencies[position] += torch.bincount(out.ids[:, position], minlength=18).float()
+            distinct += [len({tuple(r) for r in group.tolist()})
+                         for group in out.ids.view(-1, 8, out.ids.shape[1])]
+        return frequencies / frequencies.sum(1, keepdim=True), sum(distinct) / len(distinct)
+    sizes = _decode_batch_sizes(monkeypatch)
+    shared = draws(True, 100)
+    assert max(sizes) < len(prompts) * 8 * 3 / 4     # sequences were shared
+    plain = draws(False, 200)
+    total_variation = 0.5 * (shared[0] - plain[0]).abs().sum(1).max()
+    assert total_variation < 0.05, total_variation
+    assert abs(shared[1] - plain[1]) < 0.25, (shared[1], plain[1])

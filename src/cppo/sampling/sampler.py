@@ -75,8 +75,8 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
                        generator: torch.Generator | None = None, min_p: float | None = None,
                        repetition_penalty: float = 1.0,
                        batch_size: int | None = None, lean: bool = True,
-                       dtype: torch.dtype | None = None, speculative=None
-                       ) -> Completions:
+                       dtype: torch.dtype | None = None, speculative=None,
+                       share_prefixes: bool = True) -> Completions:
     """G completions for each of Q prompts: prefill each prompt once, share its KV cache.
 
     batch_size bounds the number of completions decoded together (None: all Q*G at once).
@@ -87,7 +87,10 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
     AVX512-BF16/AMX and on GPUs; lean forward only) and record each token's log-prob under it
     (Completions.logprobs) so that the trainer can correct for the mismatch.
     speculative: draft tokens by n-gram look-up and verify them with the policy
-    (cppo.sampling.speculative; the same distribution, fewer forwards; lean forward only)."""
+    (cppo.sampling.speculative; the same distribution, fewer forwards; lean forward only).
+    share_prefixes: completions of a question that are identical so far (the same tokens drawn)
+    are decoded as one sequence until they differ, each still drawing its own next token from
+    that sequence's distribution: the same distribution, fewer rows per forward (_decode)."""
     q = len(prompts)
     per_chunk = questions_per_chunk(batch_size, num_generations, q)
     lean_forward = lean_forward_for(model)[0] if lean else None
@@ -102,8 +105,10 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
                     else functools.partial(_sample_chunk_lean, lean_forward, dtype, speculative))
     transforms = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       repetition_penalty=repetition_penalty)
+    share = share_prefixes and num_generations > 1
     parts = [sample_chunk(model, prompts.select(slice(s, s + per_chunk)), num_generations,
-                          max_new_tokens, eos_token_id, pad_token_id, greedy, generator, transforms)
+                          max_new_tokens, eos_token_id, pad_token_id, greedy, generator, transforms,
+                          share)
              for s in range(0, q, per_chunk)]
     return concat_completions(parts, pad_token_id)
 
@@ -129,7 +134,7 @@ def _prompt_tokens_seen(prompts: PromptBatch, num_generations: int, vocab_size: 
 
 
 def _sample_chunk(model, prompts, num_generations, max_new_tokens, eos_token_id, pad_token_id, greedy,
-                  generator, transforms) -> Completions:
+                  generator, transforms, share) -> Completions:
     """Prefill with the model's own forward, repeat its cache G times, decode with it."""
     device = next(model.parameters()).device
     prompts = prompts.to(device)
@@ -138,13 +143,16 @@ def _sample_chunk(model, prompts, num_generations, max_new_tokens, eos_token_id,
                 use_cache=True, logits_to_keep=1)
     cache_arg = _cache_kwarg(model)
     cache = getattr(out, cache_arg)
-    if num_generations > 1:
-        cache.batch_repeat_interleave(num_generations)
-    state = {"attention": prompts.mask.repeat_interleave(num_generations, 0),
-             "position": positions[:, -1:].repeat_interleave(num_generations, 0) + 1}
+    compact = hasattr(cache, "batch_select_indices")
+    share = share and compact   # shared sequences are picked with batch_select_indices
+    copies = 1 if share else num_generations
+    if copies > 1:
+        cache.batch_repeat_interleave(copies)
+    state = {"attention": prompts.mask.repeat_interleave(copies, 0),
+             "position": positions[:, -1:].repeat_interleave(copies, 0) + 1}
 
     def advance(tok: Tensor, rows: Tensor | None) -> Tensor:
-        if rows is not None:   # drop finished rows from the batch and the cache
+        if rows is not None:   # the sequences to continue, as rows of the batch and the cache
             cache.batch_select_indices(rows)
             state["attention"], state["position"] = state["attention"][rows], state["position"][rows]
         state["attention"] = F.pad(state["attention"], (0, 1), value=1)
@@ -153,16 +161,16 @@ def _sample_chunk(model, prompts, num_generations, max_new_tokens, eos_token_id,
         state["position"] = state["position"] + 1
         return out.logits[:, -1]
     first = out.logits[:, -1]
-    return _decode(first.repeat_interleave(num_generations, 0), advance, max_new_tokens,
+    return _decode(first.repeat_interleave(copies, 0), advance, max_new_tokens,
                    _eos_tensor(eos_token_id, device), pad_token_id, record=False,
-                   compact=hasattr(cache, "batch_select_indices"), greedy=greedy,
-                   generator=generator,
+                   compact=compact, greedy=greedy, generator=generator,
                    seen=_prompt_tokens_seen(prompts, num_generations, first.shape[-1], transforms),
+                   sequence_of=_question_rows(len(prompts), num_generations, first.device) if share else None,
                    **transforms)
 
 
 def _sample_chunk_lean(lean, dtype, speculative, model, prompts, num_generations, max_new_tokens, eos_token_id,
-                       pad_token_id, greedy, generator, transforms) -> Completions:
+                       pad_token_id, greedy, generator, transforms, share) -> Completions:
     """_sample_chunk on cppo.models.lean's forward (weights cast to `dtype` if given, and then
     each token's sampler log-prob recorded), with a preallocated KV cache; with `speculative`
     (a Speculation), decoding drafts and verifies several tokens per forward."""
@@ -171,14 +179,15 @@ def _sample_chunk_lean(lean, dtype, speculative, model, prompts, num_generations
     width = prompts.ids.shape[1]
     positions = (prompts.mask.cumsum(-1) - 1).clamp(min=0)
     capacity = width + max_new_tokens + (speculative.slack if speculative is not None else 0)
+    share = share and speculative is None
+    copies = 1 if share else num_generations    # shared: the G rows start as one sequence
     with lean.frozen(dtype):
         logits, cache = lean(prompts.ids, positions, prompts.mask.bool(), logits_to_keep=1,
                              new_cache_capacity=width)
-        cache = cache.repeat_interleave(num_generations, capacity)
-        keys = torch.ones(len(prompts) * num_generations, capacity, dtype=torch.bool,
-                          device=device)
-        keys[:, :width] = prompts.mask.bool().repeat_interleave(num_generations, 0)
-        state = {"position": positions[:, -1:].repeat_interleave(num_generations, 0) + 1,
+        cache = cache.repeat_interleave(copies, capacity)
+        keys = torch.ones(len(prompts) * copies, capacity, dtype=torch.bool, device=device)
+        keys[:, :width] = prompts.mask.bool().repeat_interleave(copies, 0)
+        state = {"position": positions[:, -1:].repeat_interleave(copies, 0) + 1,
                  "cache": cache, "keys": keys}
         if speculative is not None:
             from cppo.sampling.speculative import speculative_decode
@@ -194,38 +203,61 @@ def _sample_chunk_lean(lean, dtype, speculative, model, prompts, num_generations
                 prompt_lookup_min=speculative.prompt_lookup_min)
 
         def advance(tok: Tensor, rows: Tensor | None) -> Tensor:
-            if rows is not None:   # drop finished rows from the batch and the cache
+            if rows is not None:   # the sequences to continue, as rows of the batch and the cache
                 state["cache"] = state["cache"].select_rows(rows)
                 state["keys"], state["position"] = state["keys"][rows], state["position"][rows]
             logits, _ = lean(tok[:, None], state["position"], state["keys"], cache=state["cache"])
             state["position"] = state["position"] + 1
             return logits[:, -1]
         seen = _prompt_tokens_seen(prompts, num_generations, logits.shape[-1], transforms)
-        return _decode(logits[:, -1].repeat_interleave(num_generations, 0), advance, max_new_tokens,
+        return _decode(logits[:, -1].repeat_interleave(copies, 0), advance, max_new_tokens,
                        _eos_tensor(eos_token_id, device), pad_token_id, record=dtype is not None,
-                       compact=True, greedy=greedy, generator=generator, seen=seen, **transforms)
+                       compact=True, greedy=greedy, generator=generator, seen=seen,
+                       sequence_of=_question_rows(len(prompts), num_generations, device) if share else None,
+                       **transforms)
+
+
+def _question_rows(num_questions: int, num_generations: int, device) -> Tensor:
+    """(Q*G,) the question of each row of a question-major batch: its sequence before any token."""
+    return torch.arange(num_questions, device=device).repeat_interleave(num_generations)
+
+
+SHARE_WHILE = 0.75   # prefixes stay shared while the distinct sequences are at most this fraction
+                     # of the rows still decoding; then each row becomes its own sequence
 
 
 def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token_id: int, *,
-            record: bool, compact: bool, seen: Tensor | None = None, **sampling) -> Completions:
-    """Sample up to max_new_tokens tokens per row from first logits (N, V).
+            record: bool, compact: bool, seen: Tensor | None = None,
+            sequence_of: Tensor | None = None, **sampling) -> Completions:
+    """Sample up to max_new_tokens tokens per row from first logits (M, V) of M sequences.
 
-    advance(tokens (n,), rows) runs one decode step of the n rows still in the batch and returns
-    their next logits (n, V); rows (n,) is None, or the positions of the rows to keep in the
-    batch (the others have produced EOS): with `compact`, finished rows leave the batch once they
-    are an eighth of it, so no work is spent on them. Finished rows get padding; with `record`,
-    each token's log-prob under the sampling distribution is kept. seen (N, V): the tokens the
-    repetition penalty looks at (the prompt's), each sampled token added (None: no penalty)."""
-    n, device = logits.shape[0], logits.device
+    The model's batch holds sequences, the output rows. sequence_of (N,): the sequence each of
+    the N rows continues (its logits are the sequence's), None: row n is sequence n (M = N).
+    With sequence_of, rows that drew the same token from the same sequence continue one
+    sequence (the next forward runs once for them), each row still drawing its own token, so
+    each row's distribution is unchanged; once the distinct sequences exceed SHARE_WHILE of the
+    rows still decoding, every row becomes its own sequence.
+
+    advance(tokens (m,), rows) runs one decode step and returns the next logits (m, V) of the
+    batch's sequences: rows (m,) is None (the batch as it is) or the positions in the current
+    batch of the sequences to continue (a gather: a position may repeat, and a finished row's
+    sequence may be left out); tokens (m,) the token each continued sequence takes. Without
+    sharing and with `compact`, finished rows leave the batch once they are an eighth of it, so
+    no work is spent on them. Finished rows get padding; with `record`, each token's log-prob
+    under the sampling distribution is kept. seen (N, V): the tokens the repetition penalty
+    looks at (the prompt's), each sampled token added (None: no penalty)."""
+    n = len(sequence_of) if sequence_of is not None else logits.shape[0]
+    device, vocab = logits.device, logits.shape[-1]
     ids = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     recorded = torch.zeros(n, max_new_tokens, device=device) if record and not sampling["greedy"] else None
     active = torch.arange(n, device=device)          # the row of ids each batch row fills
     finished = torch.zeros(n, dtype=torch.bool, device=device)   # per batch row
     width = 0
-    workspace = None if sampling["greedy"] else torch.empty(logits.shape, device=device)
+    workspace = None if sampling["greedy"] else torch.empty(n, vocab, device=device)
     for step in range(max_new_tokens):
         logprobs = [] if recorded is not None else None
-        tok = _next_tokens(logits, logprobs=logprobs, seen=seen, workspace=workspace, **sampling)
+        row_logits = logits if sequence_of is None else logits.index_select(0, sequence_of)
+        tok = _next_tokens(row_logits, logprobs=logprobs, seen=seen, workspace=workspace, **sampling)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
         if seen is not None:
             mark_seen(seen, tok)
@@ -237,6 +269,23 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
         done = int(finished.sum())
         if step == max_new_tokens - 1 or done == len(finished):
             break
+        if sequence_of is not None:
+            live = (~finished).nonzero().squeeze(1)
+            # a continued sequence: (the sequence a live row was on, the token it drew)
+            continued, inverse = torch.unique(sequence_of[live] * vocab + tok[live],
+                                              return_inverse=True)
+            if len(continued) <= SHARE_WHILE * len(live):
+                sequence_of = torch.zeros_like(sequence_of).index_put_((live,), inverse)
+                logits = advance(continued % vocab, continued // vocab)   # finished rows: any
+                continue
+            # every live row its own sequence from now on; the finished rows leave
+            rows = sequence_of[live]
+            active, tok, finished = active[live], tok[live], finished[live]
+            seen = seen[live] if seen is not None else None
+            sequence_of = None
+            same = len(rows) == logits.shape[0] and bool((rows == torch.arange(len(rows), device=device)).all())
+            logits = advance(tok, None if same else rows)
+            continue
         rows = None
         if compact and done and 8 * done >= len(finished):
             rows = (~finished).nonzero().squeeze(1)
