@@ -287,3 +287,19 @@ def test_shared_prefixes_sample_each_completion_from_the_policy(monkeypatch):
     total_variation = 0.5 * (shared[0] - plain[0]).abs().sum(1).max()
     assert total_variation < 0.05, total_variation
     assert abs(shared[1] - plain[1]) < 0.25, (shared[1], plain[1])
+
+
+def test_the_share_prefixes_field_reaches_the_backends_sampler(monkeypatch):
+    """`share_prefixes: false` decodes every row from the first step; the default shares."""
+    from cppo.config import CPPOConfig
+    from cppo.sampling.backends import make_backend
+    model, tok = _setup("embedded")
+    prompts = encode_prompts(tok, ["37*42=", "5*6="])
+    first_steps = {}
+    for share in (True, False):
+        args = CPPOConfig(num_generations=8, temperature=0.1, share_prefixes=share,
+                          generation_dtype=None)
+        sizes = _decode_batch_sizes(monkeypatch)
+        make_backend(model, tok, args).generate(prompts, round_index=0)
+        first_steps[share] = sizes[0]
+    assert first_steps == {True: 2, False: 16}

@@ -948,7 +948,8 @@ class CPPOTrainer:
                 eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                 repetition_penalty=args.repetition_penalty, generator=generator,
-                batch_size=self.batch_sizes.evaluation, lean=args.lean_forward)
+                batch_size=self.batch_sizes.evaluation, lean=args.lean_forward,
+                share_prefixes=args.share_prefixes)
         finally:
             self.policy.train(was_training)
         texts = self.tokenizer.batch_decode(completions.ids.cpu(), skip_special_tokens=True)

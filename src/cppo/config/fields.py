@@ -122,6 +122,12 @@ class CPPOConfig:
         "enough to pay for bfloat16's per-matmul cost (per_device_train_batch_size x "
         "max_completion_length x the model's multiply-adds per token >= 4e8); None otherwise.",
         ("auto", "bfloat16"))
+    share_prefixes: bool = option(
+        True, "Built-in sampler: decode the completions of a question that are identical so far "
+        "(the same tokens drawn) as one sequence until they differ. Each completion still draws "
+        "its own tokens from the policy, so the distribution is exactly plain sampling's, with "
+        "fewer rows per decode step (docs/performance.md). Off with num_speculative_tokens. "
+        "vLLM decodes every sequence itself (its prefix cache shares their KV memory).")
     skip_zero_variance_prompts: bool = option(
         False, "Skip rolling out questions whose latest groups all had zero reward variance (every "
         "advantage 0): one is rolled out with probability max(skip_exploration_floor, 2^-streak), "

@@ -72,7 +72,7 @@ class TransformersBackend:
                     top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                     generator=generator, lean=args.lean_forward,
                     dtype=getattr(torch, args.generation_dtype) if args.generation_dtype else None,
-                    speculative=speculation(args)))
+                    speculative=speculation(args), share_prefixes=args.share_prefixes))
         finally:
             if toggle:
                 self.model.train(was_training)

@@ -236,7 +236,7 @@ class ToolLoop:
                 max_new_tokens=max(budgets), eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                generator=generator, lean=args.lean_forward)
+                generator=generator, lean=args.lean_forward, share_prefixes=args.share_prefixes)
         turns = [ids[mask.bool()].tolist() for ids, mask in zip(out.ids.cpu(), out.mask.cpu())]
         if isinstance(max_new_tokens, list):
             turns = [t[:n] for t, n in zip(turns, max_new_tokens)]
