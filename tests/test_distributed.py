@@ -183,8 +183,11 @@ def test_two_processes_make_the_same_steps_as_one(runs, strategy, tiny_model_dir
     initial = load_file(Path(tiny_model_dir) / "model.safetensors")
     assert max(float((single[k] - initial[k]).abs().max()) for k in initial) > 1e-3   # it moved
     assert sorted(multi) == sorted(single)
+    # float rounding differs with the per-process batch (attention's batched matmuls, the
+    # reduce-scatter's order) and Adam's normalised step turns it into a few 1e-6 in the weights;
+    # a lost or extra share of the batch moves them by the learning rate's scale (1e-3)
     for name, value in single.items():
-        torch.testing.assert_close(multi[name], value, rtol=1e-4, atol=2e-6, msg=name)
+        torch.testing.assert_close(multi[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
