@@ -77,8 +77,9 @@ class KVCache:
         return KVCache([grow(k) for k in self.keys], [grow(v) for v in self.values], self.length)
 
     def select_rows(self, rows: Tensor) -> "KVCache":
-        """Only the given rows (n,) of the batch, in the same capacity."""
-        return KVCache([k[rows] for k in self.keys], [v[rows] for v in self.values], self.length)
+        """The given rows (n,) of the batch (a row may repeat), in the same capacity."""
+        return KVCache([k.index_select(0, rows) for k in self.keys],
+                       [v.index_select(0, rows) for v in self.values], self.length)
 
 
 def unsupported_reason(model) -> str | None:
