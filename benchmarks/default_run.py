@@ -11,6 +11,7 @@ machine; the results say so).
     python benchmarks/default_run.py --emulate-avx2           # the same with torch held to AVX2
     python benchmarks/default_run.py --seeds 42 --rows default --threads 1
     python benchmarks/default_run.py --collect DIR ...        # tabulate finished run directories
+    python benchmarks/default_run.py --against /tmp/before    # also a checkout at another revision
 
 Writes benchmarks/results/default_run/results.md and results.json (with the CPU capability the
 runs saw, thread count, load average and whether the machine was shared).
@@ -62,14 +63,24 @@ def describe_machine(env: dict) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def start_run(label: str, seed: int, extra: list[str], out_dir: Path, env: dict):
+def start_run(label: str, seed: int, extra: list[str], out_dir: Path, env: dict, tree: str = ""):
+    """tree: another checkout of cppo whose src/ the run imports instead (its rev in the label)."""
     cmd = ["cppo", "train", "--seed", str(seed), "--output_dir", str(out_dir),
            "--progress_bar", "false", *extra]
+    if tree:
+        env = {**env, "PYTHONPATH": str(Path(tree) / "src")}
     log = open(out_dir.with_suffix(".log"), "w")
+    rev = f" (tree at {tree_revision(tree)})" if tree else ""
     return {"label": label, "seed": seed, "command": " ".join(["cppo", "train", *extra] +
-                                                             (["--seed", str(seed)] if seed != 42 else [])),
+                                                             (["--seed", str(seed)] if seed != 42 else [])) + rev,
             "out_dir": out_dir, "start": time.perf_counter(), "load_start": os.getloadavg()[0],
             "proc": subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), "log": log}
+
+
+def tree_revision(tree: str) -> str:
+    out = subprocess.run(["git", "-C", tree, "log", "-1", "--format=%h, %cs"], capture_output=True,
+                         text=True)
+    return out.stdout.strip() or tree
 
 
 def finish_run(run: dict) -> dict:
@@ -100,13 +111,14 @@ def row_from_summary(out_dir: Path, label: str, seed: int | None, command: str) 
             **{k: config[k] for k in RECIPE_KEYS}}
 
 
-def run_rows(plan: list[tuple[str, int, list[str]]], env: dict, parallel: int, workdir: Path) -> list[dict]:
+def run_rows(plan: list[tuple], env: dict, parallel: int, workdir: Path) -> list[dict]:
+    """plan: (label, seed, extra flags[, tree]) per run."""
     rows, running = [], []
-    for i, (label, seed, extra) in enumerate(plan):
+    for i, (label, seed, extra, *tree) in enumerate(plan):
         while len(running) >= parallel:
             rows.append(finish_run(running.pop(0)))
         out = workdir / f"{i:02d}_{label}_seed{seed}"
-        running.append(start_run(label, seed, extra, out, env))
+        running.append(start_run(label, seed, extra, out, env, *tree))
         print(f"started: {running[-1]['command']}", flush=True)
     rows += [finish_run(r) for r in running]
     return rows
@@ -209,6 +221,10 @@ def main() -> None:
                         help="instead of full runs: seconds per training round of the previous "
                              "recipe (untrimmed, 8 tokens) against this default, interleaved in one "
                              "process, ROUNDS rounds each; written to step_cost[_avx2].json")
+    parser.add_argument("--against", metavar="DIR", default="",
+                        help="also run the default with every seed on another checkout of cppo "
+                             "(e.g. `git worktree add /tmp/before REV`; its src/ is imported "
+                             "instead of this tree's): row 'against'")
     parser.add_argument("--note", default="", help="a paragraph added to results.md")
     parser.add_argument("--output", default="benchmarks/results/default_run")
     args = parser.parse_args()
@@ -240,6 +256,7 @@ def main() -> None:
         other_seeds = args.seeds if args.every_seed else [42]
         plan += [(label, s, ROWS[label] + extra) for label in args.rows if label != "default"
                  for s in other_seeds]
+        plan += [("against", s, extra, args.against) for s in args.seeds if args.against]
         with tempfile.TemporaryDirectory(prefix="cppo_default_run_") as tmp:
             rows = run_rows(plan, env, args.parallel, Path(tmp))
         loads = [r["load_average"] for r in rows]
