@@ -253,8 +253,11 @@ def test_identical_prefixes_are_decoded_once(monkeypatch):
             assert per_question.min() < per_question.max()   # questions end at different steps
             if share:
                 assert sizes == [int((per_question > step).sum()) for step in range(1, len(sizes) + 1)]
+                # the counts the trainer logs (cppo/decode_rows_saved): every completion's tokens
+                # but its last were decoded rows, the sequences are the forwards' rows
+                assert (out.decode.rows, out.decode.sequences) == (int((lengths - 1).sum()), sum(sizes))
             else:
-                assert sizes[0] == 16
+                assert sizes[0] == 16 and out.decode is None
             for row in range(16):
                 n = int(lengths[row])
                 assert out.ids[row, :n].tolist() == ref[row, :n].tolist(), (lean, share, row)
@@ -303,3 +306,18 @@ def test_the_share_prefixes_field_reaches_the_backends_sampler(monkeypatch):
         make_backend(model, tok, args).generate(prompts, round_index=0)
         first_steps[share] = sizes[0]
     assert first_steps == {True: 2, False: 16}
+
+
+def test_the_trainer_logs_the_decode_rows_sharing_saved(tiny_model_dir, tmp_path):
+    import json
+    from helpers import make_trainer
+    saved = {}
+    for share in (True, False):
+        run = tmp_path / f"share_{share}"
+        make_trainer(tiny_model_dir, run, share_prefixes=share, temperature=0.05, max_steps=2,
+                     save_steps=0).train()
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        saved[share] = [r["cppo/decode_rows_saved"] for r in records if "cppo/decode_rows_saved" in r]
+    # near-greedy, a question's G = 4 completions are one sequence: 3 of 4 rows saved
+    assert saved[True] and all(0.5 < s < 1 for s in saved[True]), saved
+    assert saved[False] == []

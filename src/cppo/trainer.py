@@ -759,8 +759,9 @@ class CPPOTrainer:
             self.run_state.counters["two_stage_dropped"] += now["dropped"]
             self.run_state.counters["completions_scored"] += now["dropped_here"] * k
             self.run_state.counters["tokens_generated"] += now["dropped_tokens"]
-        if completions.speculation is not None:
-            metrics.update(completions.speculation.metrics())
+        for stats in (completions.speculation, completions.decode):
+            if stats is not None:
+                metrics.update(stats.metrics())
         self.run_state.counters["questions_seen"] += len(rows)
         self.run_state.counters["completions_scored"] += rewards.numel()
         self.run_state.counters["tokens_generated"] += int(lengths.sum())

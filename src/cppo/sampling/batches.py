@@ -31,6 +31,23 @@ class PromptBatch:
 
 
 @dataclass
+class DecodeStats:
+    """Counts over a generation's decode steps (after the prefill): `rows`, the completions that
+    went on to another token, summed over the steps; `sequences`, the rows the forwards ran:
+    fewer where completions identical so far shared one sequence (share_prefixes), a few more
+    where finished completions had not yet left the batch."""
+
+    rows: int = 0
+    sequences: int = 0
+
+    def __add__(self, other: "DecodeStats") -> "DecodeStats":
+        return DecodeStats(self.rows + other.rows, self.sequences + other.sequences)
+
+    def metrics(self) -> dict:
+        return {"cppo/decode_rows_saved": 1 - self.sequences / self.rows if self.rows else 0.0}
+
+
+@dataclass
 class Completions:
     """Sampled completions, question-major: row q*G + g is completion g of question q.
 
@@ -40,7 +57,8 @@ class Completions:
     from (after temperature, top-k, top-p; 0 after EOS); speculation: the speculative sampler's
     counts (cppo.sampling.speculative.SpeculationStats) when it ran; tool_mask (N, T), for
     multi-turn completions (cppo.sampling.multi_turn): 0 on the tokens a tool or environment wrote
-    (in the context, out of the loss), 1 elsewhere."""
+    (in the context, out of the loss), 1 elsewhere; decode: the built-in sampler's DecodeStats
+    when it shared prefixes."""
 
     ids: Tensor
     mask: Tensor
@@ -48,6 +66,7 @@ class Completions:
     logprobs: Tensor | None = None
     speculation: object | None = None
     tool_mask: Tensor | None = None
+    decode: DecodeStats | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -62,13 +81,19 @@ def concat_completions(parts: list[Completions], pad_token_id: int) -> Completio
     logprobs = None
     if all(p.logprobs is not None for p in parts):
         logprobs = torch.cat([F.pad(p.logprobs, (0, width - p.logprobs.shape[1])) for p in parts])
-    speculation = None
-    if all(p.speculation is not None for p in parts):
-        speculation = functools.reduce(lambda a, b: a + b, [p.speculation for p in parts])
+    speculation = _summed([p.speculation for p in parts])
     return Completions(
         ids=torch.cat([F.pad(p.ids, (0, width - p.ids.shape[1]), value=pad_token_id) for p in parts]),
         mask=torch.cat([F.pad(p.mask, (0, width - p.mask.shape[1])) for p in parts]),
-        truncated=torch.cat([p.truncated for p in parts]), logprobs=logprobs, speculation=speculation)
+        truncated=torch.cat([p.truncated for p in parts]), logprobs=logprobs, speculation=speculation,
+        decode=_summed([p.decode for p in parts]))
+
+
+def _summed(stats: list):
+    """The sum of per-part statistics (SpeculationStats, DecodeStats); None if any part has none."""
+    if not stats or any(s is None for s in stats):
+        return None
+    return functools.reduce(lambda a, b: a + b, stats)
 
 
 def group_rows(questions: Tensor, group_size: int) -> Tensor:
@@ -94,13 +119,12 @@ def merge_groups(first: Completions, k: int, rows: Tensor, second: Completions,
         a, b = a.view(num, k, *a.shape[1:]), b.view(num, rest, *b.shape[1:])
         return torch.cat([a, b.to(a.device)], dim=1).flatten(0, 1)
 
-    speculation = None
-    if first.speculation is not None and second.speculation is not None:
-        speculation = first.speculation + second.speculation
     return Completions(ids=join(first.ids, second.ids, pad_token_id), mask=join(first.mask, second.mask),
                        truncated=join(first.truncated, second.truncated),
-                       logprobs=join(first.logprobs, second.logprobs), speculation=speculation,
-                       tool_mask=join(first.tool_mask, second.tool_mask, 1))
+                       logprobs=join(first.logprobs, second.logprobs),
+                       speculation=_summed([first.speculation, second.speculation]),
+                       tool_mask=join(first.tool_mask, second.tool_mask, 1),
+                       decode=_summed([first.decode, second.decode]))
 
 
 def completions_from_ids(ids: Tensor, eos: Tensor) -> Completions:

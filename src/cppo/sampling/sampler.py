@@ -18,7 +18,8 @@ from torch import Tensor
 
 from cppo.algorithm.allocation import questions_per_chunk
 from cppo.models.lean import lean_forward_for
-from cppo.sampling.batches import Completions, PromptBatch, concat_completions, completions_from_ids
+from cppo.sampling.batches import (Completions, DecodeStats, PromptBatch, concat_completions,
+                                   completions_from_ids)
 from cppo.sampling.logits import greedy_logits, mark_seen, sample_logits, sampling_logits, seen_tokens
 from cppo.sampling.padding import pad_token_lists
 
@@ -245,7 +246,8 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
     sharing and with `compact`, finished rows leave the batch once they are an eighth of it, so
     no work is spent on them. Finished rows get padding; with `record`, each token's log-prob
     under the sampling distribution is kept. seen (N, V): the tokens the repetition penalty
-    looks at (the prompt's), each sampled token added (None: no penalty)."""
+    looks at (the prompt's), each sampled token added (None: no penalty). With sequence_of, the
+    completions carry DecodeStats (rows decoded, sequences run)."""
     n = len(sequence_of) if sequence_of is not None else logits.shape[0]
     device, vocab = logits.device, logits.shape[-1]
     ids = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
@@ -254,6 +256,13 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
     finished = torch.zeros(n, dtype=torch.bool, device=device)   # per batch row
     width = 0
     workspace = None if sampling["greedy"] else torch.empty(n, vocab, device=device)
+    stats = DecodeStats() if sequence_of is not None else None
+    if stats is not None:
+        run_step = advance
+
+        def advance(tokens: Tensor, rows: Tensor | None) -> Tensor:
+            stats.sequences += len(tokens)
+            return run_step(tokens, rows)
     for step in range(max_new_tokens):
         logprobs = [] if recorded is not None else None
         row_logits = logits if sequence_of is None else logits.index_select(0, sequence_of)
@@ -269,6 +278,8 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
         done = int(finished.sum())
         if step == max_new_tokens - 1 or done == len(finished):
             break
+        if stats is not None:
+            stats.rows += len(finished) - done
         if sequence_of is not None:
             live = (~finished).nonzero().squeeze(1)
             # a continued sequence: (the sequence a live row was on, the token it drew)
@@ -295,6 +306,7 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
     completions = completions_from_ids(ids[:, :width], eos)
     if recorded is not None:
         completions.logprobs = recorded[:, :width] * completions.mask
+    completions.decode = stats
     return completions
 
 
