@@ -1,8 +1,9 @@
 """Sampling completions with any transformers causal LM.
 
 The G completions of a question share its prompt, so the prompt is run through the model once
-per question (prefill), its key/value cache is repeated G times, and then all Q*G completions are
-decoded together, one token per forward pass, with a cache. `transformers.generate` with
+per question (prefill), and then all Q*G completions are decoded together, one token per forward
+pass, with a cache; completions that have drawn the same tokens so far are decoded as one
+sequence until they differ (share_prefixes). `transformers.generate` with
 `num_return_sequences=G` instead repeats the prompt G times before the prefill.
 """
 
@@ -136,7 +137,8 @@ def _prompt_tokens_seen(prompts: PromptBatch, num_generations: int, vocab_size: 
 
 def _sample_chunk(model, prompts, num_generations, max_new_tokens, eos_token_id, pad_token_id, greedy,
                   generator, transforms, share) -> Completions:
-    """Prefill with the model's own forward, repeat its cache G times, decode with it."""
+    """Prefill with the model's own forward, then decode with it: the G completions start as one
+    sequence per question (share) or as G copies of its cache."""
     device = next(model.parameters()).device
     prompts = prompts.to(device)
     positions = (prompts.mask.cumsum(-1) - 1).clamp(min=0)
