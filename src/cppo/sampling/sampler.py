@@ -267,8 +267,11 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
             return run_step(tokens, rows)
     for step in range(max_new_tokens):
         logprobs = [] if recorded is not None else None
+        in_batch = logits.shape[0]   # the sequences of the model's batch
         row_logits = logits if sequence_of is None else logits.index_select(0, sequence_of)
+        logits = None   # freed before the next forward: at most one step's logits exist at once
         tok = _next_tokens(row_logits, logprobs=logprobs, seen=seen, workspace=workspace, **sampling)
+        del row_logits
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
         if seen is not None:
             mark_seen(seen, tok)
@@ -296,7 +299,7 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
             active, tok, finished = active[live], tok[live], finished[live]
             seen = seen[live] if seen is not None else None
             sequence_of = None
-            same = len(rows) == logits.shape[0] and bool((rows == torch.arange(len(rows), device=device)).all())
+            same = len(rows) == in_batch and bool((rows == torch.arange(len(rows), device=device)).all())
             logits = advance(tok, None if same else rows)
             continue
         rows = None
