@@ -214,3 +214,26 @@ def test_matmul_dtype_needs_the_lean_forward():
         completion_logprobs(MODELS["llama"], *_padded_batch(n=2, length=3)[:2],
                             torch.ones(2, 2, dtype=torch.long), torch.ones(2, 2, dtype=torch.long),
                             lean=False, matmul_dtype=torch.bfloat16)
+
+
+def test_half_precision_matmuls_on_a_cpu_run_on_bucketed_row_counts():
+    """oneDNN builds a kernel per new row count of a bfloat16 matmul: rows are padded to one of
+    few buckets (at most an eighth more), and the result and gradients are F.linear's."""
+    from cppo.models.lean import _bucketed_linear, _bucketed_rows
+    buckets = {_bucketed_rows(r) for r in range(1, 4097)}
+    assert all(r <= _bucketed_rows(r) <= r + max(1, r // 8) for r in range(1, 4097))
+    assert len(buckets) < 120                      # far fewer shapes than row counts
+    torch.manual_seed(0)
+    for shape in [(1449, 128), (3, 67, 128), (17, 128)]:
+        x = torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(96, 128, dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(96, dtype=torch.bfloat16, requires_grad=True)
+        out = _bucketed_linear(x, w, b)
+        ref = torch.nn.functional.linear(x, w, b)
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref)
+        grad = torch.randn_like(ref)
+        got = torch.autograd.grad(out, (x, w, b), grad)
+        expected = torch.autograd.grad(ref, (x, w, b), grad)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g.float(), e.float(), atol=0.25, rtol=0.02)

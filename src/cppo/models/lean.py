@@ -143,10 +143,34 @@ MATMUL_ATTENTION_MAX_SCORES = 8192   # query x key positions per head up to whic
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """F.linear; a weight in another dtype than x (a matmul dtype) gets x cast to it, and the
-    result cast back to x's dtype."""
+    result cast back to x's dtype. Half-precision matmuls on a CPU get their rows padded to a
+    bucket (_bucketed_rows)."""
     if weight.dtype == x.dtype:
+        return _bucketed_linear(x, weight, bias)
+    return _bucketed_linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+
+def _bucketed_rows(rows: int) -> int:
+    """rows rounded up to a multiple of 2^(floor(log2 rows) - 3): at most an eighth more rows,
+    and few distinct counts over a run."""
+    step = 1 << max(0, rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def _bucketed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear over x (..., K). On a CPU, oneDNN runs bfloat16/float16 matmuls and builds a
+    kernel for every new row count (its cache keeps them by shape), which costs more than the
+    matmul at these sizes, and packed passes and decode steps see a new row count nearly every
+    call: the rows are padded with zeros to a bucket (_bucketed_rows) and the padding dropped
+    from the result (zero rows add nothing to the weight's gradient)."""
+    if x.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
         return F.linear(x, weight, bias)
-    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+    rows = x.numel() // x.shape[-1]
+    padded = _bucketed_rows(rows)
+    if padded == rows:
+        return F.linear(x, weight, bias)
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
+    return F.linear(flat, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])
 
 
 def _fsdp(module) -> bool:
@@ -322,7 +346,7 @@ class LeanForward:
         return h + _linear(F.silu(gate) * up, w.down, w.down_bias)
 
     def _logits(self, weights: "Weights", h: Tensor) -> Tensor:
-        return F.linear(self._norm(h, weights.norm), weights.head, weights.head_bias)
+        return _bucketed_linear(self._norm(h, weights.norm), weights.head, weights.head_bias)
 
     @staticmethod
     def _allowed(key_mask: Tensor, query_positions: Tensor) -> Tensor:
