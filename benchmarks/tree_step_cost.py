@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 PHASES = ("round", "generate", "score", "update")
 
 
@@ -72,12 +73,6 @@ def one_round(proc: subprocess.Popen) -> dict:
     return json.loads(proc.stdout.readline())
 
 
-def revision(tree: str) -> str:
-    out = subprocess.run(["git", "-C", tree, "log", "-1", "--format=%h, %cs"],
-                         capture_output=True, text=True)
-    return out.stdout.strip() or tree
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,10 +86,11 @@ def main() -> None:
     extra = shlex.split(args.extra)
     if args.worker:
         return worker(extra)
+    from default_run import tree_revision
     if not args.against:
         parser.error("--against DIR is required (a checkout of cppo to compare with)")
     load_before = os.getloadavg()[0]
-    sides = {"this tree": start_worker(None, extra), f"tree at {revision(args.against)}":
+    sides = {"this tree": start_worker(None, extra), f"tree at {tree_revision(args.against)}":
              start_worker(args.against, extra)}
     times: dict[str, list[dict]] = {name: [] for name in sides}
     for i in range(args.warmup + args.rounds):
