@@ -43,13 +43,13 @@ from paper_table.report import build_report, machine, write_outputs  # noqa: E40
 from paper_table.rows import (DEFAULTS, GROUP_SIZE, PRUNING_RATES, QUICK, TIME_BUDGET_SECONDS,  # noqa: E402
                               UPDATE_BATCH, all_rows, questions_per_step)
 from paper_table.runs import fitting_questions, probe_seconds, run_training  # noqa: E402
-from paper_table.stats import amdahl_bound, classic_amdahl, time_to_accuracy  # noqa: E402
+from paper_table.stats import amdahl_bound, classic_amdahl, time_to_accuracy, updates_bound, updates_run  # noqa: E402
 from paper_table.trl_compare import run_trl_comparison  # noqa: E402
 
 # the parts tests/test_bench_table.py reaches through this module
 __all__ = ["amdahl_bound", "build_report", "classic_amdahl", "fitting_questions", "fmt_pm", "machine",
            "main", "markdown_table", "parse_seeds", "PRUNING_RATES", "questions_per_step", "all_rows",
-           "time_to_accuracy", "write_plots"]
+           "time_to_accuracy", "updates_bound", "updates_run", "write_plots"]
 
 def parse_seeds(text: str) -> list[int]:
     """'3' -> [0, 1, 2]; '0,4,7' -> [0, 4, 7]."""

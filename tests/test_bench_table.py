@@ -31,6 +31,16 @@ def test_amdahl_bound_is_the_written_formula(table):
         table.amdahl_bound(100.0, 40.0, 10.0, 1.0)
 
 
+def test_updates_bound_uses_the_measured_share_of_updates(table):
+    # GRPO ran 700 updates, CPPO 350: the same as amdahl_bound at P = 0.5
+    assert table.updates_bound(100.0, 40.0, 10.0, 700, 350) == pytest.approx(100 / (10 + 0.5 * 60))
+    # CPPO ran 2/3 of GRPO's updates (GRPO skipped its zero-variance groups): a lower bound
+    assert table.updates_bound(100.0, 40.0, 10.0, 600, 400) == pytest.approx(100 / (10 + 60 * 400 / 600))
+    assert table.updates_run({"steps": 1024, "skipped_steps": 291}) == 733
+    with pytest.raises(ValueError, match="updates run"):
+        table.updates_bound(100.0, 40.0, 10.0, 0, 10)
+
+
 def test_classic_amdahl_limits(table):
     assert table.classic_amdahl(1.0, 0.9375) == pytest.approx(16.0)
     assert table.classic_amdahl(0.0, 0.9375) == pytest.approx(1.0)
@@ -78,12 +88,12 @@ def test_rows_have_the_paper_shapes(table):
     assert rows["maxvar-0.875"].config_values()["selection_scope"] == "question"
 
 
-def fake_summary(seconds, generate, accuracy, steps, q, kept=16, p=0.0):
+def fake_summary(seconds, generate, accuracy, steps, q, kept=16, p=0.0, skipped=0):
     history = [{"step": 0, "accuracy": 0.30, "train_seconds": 0.0, "wall_time": 1.0},
                {"step": steps, "accuracy": accuracy, "train_seconds": seconds, "wall_time": seconds + 2}]
     return {"accuracy_before": 0.30, "accuracy_after": accuracy, "train_seconds": seconds,
             "wall_seconds": seconds + 2, "steps": steps, "questions_per_step": q,
-            "completions_kept_per_step": kept, "effective_pruning_rate": p, "skipped_steps": 0,
+            "completions_kept_per_step": kept, "effective_pruning_rate": p, "skipped_steps": skipped,
             "phase_seconds_this_session": {"generate": generate, "score": 0.0, "logprobs": 0.0,
                                            "update": seconds - generate - 1, "eval": 1.0,
                                            "checkpoint": 0.1},
@@ -93,9 +103,9 @@ def fake_summary(seconds, generate, accuracy, steps, q, kept=16, p=0.0):
 def test_report_from_fake_runs(table, tmp_path):
     runs = []
     for seed in (0, 1):
-        runs.append({"row": "grpo", "seed": seed, "summary": fake_summary(100, 40, 0.40, 64, 1)})
+        runs.append({"row": "grpo", "seed": seed, "summary": fake_summary(100, 40, 0.40, 64, 1, skipped=16)})
         runs.append({"row": "cppo-0.5", "seed": seed,
-                     "summary": fake_summary(50, 25, 0.395, 32, 2, p=0.5)})
+                     "summary": fake_summary(50, 25, 0.395, 32, 2, p=0.5, skipped=2 * seed)})
         runs.append({"row": "fair-0.5", "seed": seed, "summary": fake_summary(80, 25, 0.41, 32, 2, kept=32)})
     raw = {"command": "python benchmarks/cppo_table.py --test", "machine": table.machine(),
            "started": "now", "total_seconds": 600.0, "estimate_seconds": 500.0,
@@ -108,6 +118,11 @@ def test_report_from_fake_runs(table, tmp_path):
     cppo = stats["cppo-0.5"]
     assert cppo["speedup_train"] == pytest.approx(2.0)
     assert cppo["bound"] == pytest.approx(100 / (25 + 0.5 * 60))
+    # updates run: GRPO 64 - 16 = 48; CPPO 32 and 30 over the seeds (mean 31)
+    assert stats["grpo"]["updates_run"] == 48 and cppo["updates_run"] == 31
+    assert cppo["updates_bound"] == pytest.approx(100 / (25 + 60 * 31 / 48))
+    assert cppo["fraction_of_updates_bound"] == pytest.approx(2.0 / cppo["updates_bound"])
+    assert "| CPPO P=0.5 | 31 | 48 | 0.65 | 0.500 | 2.00x | 1.82x | 1.57x | 127% |" in markdown
     assert cppo["time_to_target"] == (None, None) and cppo["reached"] == 0   # 39.5 % < 40 %
     assert stats["fair-0.5"]["time_to_target"][0] == pytest.approx(80 * 0.10 / 0.11)
     met = {t["target"]: t["met"] for t in targets}

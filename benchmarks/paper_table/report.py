@@ -81,6 +81,26 @@ def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
     lines += [markdown_table(head, body, "lrrrrrrrrrrrrrr"), ""]
     lines += ["Accuracy before training: " + pct(stats["grpo"]["accuracy_before"]) if "accuracy_before" in stats.get("grpo", {}) else "", ""]
 
+    update_rows = []
+    grpo_updates = stats.get("grpo", {}).get("updates_run")
+    for n in names:
+        s = stats[n]
+        if "updates_bound" in s and grpo_updates:
+            update_rows.append([rows[n].label, fmt_num(s["updates_run"], 0), fmt_num(grpo_updates, 0),
+                                fmt_num(s["updates_run"] / grpo_updates, 2),
+                                fmt_num(1 - s["effective_pruning_rate"], 3),
+                                fmt_num(s["speedup_train"], 2, "x"), fmt_num(s["bound"], 2, "x"),
+                                fmt_num(s["updates_bound"], 2, "x"),
+                                fmt_num(100 * s["fraction_of_updates_bound"], 0, "%")])
+    if update_rows:
+        lines += ["## Updates run (steps less those skipped because every kept advantage was 0)", "",
+                  "GRPO with one question per step skips the update of every group whose rewards are all "
+                  "equal; a CPPO step skips only when all of its questions' groups are, so CPPO runs more "
+                  "than (1 - P) times GRPO's updates. bound_U replaces (1 - P) in the bound by the measured "
+                  "ratio of updates run.", "",
+                  markdown_table(["row", "updates run", "GRPO updates run", "ratio U_CPPO / U_GRPO",
+                                  "1 - P", "speed-up", "bound", "bound_U", "% of bound_U"], update_rows), ""]
+
     fair_rows = []
     for p in PRUNING_RATES:
         f = fair_stats(runs, p)
@@ -143,6 +163,9 @@ def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
               "take in the CPPO run and everything else GRPO does per step shrinks by (1 - P) (CPPO runs (1 - P) "
               "times the steps on the same 16 completions). % of bound = speed-up / bound. Against the fair "
               "baseline, T_GRPO and G_GRPO are the fair run's.",
+              "- bound_U = T_GRPO / (G_CPPO + (U_CPPO / U_GRPO) · (T_GRPO - G_GRPO)), U = optimizer updates "
+              "run (steps - skipped steps), mean over seeds: the bound with the measured share of GRPO's "
+              "updates that CPPO runs in place of (1 - P).",
               "- classic Amdahl (in speedup.png) = 1 / ((1 - f) + f (1 - P)), f = (T_GRPO - G_GRPO) / T_GRPO: "
               "keeps GRPO's own generation time, so CPPO's bigger generation batches can beat it.",
               "- ideal = 1 / (1 - P).",

@@ -33,11 +33,35 @@ def amdahl_bound(grpo_seconds: float, grpo_gen_score: float, cppo_gen_score: flo
     the same 16 completions. A CPPO run at 100 % of the bound has no overhead from pruning."""
     if not 0 <= pruning_rate < 1:
         raise ValueError(f"pruning_rate must be in [0, 1), got {pruning_rate}")
-    denominator = cppo_gen_score + (1 - pruning_rate) * (grpo_seconds - grpo_gen_score)
+    return _bound(grpo_seconds, grpo_gen_score, cppo_gen_score, 1 - pruning_rate)
+
+
+def _bound(grpo_seconds: float, grpo_gen_score: float, cppo_gen_score: float, share: float) -> float:
+    """T_GRPO / (G_CPPO + share * (T_GRPO - G_GRPO))."""
+    denominator = cppo_gen_score + share * (grpo_seconds - grpo_gen_score)
     if denominator <= 0:
         raise ValueError(f"non-positive time in the bound: G_CPPO={cppo_gen_score}, "
                          f"T_GRPO={grpo_seconds}, G_GRPO={grpo_gen_score}")
     return grpo_seconds / denominator
+
+
+def updates_bound(grpo_seconds: float, grpo_gen_score: float, cppo_gen_score: float,
+                  grpo_updates: float, cppo_updates: float) -> float:
+    """amdahl_bound with (1 - P) replaced by the measured ratio of optimizer updates run:
+        bound_U = T_GRPO / (G_CPPO + (U_CPPO / U_GRPO) * (T_GRPO - G_GRPO))
+    U = steps - skipped steps. A step whose kept completions all have advantage 0 runs no update
+    (docs/migrating-from-trl.md): GRPO with one question per step skips every zero-variance group,
+    while a CPPO step skips only when all of its questions have one, so CPPO runs more than
+    (1 - P) times GRPO's updates and amdahl_bound overstates what pruning can give."""
+    if grpo_updates <= 0 or cppo_updates < 0:
+        raise ValueError(f"updates run must be positive for GRPO and non-negative for CPPO, got "
+                         f"U_GRPO={grpo_updates}, U_CPPO={cppo_updates}")
+    return _bound(grpo_seconds, grpo_gen_score, cppo_gen_score, cppo_updates / grpo_updates)
+
+
+def updates_run(summary: dict) -> int:
+    """Optimizer updates a run executed: its steps less the skipped ones."""
+    return summary["steps"] - summary["skipped_steps"]
 
 
 def classic_amdahl(reducible_fraction: float, pruning_rate: float) -> float:
@@ -84,7 +108,8 @@ def row_stats(runs: list[dict], name: str, grpo: dict[int, dict], target: float 
         steps=summaries[0]["steps"], questions_per_step=summaries[0]["questions_per_step"],
         kept_per_step=summaries[0]["completions_kept_per_step"],
         effective_pruning_rate=summaries[0]["effective_pruning_rate"],
-        skipped_steps=mean_std(s["skipped_steps"] for s in summaries)[0])
+        skipped_steps=mean_std(s["skipped_steps"] for s in summaries)[0],
+        updates_run=mean_std(updates_run(s) for s in summaries)[0])
     phases = {}
     for key in TRAIN_PHASES + ("eval", "checkpoint"):
         phases[key] = mean_std(s["phase_seconds_this_session"].get(key, 0.0) for s in summaries)[0]
@@ -105,6 +130,10 @@ def row_stats(runs: list[dict], name: str, grpo: dict[int, dict], target: float 
             stats["bound"] = amdahl_bound(t_grpo, g_grpo, g_mine, p)
             stats["classic_amdahl"] = classic_amdahl(1 - g_grpo / t_grpo, p)
             stats["fraction_of_bound"] = stats["speedup_train"] / stats["bound"]
+            u_grpo = statistics.fmean(updates_run(grpo[s]) for s in paired)
+            u_mine = statistics.fmean(updates_run(mine[s]) for s in paired)
+            stats["updates_bound"] = updates_bound(t_grpo, g_grpo, g_mine, u_grpo, u_mine)
+            stats["fraction_of_updates_bound"] = stats["speedup_train"] / stats["updates_bound"]
     if target is not None:
         reached = [time_to_accuracy(s["history"], target, "train_seconds") for s in summaries]
         reached_wall = [time_to_accuracy(s["history"], target, "wall_time") for s in summaries]
