@@ -18,12 +18,13 @@ def pad_token_lists(rows: Sequence[Sequence[int]], pad_value: int, *, side: str,
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
     width = max([min_width, *map(len, rows)])
-    ids = torch.full((len(rows), width), pad_value, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if len(row) == 0:
-            continue
-        columns = slice(width - len(row), width) if side == "left" else slice(0, len(row))
-        ids[i, columns] = torch.tensor(list(row), dtype=torch.long)
-        mask[i, columns] = 1
-    return ids, mask
+    if not rows:
+        return torch.full((0, width), pad_value, dtype=torch.long), torch.zeros((0, width), dtype=torch.long)
+    lengths = torch.tensor([len(row) for row in rows])
+    if side == "left":
+        ids = torch.tensor([[pad_value] * (width - len(row)) + list(row) for row in rows], dtype=torch.long)
+        mask = torch.arange(width) >= width - lengths[:, None]
+    else:
+        ids = torch.tensor([list(row) + [pad_value] * (width - len(row)) for row in rows], dtype=torch.long)
+        mask = torch.arange(width) < lengths[:, None]
+    return ids, mask.long()

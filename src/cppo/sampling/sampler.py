@@ -40,14 +40,16 @@ def prompt_text(tokenizer, prompt) -> str:
 def encode_prompts(tokenizer, prompts: Sequence, max_prompt_length: int | None = None) -> PromptBatch:
     """Tokenise and left-pad prompts; left-truncate to max_prompt_length tokens."""
     texts = [prompt_text(tokenizer, p) for p in prompts]
-    chat = [not isinstance(p, str) for p in prompts]
-    rows = []
-    for text, is_chat in zip(texts, chat):
-        # chat templates already contain the BOS text; plain prompts get the tokenizer's specials
-        ids = tokenizer(text, add_special_tokens=not is_chat)["input_ids"]
-        if max_prompt_length is not None and len(ids) > max_prompt_length:
-            ids = ids[-max_prompt_length:]
-        rows.append(ids)
+    rows: list = [None] * len(texts)
+    # chat templates already contain the BOS text; plain prompts get the tokenizer's specials.
+    # One tokenizer call per kind (a fast tokenizer encodes a list in one call)
+    for chat in (False, True):
+        which = [i for i, p in enumerate(prompts) if isinstance(p, str) != chat]
+        if which:
+            encoded = tokenizer([texts[i] for i in which], add_special_tokens=not chat)["input_ids"]
+            for i, ids in zip(which, encoded):
+                rows[i] = ids[-max_prompt_length:] if max_prompt_length is not None and \
+                    len(ids) > max_prompt_length else ids
     return PromptBatch(*pad_token_lists(rows, tokenizer.pad_token_id, side="left"))
 
 
