@@ -160,14 +160,19 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients(name, attention):
 
 def _decoder_linears_in_bfloat16(model) -> list:
     """Make the model's own decoder Linear layers compute in bfloat16 (inputs and weights cast,
-    outputs back to float32); returns the patched modules (del their .forward to undo)."""
+    outputs back to float32), except that the MLP's gate and up projections hand bfloat16 on, so
+    its activation silu(gate) * up runs in bfloat16 (as autocast would); returns the patched
+    modules (del their .forward to undo)."""
     patched = []
     for layer in model.model.layers:
+        mlp = layer.mlp
         for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                  layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-            def forward(x, m=m):
+                  layer.self_attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            out = torch.bfloat16 if m in (mlp.gate_proj, mlp.up_proj) else torch.float32
+
+            def forward(x, m=m, out=out):
                 bias = None if m.bias is None else m.bias.bfloat16()
-                return torch.nn.functional.linear(x.bfloat16(), m.weight.bfloat16(), bias).to(x.dtype)
+                return torch.nn.functional.linear(x.bfloat16(), m.weight.bfloat16(), bias).to(out)
             m.forward = forward
             patched.append(m)
     return patched
@@ -177,8 +182,9 @@ def _decoder_linears_in_bfloat16(model) -> list:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_matmul_dtype_runs_the_decoder_linears_in_it_and_nothing_else(name, packed):
     """matmul_dtype=bfloat16: the same log-probs as the model's own forward with only its decoder
-    Linear layers in bfloat16 (embedding, norms, attention and the head in float32), gradients
-    on the float32 parameters; and not the float32 log-probs."""
+    Linear layers and the MLP's activation between them in bfloat16 (embedding, norms, attention,
+    the residual stream and the head in float32), gradients on the float32 parameters; and not
+    the float32 log-probs."""
     model = MODELS[name]
     ids, mask, _ = _padded_batch(n=3, length=6)
     rows = torch.tensor([0, 1, 0, 2, 1, 0])

@@ -113,7 +113,8 @@ class CPPOConfig:
         ("auto", "float32", "bfloat16", "float16"))
     matmul_dtype: Optional[str] = option(
         "auto", "Run the decoder layers' Linear matmuls of the training passes (policy, old policy, "
-        "reference) in this dtype: inputs and weights cast to it, outputs back; embedding, norms, "
+        "reference) in this dtype: inputs and weights cast to it, outputs back (the MLP's activation "
+        "between its two matmuls runs in it too); embedding, norms, "
         "attention, the LM head, the loss, the gradients' accumulation and the optimizer stay in "
         "the policy's dtype. bfloat16 makes the update faster on CPUs with AVX512-BF16/AMX and on "
         "GPUs (docs/performance.md). Lean forward only; not with bf16 (which autocasts every op "

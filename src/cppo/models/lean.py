@@ -340,10 +340,13 @@ class LeanForward:
         return out.reshape(n, 1, heads * dim)
 
     def _finish(self, w: "LayerWeights", h: Tensor, attended: Tensor) -> Tensor:
-        """The residual stream after a layer's output projection and MLP."""
+        """The residual stream after a layer's output projection and MLP. With a matmul dtype
+        (Linear weights in another dtype than h), the MLP's activation silu(gate) * up runs in
+        it too, between its two matmuls, as autocast would run it; the stream stays in h's."""
         h = h + _linear(attended, w.o, w.o_bias)
-        gate, up = _linear(self._norm(h, w.post_norm), w.gate_up, w.gate_up_bias).chunk(2, -1)
-        return h + _linear(F.silu(gate) * up, w.down, w.down_bias)
+        x = self._norm(h, w.post_norm)
+        gate, up = _bucketed_linear(x.to(w.gate_up.dtype), w.gate_up, w.gate_up_bias).chunk(2, -1)
+        return h + _linear(F.silu(gate) * up, w.down, w.down_bias).to(h.dtype)
 
     def _logits(self, weights: "Weights", h: Tensor) -> Tensor:
         return _bucketed_linear(self._norm(h, weights.norm), weights.head, weights.head_bias)
