@@ -82,12 +82,11 @@ def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
     lines += ["Accuracy before training: " + pct(stats["grpo"]["accuracy_before"]) if "accuracy_before" in stats.get("grpo", {}) else "", ""]
 
     update_rows = []
-    grpo_updates = stats.get("grpo", {}).get("updates_run")
     for n in names:
         s = stats[n]
-        if "updates_bound" in s and grpo_updates:
-            update_rows.append([rows[n].label, fmt_num(s["updates_run"], 0), fmt_num(grpo_updates, 0),
-                                fmt_num(s["updates_run"] / grpo_updates, 2),
+        if "updates_bound" in s:   # GRPO's updates paired by seed, as in bound_U
+            update_rows.append([rows[n].label, fmt_num(s["updates_run"], 0), fmt_num(s["grpo_updates_run"], 0),
+                                fmt_num(s["updates_run"] / s["grpo_updates_run"], 2),
                                 fmt_num(1 - s["effective_pruning_rate"], 3),
                                 fmt_num(s["speedup_train"], 2, "x"), fmt_num(s["bound"], 2, "x"),
                                 fmt_num(s["updates_bound"], 2, "x"),

@@ -132,8 +132,10 @@ def row_stats(runs: list[dict], name: str, grpo: dict[int, dict], target: float 
             stats["fraction_of_bound"] = stats["speedup_train"] / stats["bound"]
             u_grpo = statistics.fmean(updates_run(grpo[s]) for s in paired)
             u_mine = statistics.fmean(updates_run(mine[s]) for s in paired)
-            stats["updates_bound"] = updates_bound(t_grpo, g_grpo, g_mine, u_grpo, u_mine)
-            stats["fraction_of_updates_bound"] = stats["speedup_train"] / stats["updates_bound"]
+            if u_grpo > 0:   # a GRPO run that skipped every update has no share to compare with
+                stats["grpo_updates_run"] = u_grpo
+                stats["updates_bound"] = updates_bound(t_grpo, g_grpo, g_mine, u_grpo, u_mine)
+                stats["fraction_of_updates_bound"] = stats["speedup_train"] / stats["updates_bound"]
     if target is not None:
         reached = [time_to_accuracy(s["history"], target, "train_seconds") for s in summaries]
         reached_wall = [time_to_accuracy(s["history"], target, "wall_time") for s in summaries]
