@@ -296,9 +296,9 @@ class LeanForward:
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = _linear(self._norm(h, w.input_norm), w.qkv, w.qkv_bias)
         qkv = qkv.view(n, length, heads + 2 * kv_heads, self.head_dim)
-        qk = self._rotate(qkv[:, :, :heads + kv_heads], rope)
-        return (qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2),
-                qkv[:, :, heads + kv_heads:].transpose(1, 2))
+        qk, v = qkv.split([heads + kv_heads, kv_heads], dim=2)
+        q, k = self._rotate(qk, rope).split([heads, kv_heads], dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
         """Attention (N, L, H*D) of q (N, H, L, D) over k, v (N, H_kv, S, D); allowed (N, 1, L, S).
@@ -450,11 +450,13 @@ class LeanForward:
                                 q_len + torch.arange(t_len - 1, device=h.device))
         for w in weights.layers:
             qkv = self._qkv_packed(w, h, rope)                           # (M_in, H + 2 H_kv, D)
-            qp, kp, vp = self._unpack(qkv[:num_prompt_tokens], prompt_slots, num_prompts, q_len)
+            # split, not slices: its backward is one cat, a slice's a zero-filled copy of the whole
+            qkv_prompt, qkv_completion = qkv.split([num_prompt_tokens, len(qkv) - num_prompt_tokens])
+            qp, kp, vp = self._unpack(qkv_prompt, prompt_slots, num_prompts, q_len)
             attended = [self._attend(qp, kp, vp, allowed_prompt).flatten(0, 1)
                         .index_select(0, prompt_slots)]
             if len(completion_slots):
-                qc, kc, vc = self._unpack(qkv[num_prompt_tokens:], completion_slots, n, t_len - 1)
+                qc, kc, vc = self._unpack(qkv_completion, completion_slots, n, t_len - 1)
                 # index_select, not x[index]: its backward is an index add, far cheaper on a CPU
                 # than indexing's accumulating index put
                 attended.append(self._attend(
@@ -478,7 +480,8 @@ class LeanForward:
         rotated = self.num_heads + self.num_kv_heads
         qkv = _linear(self._norm(h, w.input_norm), w.qkv, w.qkv_bias)
         qkv = qkv.view(h.shape[0], rotated + self.num_kv_heads, self.head_dim)
-        return torch.cat([self._rotate(qkv[:, :rotated], rope), qkv[:, rotated:]], dim=1)
+        qk, v = qkv.split([rotated, self.num_kv_heads], dim=1)
+        return torch.cat([self._rotate(qk, rope), v], dim=1)
 
     def _unpack(self, packed: Tensor, slots: Tensor, rows: int, length: int):
         """q (rows, H, L, D), k and v (rows, H_kv, L, D) in padded layout (zeros at padding) from
@@ -486,7 +489,7 @@ class LeanForward:
         padded = packed.new_zeros((rows * length, *packed.shape[1:])).index_copy(0, slots, packed)
         padded = padded.view(rows, length, -1, self.head_dim).transpose(1, 2)
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        return padded[:, :heads], padded[:, heads:heads + kv_heads], padded[:, heads + kv_heads:]
+        return padded.split([heads, kv_heads, kv_heads], dim=1)
 
     def _completion_logits_padded(self, prompt_ids: Tensor, prompt_mask: Tensor, question: Tensor,
                                   completion_ids: Tensor, completion_mask: Tensor,
