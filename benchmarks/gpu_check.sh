@@ -25,13 +25,14 @@
 #   bash benchmarks/gpu_check.sh        # no gpu_wheels/ folder: installs nothing, runs 1-3
 #
 #   bash benchmarks/gpu_check.sh --install-only   # step 0 and the import check only (no GPU needed)
-#   GPU_CHECK_BUDGET=560 (seconds for the whole script), PYTHON=python3, GPU_WHEELS=gpu_wheels
+#   GPU_CHECK_BUDGET=560 (seconds for the whole script), PYTHON=python3, GPU_WHEELS=gpu_wheels,
+#   GPU_CHECK_RESULTS=benchmarks/results/gpu
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=${GPU_WHEELS:-gpu_wheels}
 BUDGET=${GPU_CHECK_BUDGET:-560}
-RES=benchmarks/results/gpu
+RES=${GPU_CHECK_RESULTS:-benchmarks/results/gpu}
 INSTALL_ONLY=0
 [ "${1:-}" = "--install-only" ] && INSTALL_ONLY=1
 mkdir -p "$RES"
@@ -109,13 +110,20 @@ missing = []
 for name in need + optional:
     try:
         module = importlib.import_module(name)
-        print(f"{name:15s} {getattr(module, '__version__', '') or ''}")
+        dist = {"yaml": "pyyaml", "xdist": "pytest-xdist", "math_verify": "math-verify",
+                "pytest_timeout": "pytest-timeout"}.get(name, name)
+        try:
+            version = md.version(dist)
+        except md.PackageNotFoundError:
+            version = getattr(module, "__version__", "")
+        print(f"{name:15s} {version}")
     except Exception as e:  # noqa: BLE001 - the line says what failed
         print(f"{name:15s} MISSING ({type(e).__name__}: {str(e)[:100]})")
         if name in need:
             missing.append(name)
-import cppo, pathlib
-print("cppo from", pathlib.Path(cppo.__file__).parent)
+if "cppo" not in missing:
+    import cppo, pathlib
+    print("cppo from", pathlib.Path(cppo.__file__).parent)
 raise SystemExit(f"missing: {', '.join(missing)}" if missing else 0)
 PY
 if (( INSTALL_ONLY )); then
@@ -138,7 +146,7 @@ fi
 
 # 1. every test module is collected (a module that cannot import on the image is an error line,
 #    not a lost step); only the `cuda` ones run; -rs prints each skip's reason (vLLM absent, ...)
-step tests 200 "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs --continue-on-collection-errors \
+step tests 200 "$PY" -m pytest -m cuda -p no:cacheprovider -rs --continue-on-collection-errors \
     -o timeout=150 tests
 
 # 2. TRL's side only where TRL imports (gpu_wheels/ ships it)

@@ -14,7 +14,7 @@
 #   math-verify    (cppo)                -> latex2sympy2_extended -> antlr4-python3-runtime
 #   trl            (the benchmarks' TRL side; pure Python, ~0.6 MB)
 # plus pytest-timeout (pyproject's `timeout = 900`; the image has it, this is a tiny safety copy)
-# and setuptools + wheel (pyproject's build requires: `pip install -e .` builds cppo in an isolated
+# and setuptools + wheel (0.45.1: the last with no dependency of its own; pyproject's build requires: `pip install -e .` builds cppo in an isolated
 # environment, which offline finds them only here). Every one is pure Python (py3-none-any),
 # except multiprocess, which ships one wheel per Python minor: both 3.12 (the image) and 3.11
 # (this machine, for the offline proof) are fetched. pyarrow (~45 MB), pandas and matplotlib are
@@ -32,15 +32,16 @@ PKGS=(
     math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
     trl==1.16.0
     pytest-timeout==2.4.0
-    setuptools==78.1.1 wheel==0.46.3
+    setuptools==78.1.1 wheel==0.45.1
 )
 mkdir -p "$DEST"
+rm -f "$DEST"/*.whl   # one version of each: a stale one beside a new one makes pip's choice ambiguous
 for py in $PYTHONS; do
     python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
         --implementation cp --python-version "$py" --abi "cp${py/./}" --abi none \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform any \
-        -d "$DEST" "${PKGS[@]}"
+        -d "$DEST" "${PKGS[@]}" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 done
 if ls "$DEST" | grep -iE '^(torch|nvidia|triton|vllm)[-_]'; then
     echo "gpu_wheels.sh: a torch/nvidia/triton/vllm wheel landed in $DEST: remove it" >&2

@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.cuda,
 
 
 def cuda_vllm():
-    vllm = pytest.importorskip("vllm", reason="vLLM's CUDA build: pip install 'cppo[vllm]'")
+    vllm = pytest.importorskip("vllm", reason="vLLM is not installed (the lent GPU machine's image has "
+                                              "none): its CUDA build is pip install 'cppo[vllm]'")
     from vllm.platforms import current_platform
     if not current_platform.is_cuda():
         pytest.skip("the installed vLLM is not a CUDA build")
@@ -47,7 +48,7 @@ def test_colocate_with_sleep_mode_trains_three_steps(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the server and the trainer need a GPU each")
 def test_server_push_over_nccl_gives_the_updated_policy(tmp_path):
     cuda_vllm()
-    pytest.importorskip("trl")
+    pytest.importorskip("trl", reason="TRL is not installed (its `trl vllm-serve` runs the server)")
     import requests
     from trl.scripts.vllm_serve import ScriptArguments, build_command
     from cppo.config import CPPOConfig
