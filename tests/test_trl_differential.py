@@ -4,9 +4,9 @@ reference log-probs, the loss of every micro-step and the gradient just before e
 step. pruning_rate = 0 (pruning is what cppo does differently). The differences cppo keeps on
 purpose are pinned at the end and listed in docs/migrating-from-trl.md.
 
-Tolerances: the first optimizer step's gradient agrees to float32 round-off (~1e-7 of its
-largest entry); later steps start from parameters that AdamW moved by lr x sign-like updates,
-which turns that round-off into ~1e-5, so they allow 2e-4. A wrong objective misses by >= 1e-2.
+Tolerances: both models in float64, AdamW's eps large enough that round-off cannot move a
+parameter by more than lr / eps times itself; the bounds and their derivation are in
+tests/helpers/trl_twin.py. A wrong objective misses by >= 1e-2.
 """
 
 import pytest
@@ -14,10 +14,10 @@ import torch
 
 pytest.importorskip("trl")
 
-from helpers.trl_twin import make_rounds, masked_difference, max_difference, run_cppo, run_trl  # noqa: E402
+from helpers.trl_twin import (LOGPS_ATOL, assert_same_training, make_rounds,  # noqa: E402
+                              masked_difference, run_cppo, run_trl)
 
 LR = 0.05   # large enough that the second step's ratios and KL are far from 1 and 0
-FIRST_STEP, LATER_STEPS, LOSS_ATOL, LOGPS_ATOL = 2e-6, 2e-4, 1e-6, 5e-5
 
 
 def run_both(model_dir, tmp_path, monkeypatch, *, steps, rounds=2, group_size=4, seed=0,
@@ -41,11 +41,7 @@ def assert_same(trl, cppo, steps):
             assert (a is None) == (b is None), kind
             if a is not None:
                 assert masked_difference(b, a, mask) <= LOGPS_ATOL, kind
-    assert len(trl.losses) == len(cppo.losses)
-    assert cppo.losses == pytest.approx(trl.losses, rel=1e-4, abs=LOSS_ATOL)
-    assert len(trl.grads) == len(cppo.grads) == steps
-    for step, (a, b) in enumerate(zip(trl.grads, cppo.grads)):
-        assert max_difference(b, a) <= (FIRST_STEP if step == 0 else LATER_STEPS), step
+    assert_same_training(trl, cppo, steps)
 
 
 @pytest.mark.parametrize("num_iterations", [1, 2])
@@ -71,7 +67,7 @@ OPTIONS = {
     "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
     "vespo": dict(loss_type="vespo"),
     "top_entropy_quantile": dict(loss_type="dapo", top_entropy_quantile=0.2),
-    "off_policy_mask": dict(loss_type="dapo", off_policy_mask_threshold=0.0),
+    "off_policy_mask": dict(loss_type="dapo", off_policy_mask_threshold=0.1),   # see the note below
     "entropy_coef": dict(loss_type="dapo", entropy_coef=0.05),
     "entropy_coef_top_entropy": dict(loss_type="grpo", entropy_coef=0.05, top_entropy_quantile=0.5,
                                      accumulation=2),

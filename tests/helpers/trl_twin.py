@@ -7,6 +7,24 @@ replaced by a table lookup, TRL's batch shuffle (`shuffle_sequence_dict`) by the
 cppo's question order by the dataset order (TRL's with shuffle_dataset=False). Each side records
 what the comparison needs: advantages, old and reference log-probs per round, the loss of each
 micro-step, and every parameter's gradient just before each optimizer step.
+
+Where rounding cannot decide the verdict (`assert_same_training`):
+- Both models run in float64 (`DTYPE`). What stays float32 is what TRL fixes: its fused LM head
+  (trl.kernels.chunked_logprob) accumulates the log-softmax and its backward in float32, and both
+  sides hold rewards and advantages in float32 (TRL's `rewards_per_func`). A float32 reduction of
+  n terms errs by at most gamma_n = n u / (1 - n u) of the sum of their magnitudes (u = 2^-24);
+  the longest here runs over a micro-batch's tokens (<= 96 with MAX_LEN 6 and 8 completions of
+  prompts up to 10 tokens), gamma_96 = 5.7e-6. So the first optimizer step's gradients agree to
+  FIRST_STEP = 1e-5 of the largest entry, and the log-probs to LOGPS_ATOL.
+- AdamW runs with eps = ADAM_EPSILON = 1e-3, not 1e-8: its step m / (sqrt(v) + eps) moves a
+  parameter by at most lr / eps per unit of gradient difference, 50 at lr 0.05. With eps = 1e-8
+  an entry whose gradient is ~1e-8 turns float32 round-off into a parameter move of order lr
+  (that is what failed on one CPU and passed on another); with 1e-3 the entries larger than
+  1e-3 (most of them) still move by ~lr, sign-like, so the second step's ratios are far from 1.
+  Later steps then stay within LATER_STEPS = 1e-4 (gamma_96 x 50 x the loss's curvature, O(1) on
+  this model, with a margin). A wrong objective misses by >= 1e-2.
+All of this holds whichever kernels the CPU picks (tests/test_cpu_paths.py runs a case on AVX2
+code paths and on the machine's own).
 """
 
 from __future__ import annotations
@@ -17,6 +35,10 @@ import torch
 
 COMPLETIONS = 8       # per round: 8 // group_size questions of group_size completions
 MAX_LEN = 6           # max_completion_length
+DTYPE = torch.float64          # both models; see the module docstring
+ADAM_EPSILON = 1e-3
+FIRST_STEP, LATER_STEPS = 1e-5, 1e-4   # gradient difference / largest gradient entry
+LOSS_RTOL, LOSS_ATOL, LOGPS_ATOL = 5e-5, 1e-6, 1e-5
 PROMPTS = ["12*34=", "5+6=", "78*9=", "1-2-3="]   # different lengths: left padding is exercised
 
 
@@ -96,7 +118,7 @@ def tool_masks(completion_ids: list[list[int]]) -> list[list[int]]:
 
 
 def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
-            two_rewards=False, tool_mask=False, **options) -> Record:
+            two_rewards=False, tool_mask=False, adam_epsilon=ADAM_EPSILON, **options) -> Record:
     import trl.trainer.grpo_trainer as grpo_module
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -127,10 +149,10 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
                       gradient_accumulation_steps=accumulation,
                       num_generations=G, max_completion_length=MAX_LEN, max_steps=max_steps,
                       learning_rate=options.pop("learning_rate"), lr_scheduler_type="constant",
-                      adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=0.0,
-                      shuffle_dataset=False, seed=0, logging_steps=1, report_to="none",
+                      adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=adam_epsilon, weight_decay=0.0,
+                      max_grad_norm=0.0, shuffle_dataset=False, seed=0, logging_steps=1, report_to="none",
                       save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, **options)
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir),
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE),
                           reward_funcs=feed.functions(two_rewards), args=args, processing_class=tokenizer,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                           callbacks=[Grads()])
@@ -158,7 +180,7 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
 
 
 def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
-             two_rewards=False, tool_mask=False, **options) -> Record:
+             two_rewards=False, tool_mask=False, adam_epsilon=ADAM_EPSILON, **options) -> Record:
     import cppo.trainer as trainer_module
     from cppo.config import CPPOConfig
     from cppo.models import load_model, load_tokenizer
@@ -173,12 +195,12 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
                       per_device_train_batch_size=COMPLETIONS // accumulation,
                       gradient_accumulation_steps=accumulation, num_generations=G, pruning_rate=0.0,
                       max_completion_length=MAX_LEN, lr_scheduler_type="constant",
-                      adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=0.0,
-                      seed=0, logging_steps=1, eval_steps=0, save_steps=0, progress_bar=False,
+                      adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=adam_epsilon, weight_decay=0.0,
+                      max_grad_norm=0.0, seed=0, logging_steps=1, eval_steps=0, save_steps=0, progress_bar=False,
                       **options)
     trainer = trainer_module.CPPOTrainer(
-        model=load_model(model_dir), processing_class=tokenizer, reward_funcs=feed.functions(two_rewards),
-        args=args, train_dataset=[{"prompt": p} for p in PROMPTS])
+        model=load_model(model_dir, torch_dtype=str(DTYPE).removeprefix("torch.")),
+        processing_class=tokenizer, reward_funcs=feed.functions(two_rewards), args=args, train_dataset=[{"prompt": p} for p in PROMPTS])
     order = iter(range(len(PROMPTS)))
     trainer.take_questions = lambda: [{"prompt": PROMPTS[next(order)]} for _ in range(Q)]
 
@@ -228,6 +250,35 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
     return record
 
 
+def assert_same_training(trl: Record, cppo: Record, steps: int) -> None:
+    """The losses of every micro-step and the gradients before every optimizer step agree within
+    the bounds of the module docstring."""
+    import pytest
+    assert len(trl.losses) == len(cppo.losses)
+    assert len(trl.grads) == len(cppo.grads) == steps
+    grads = [max_difference(b, a) for a, b in zip(trl.grads, cppo.grads)]
+    _note_margins(trl, cppo, grads)
+    assert cppo.losses == pytest.approx(trl.losses, rel=LOSS_RTOL, abs=LOSS_ATOL)
+    for step, difference in enumerate(grads):
+        assert difference <= (FIRST_STEP if step == 0 else LATER_STEPS), step
+
+
+def _note_margins(trl: Record, cppo: Record, grads: list[float]) -> None:
+    """With CPPO_TWIN_MARGINS=path, append this case's differences as a JSON line (what
+    benchmarks/differential_margins.py reads to report each bound's margin per CPU code path)."""
+    import json
+    import os
+    path = os.environ.get("CPPO_TWIN_MARGINS")
+    if not path:
+        return
+    losses = [abs(b - a) / max(abs(a), LOSS_ATOL / LOSS_RTOL) for a, b in zip(trl.losses, cppo.losses)]
+    line = {"case": os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0],
+            "first_step": grads[0] if grads else 0.0, "later_steps": max(grads[1:], default=0.0),
+            "loss": max(losses, default=0.0)}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 def _after_each_call(monkeypatch, module, name: str, note) -> None:
     """module.name still runs; note(its result) is called after each call."""
     real = getattr(module, name)
@@ -257,5 +308,5 @@ def masked_difference(a, b, mask) -> float:
     return float((a[:, :width] - b[:, :width]).abs()[m].max()) if m.any() else 0.0
 
 
-__all__ = ["COMPLETIONS", "MAX_LEN", "make_rounds", "run_trl", "run_cppo", "max_difference",
-           "masked_difference"]
+__all__ = ["COMPLETIONS", "MAX_LEN", "DTYPE", "LOGPS_ATOL", "make_rounds", "run_trl", "run_cppo",
+           "assert_same_training", "max_difference", "masked_difference"]

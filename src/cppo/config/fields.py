@@ -277,6 +277,7 @@ class CPPOConfig:
     weight_decay: float = option(0.0, "AdamW weight decay.")
     adam_beta1: float = option(0.9, "AdamW beta1.")
     adam_beta2: float = option(0.99, "AdamW beta2.")
+    adam_epsilon: float = option(1e-8, "AdamW epsilon (added to the root of the second moment).")
     max_grad_norm: float = option(1.0, "Gradient clipping norm (0: off).")
     num_train_epochs: float = option(1.0, "Passes over the training questions.")
     max_steps: int = option(600, "Optimizer steps (-1: derived from num_train_epochs).")

@@ -183,7 +183,6 @@ TRL_FIELDS: dict[str, tuple] = {
     "optim": mapped(_optim, "adamw_* -> AdamW"),
     "optim_args": ignored("cppo's AdamW takes learning_rate, adam_beta1/2 and weight_decay", None),
     "optim_target_modules": ignored("cppo's AdamW trains every trainable parameter", None),
-    "adam_epsilon": ignored("cppo's AdamW uses torch's eps (1e-8, TRL's default too)", 1e-8),
     "average_tokens_across_devices": ignored("cppo normalises the loss over all processes' "
                                              "tokens as loss_type says", True),
     "label_smoothing_factor": ignored("no labels in RL", 0.0),

@@ -14,7 +14,7 @@ PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt
                   "model.ckpt")
 
 EMBEDDED_DIR = Path(__file__).parent / "embedded"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def tiny_model_config(vocab_size: int, *, bos_token_id: int, eos_token_id: int, pad_token_id: int,
