@@ -26,7 +26,7 @@ from cppo.config.reading import build_dataclass, from_trl_names, read_yaml
 from cppo.data import arithmetic
 
 LR_SCHEDULERS = ("constant", "linear", "cosine", "constant_with_warmup")
-DTYPES = ("float32", "bfloat16", "float16", "auto")
+DTYPES = ("float32", "bfloat16", "float16", "float64", "auto")
 
 
 @dataclass

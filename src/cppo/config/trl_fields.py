@@ -181,7 +181,7 @@ TRL_FIELDS: dict[str, tuple] = {
     "lr_scheduler_kwargs": ignored("cppo's schedules take no extra arguments", None),
     "warmup_steps": mapped(_warmup_steps, "-> warmup_ratio (steps / max_steps)"),
     "optim": mapped(_optim, "adamw_* -> AdamW"),
-    "optim_args": ignored("cppo's AdamW takes learning_rate, adam_beta1/2 and weight_decay", None),
+    "optim_args": ignored("cppo's AdamW takes learning_rate, adam_beta1/2, adam_epsilon and weight_decay", None),
     "optim_target_modules": ignored("cppo's AdamW trains every trainable parameter", None),
     "average_tokens_across_devices": ignored("cppo normalises the loss over all processes' "
                                              "tokens as loss_type says", True),
