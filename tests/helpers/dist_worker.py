@@ -14,7 +14,8 @@ the engine ran, and how many optimizer steps), roles-rank<r>.json (its global an
 the callbacks' is_world/local_process_zero), lean-rank<r>.json (why the lean forward cannot run on
 the model, None when it can: inside and outside `Engine.gathered`), exit-rank<r> (the exit code
 it is about to return), group-rank<r> ("ended" when the process group was destroyed by
-the time the interpreter ran its exit handlers, else "alive"). Under torchrun each process also records, in writes-rank<r>.json, every
+the time the interpreter ran its exit handlers, else "alive"; then the number of gloo worker
+threads still running: 0 when nothing held the group past its end). Under torchrun each process also records, in writes-rank<r>.json, every
 file under <output_dir> it opened for writing or renamed into place (an audit hook), so a test
 can check that each file has one writer. Rank 0 also writes logits.pt, the trained model's logits
 on a fixed input (through the sharded model under fsdp).
@@ -160,8 +161,10 @@ def run(spec: dict) -> dict:
 def record_group_state(out: str) -> None:
     """At exit, after the trainer's handler: is the process group still up? (group-rank<r>)"""
     import torch.distributed as dist
+    from cppo.parallel.processes import collective_threads
     with open(os.path.join(out, f"group-rank{TRAINER.dist.rank}"), "w") as fh:
-        fh.write("alive" if dist.is_initialized() else "ended")
+        fh.write(f"{'alive' if dist.is_initialized() else 'ended'}, "
+                 f"gloo threads: {collective_threads()}")
 
 
 def main(path: str) -> int:

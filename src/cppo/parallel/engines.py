@@ -23,6 +23,12 @@ Every process must make the same sequence of collective calls. Under global sele
 rows per process differ, so `pad_rows` appends filler rows (loss mask 0, advantage 0) until
 every process has as many rows as the largest: the same number of forward passes and
 micro-batches everywhere, and no change to the loss.
+
+Ending: both engines hold the process group (DDP's reducer; FSDP's module states and the device
+mesh of every DTensor), which would keep gloo's worker threads alive past the group's end.
+`Engine.release` drops those references; cppo.parallel.processes.Distributed.close() calls it
+just before it destroys the group (registered with `on_close`). After it, the models take no
+collective: their local tensors stay readable, a sharded forward or a DDP step does not run.
 """
 
 from __future__ import annotations
@@ -105,6 +111,37 @@ def fsdp_modules(model) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def release_group_references(model) -> None:
+    """Drop the references to process groups that fully_shard left on `model`: the process
+    groups of its FSDP states' mesh infos (FSDPMeshInfo.shard_process_group and the like, set
+    to None) and the group registry of every device mesh they and the DTensor parameters use
+    (DeviceMesh._pg_registry, emptied; the optimizer's DTensor states share those meshes)."""
+    from torch.distributed import ProcessGroup
+    seen: set[int] = set()
+
+    def scrub(obj, depth: int = 0) -> None:
+        if obj is None or id(obj) in seen or depth > 3 or not hasattr(obj, "__dict__"):
+            return
+        seen.add(id(obj))
+        for name, value in list(vars(obj).items()):
+            if isinstance(value, ProcessGroup):
+                setattr(obj, name, None)
+            elif isinstance(value, dict) and any(isinstance(v, ProcessGroup) for v in value.values()):
+                value.clear()   # DeviceMesh._pg_registry: {group name: group}
+            elif name == "_root_mesh" or "mesh" in name and not isinstance(value, (int, bool, str)):
+                scrub(value, depth + 1)   # mesh infos, meshes and their root mesh
+            elif isinstance(value, (list, tuple)) and name in ("fsdp_params",):
+                for item in value:
+                    scrub(item, depth + 1)
+
+    for module in fsdp_modules(model):
+        state = module._get_fsdp_state()
+        scrub(state)
+        scrub(getattr(state, "_fsdp_param_group", None))
+    for p in model.parameters():
+        scrub(getattr(p, "device_mesh", None))
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This process's part of a parameter or gradient (the shard of a DTensor, else itself)."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -156,6 +193,7 @@ class Engine:
         self.policy, self.bf16, self.block_names = policy, bf16, block_names
         self.device = dist_info.device
         self.ddp = None
+        self.sharded_models: list[nn.Module] = []   # the models fully_shard changed (release)
         if strategy == "fsdp":
             block_classes(policy, block_names)   # a model fsdp cannot shard fails on 1 process too
         if self.strategy == "ddp":
@@ -165,6 +203,19 @@ class Engine:
         elif self.strategy == "fsdp":
             shard_model(policy, device=self.device, bf16=bf16, block_names=block_names,
                         world_size=self.world_size)
+            self.sharded_models.append(policy)
+        if self.strategy != "single" and hasattr(dist_info, "on_close"):
+            dist_info.on_close(self.release)
+
+    def release(self) -> None:
+        """Drop every reference this engine's objects hold to the process group (DDP's wrapper
+        and its reducer; FSDP's mesh infos and the device meshes of the sharded parameters),
+        so that destroying the group ends its worker threads (idempotent). Called by
+        Distributed.close() right before the group is destroyed: no collective runs after it."""
+        self.ddp = None
+        for model in self.sharded_models:
+            release_group_references(model)
+        self.sharded_models = []
 
     @property
     def sharded(self) -> bool:
@@ -175,6 +226,7 @@ class Engine:
         if reference is not None and self.sharded:
             shard_model(reference, device=self.device, bf16=self.bf16,
                         block_names=self.block_names, world_size=self.world_size)
+            self.sharded_models.append(reference)
         return reference
 
     def forward(self, fn, *args):

@@ -13,16 +13,26 @@ Ending: a process group this module started is destroyed by `close()` (the train
 or at the latest by an exit handler while the interpreter is still whole. A gloo group left to
 interpreter shutdown can abort the process after a run that finished: its worker threads still
 hold finished work whose tensors have Python owners, and releasing them needs the interpreter.
-Destroying the group is not enough when something else still holds it (FSDP's module states and
-DTensors do): its threads live on, so `close()` then waits, with the interpreter's lock released,
-for them to let go of their last work (`drain_collective_threads`).
+gloo's threads end only in the group's destructor, which runs when the last reference goes:
+`destroy_process_group` drops torch's own, but DDP's reducer, FSDP's module states (their mesh
+infos) and every DeviceMesh (its `_pg_registry`, reached from each DTensor parameter and
+optimizer state) hold the group too. So `close()` first runs the releases registered with
+`on_close` (the engine's: cppo.parallel.engines.Engine.release), then destroys the group, and
+its threads are joined there and then. One more holder is torch's own:
+`torch.distributed.nn.functional` takes `group.WORLD` as the default argument of its functions
+when it is imported, which is the group itself if that happens after the group started (FSDP's
+import does it), so it is imported before the group starts. Should a gloo thread still be alive
+after that (a group held by an object cppo does not know of), `close()` waits a moment with the
+interpreter's lock released for it to let go of its last work (`drain_collective_threads`).
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +53,7 @@ class Distributed:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     owns_group: bool = False   # this object started the process group, so it ends it
+    releases: list = field(default_factory=list, repr=False)   # run by close(), before the end
 
     @classmethod
     def from_environment(cls) -> "Distributed":
@@ -56,6 +67,9 @@ class Distributed:
             return cls(device=device)
         owns = not dist.is_initialized()   # a group the caller started stays the caller's
         if owns:
+            # its functions' default `group=group.WORLD` is read at import: None now, but the
+            # group itself (held until exit, past close()) if FSDP's import came after the start
+            importlib.import_module("torch.distributed.nn.functional")
             dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
         out = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                   device=device, owns_group=owns)
@@ -63,14 +77,25 @@ class Distributed:
             atexit.register(out.close)
         return out
 
+    def on_close(self, release: Callable[[], None]) -> None:
+        """Have close() call `release` just before it destroys the group this object started:
+        it drops the caller's references to the group, so that the group's destructor (which
+        joins gloo's worker threads) runs there. Not called for a group the caller started."""
+        if self.owns_group:
+            self.releases.append(release)
+
     def close(self) -> None:
-        """Destroy the process group this object started (idempotent; a no-op otherwise). After
-        it, no collective runs: call it last, once every process is done with the others."""
+        """Destroy the process group this object started (idempotent; a no-op otherwise), after
+        the releases registered with `on_close` (latest first). After it, no collective runs:
+        call it last, once every process is done with the others."""
         if self.owns_group and dist.is_initialized():
+            while self.releases:
+                self.releases.pop()()
             gloo = dist.get_backend() == "gloo"
             dist.destroy_process_group()
             if gloo:
                 drain_collective_threads()
+        self.releases.clear()
         self.owns_group = False
 
     @property
@@ -176,14 +201,32 @@ class Distributed:
 GLOO_DRAIN_S = 0.25
 
 
+def collective_threads() -> int:
+    """gloo worker threads alive in this process (read from /proc/self/task; 0 where there is
+    no /proc). A destroyed group nothing else holds has joined its threads: 0 after close()."""
+    count = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as fh:
+                count += fh.read().startswith(("pt_gloo", "gloo"))
+        except OSError:   # a thread that ended meanwhile
+            pass
+    return count
+
+
 def drain_collective_threads() -> None:
-    """Give gloo's worker threads time to release their last finished work while the interpreter
-    is whole. `destroy_process_group` does not stop them while another object (an FSDP module
-    state, a DTensor's mesh) still holds the group, and a worker that releases a tensor whose only
-    owner left was Python after interpreter shutdown began aborts the process
-    (`terminate called without an active exception`). Sleeping releases the interpreter's lock,
-    which is what the release waits for."""
-    time.sleep(GLOO_DRAIN_S)
+    """When gloo worker threads outlive the group's end (something cppo does not know of still
+    holds the group, so its destructor has not run), give them time to release their last
+    finished work while the interpreter is whole: a worker that releases a tensor whose only
+    owner left was Python after interpreter shutdown began aborts the process (`terminate called
+    without an active exception`). Sleeping releases the interpreter's lock, which is what the
+    release waits for. With no gloo thread left (every holder released first), no wait."""
+    if collective_threads():
+        time.sleep(GLOO_DRAIN_S)
 
 
 def free_port() -> int:
