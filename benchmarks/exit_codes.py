@@ -13,6 +13,11 @@ a bare gloo script (all-reduces, then exit) with and without `destroy_process_gr
 gloo script whose group is still held by another object when cppo's exit handler destroys it (as
 FSDP's module states hold it), with and without the handler's drain of gloo's worker threads.
 `--load N` runs N busy loops meanwhile: the abort at exit shows when the machine is busy.
+Two-node variants launch the same run as 2 "nodes" of 1 process each (one torchrun per node,
+`--nnodes 2 --nproc_per_node 1`, c10d rendezvous on 127.0.0.1, as tests/test_distributed.py's
+`two_nodes`), with cppo's teardown and the drain taken out (`GLOO_DRAIN_S = 0`): the engine's
+release of the group alone; each worker also records how many gloo worker threads were still
+alive after the group's end (0: the destructor joined them).
 
 Then, `--stop-repeats` times each: seconds from SIGTERM to exit, for `cppo train` (the embedded
 default, one process, signalled after its first logged steps) and for the 2-process fsdp run
@@ -78,6 +83,11 @@ def worker(spec_path: str) -> int:
     from cppo.trainer import EXIT_CODES, CPPOTrainer
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("drain", True) is False:   # the release alone: no wait after the group's end
+        from cppo.parallel import processes
+        processes.GLOO_DRAIN_S = 0.0
+    if spec.get("threads_file"):   # registered first, so it runs after the trainer's handler
+        atexit.register(record_threads, spec["threads_file"])
     trainer = CPPOTrainer(model=spec["model"], reward_funcs=[length_reward],
                           args=CPPOConfig(**spec["config"]), train_dataset=ROWS)
     if not spec["teardown"]:   # as before the teardown existed: nobody ends the process group
@@ -87,6 +97,13 @@ def worker(spec_path: str) -> int:
         with trainer.engine.gathered(), torch.no_grad():
             trainer.policy(input_ids=torch.arange(3, 15).view(2, 6))
     return EXIT_CODES[summary["status"]]
+
+
+def record_threads(path: str) -> None:
+    """At exit, after cppo's handler ended the group: the gloo threads still alive."""
+    from cppo.parallel.processes import collective_threads
+    with open(path, "a") as fh:
+        fh.write(f"{collective_threads()}\n")
 
 
 def tiny_model(path: Path) -> str:
@@ -118,6 +135,34 @@ def launch(script: list[str], env: dict, log: Path) -> tuple[int, int, float]:
     return code, text.count("exitcode  : -6"), time.perf_counter() - began
 
 
+def launch_two_nodes(script: list[str], env: dict, log: Path) -> tuple[int, int, float]:
+    """Two torchrun agents of 1 worker each, c10d rendezvous on 127.0.0.1: (the first non-zero
+    exit code of the two, or 0; workers killed by SIGABRT; seconds)."""
+    from cppo.parallel.processes import free_port
+    endpoint = f"127.0.0.1:{free_port()}"
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    began = time.perf_counter()
+    procs, logs = [], []
+    for node in (0, 1):
+        logs.append(log.with_name(f"{log.stem}-node{node}.log"))
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                   "--nproc_per_node", "1", "--node_rank", str(node), "--rdzv_backend", "c10d",
+                   "--rdzv_endpoint", endpoint, "--rdzv_id", "soak"] + script
+        procs.append(subprocess.Popen(command, env=environ, stdout=open(logs[-1], "w"),
+                                      stderr=subprocess.STDOUT))
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=600))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(proc.wait())
+    text = "".join(f"== {path.name}\n{path.read_text()}" for path in logs)
+    log.write_text(text)
+    return next((c for c in codes if c), 0), text.count("exitcode  : -6"), \
+        time.perf_counter() - began
+
+
 def variants(model: str, root: Path) -> list[tuple[str, list[str], dict]]:
     out = []
     bare = root / "bare_gloo.py"
@@ -146,6 +191,20 @@ def variants(model: str, root: Path) -> list[tuple[str, list[str], dict]]:
                 spec.write_text(json.dumps({"config": config, "model": model, "post_run": post_run,
                                             "teardown": teardown}))
                 out.append((name, [__file__, "--worker", str(spec)], {}))
+    for strategy in ("fsdp", "ddp"):
+        name = (f"cppo {strategy}, two nodes (c10d), with post-run collectives, teardown "
+                f"(release), NO drain")
+        config = dict(output_dir=str(root / "run"), per_device_train_batch_size=2,
+                      gradient_accumulation_steps=2, num_generations=4, pruning_rate=0.5,
+                      selection_scope="global", beta=0.04, num_iterations=2, max_steps=4,
+                      generation_chunk_size=8, max_completion_length=5, learning_rate=1e-3,
+                      eval_steps=0, save_steps=2, progress_bar=False, seed=3,
+                      distributed=strategy)
+        spec = root / f"spec-{len(out)}.json"
+        spec.write_text(json.dumps({"config": config, "model": model, "post_run": True,
+                                    "teardown": True, "drain": False,
+                                    "threads_file": str(root / "threads.txt")}))
+        out.append((name, [__file__, "--worker", str(spec)], {"TWO_NODES": "1"}))
     return out
 
 
@@ -217,9 +276,20 @@ def stop_latency(model: str, root: Path, repeats: int, load: int) -> list[dict]:
     return rows
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def machine() -> dict:
     import torch
-    return {"cpu": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu": platform.machine(), "cpu_model": cpu_model(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
             "threads_per_process": 1, "backend": "gloo"}
 
@@ -247,16 +317,25 @@ def main(argv=None) -> int:
                 if args.only not in name or not args.launches:
                     continue
                 codes, aborts, seconds = collections.Counter(), 0, []
+                threads = root / "threads.txt"
+                threads.unlink(missing_ok=True)
                 for i in range(args.launches):   # one variant at a time: same load for its runs
-                    code, aborted, took = launch(script, env, root / "launch.log")
+                    run = launch_two_nodes if env.get("TWO_NODES") else launch
+                    code, aborted, took = run(script, env, root / "launch.log")
                     codes[code] += 1
                     aborts += aborted
                     seconds.append(took)
+                    print(f"  {name}: launch {i + 1}: exit {code}, aborted {aborted}, "
+                          f"{took:.1f} s", flush=True)
                     if code != 0 and not (root / f"failed-{len(rows)}.log").exists():
                         (root / f"failed-{len(rows)}.log").write_text((root / "launch.log").read_text())
                 row = {"variant": name, "launches": args.launches, "busy loops": args.load,
                        "exit codes": dict(sorted(codes.items())), "workers aborted (SIGABRT)": aborts,
                        "launch seconds (median)": round(statistics.median(seconds), 1)}
+                if threads.is_file():   # per worker: gloo threads alive after the group's end
+                    left = [int(x) for x in threads.read_text().split()]
+                    row["gloo threads left after close (max over workers)"] = max(left)
+                    row["workers reporting"] = len(left)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             stops = stop_latency(model, root, args.stop_repeats, args.load) if args.stop_repeats else []
@@ -288,11 +367,14 @@ def write_results(args, rows: list[dict], stops: list[dict]) -> None:
              f"Machine: {json.dumps(info)}. Command: `python benchmarks/exit_codes.py --launches "
              f"N --load L` (each row says its N and L: busy loops running during its launches).",
              "", "| variant | launches | busy loops | torchrun exit codes (code: count) | workers "
-             "aborted (SIGABRT) | launch s (median) |", "|---|---|---|---|---|---|"]
+             "aborted (SIGABRT) | gloo threads left after close | launch s (median) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         codes = ", ".join(f"{k}: {v}" for k, v in r["exit codes"].items())
+        left = r.get("gloo threads left after close (max over workers)", "")
         lines.append(f"| {r['variant']} | {r['launches']} | {r.get('busy loops', '')} | {codes} | "
-                     f"{r['workers aborted (SIGABRT)']} | {r['launch seconds (median)']} |")
+                     f"{r['workers aborted (SIGABRT)']} | {left} | "
+                     f"{r['launch seconds (median)']} |")
     lines += ["", "A worker aborted by SIGABRT printed `terminate called without an active "
               "exception` after its run had finished; torchrun then exits 1. The cause: a gloo "
               "process group nobody destroyed lives into interpreter shutdown, and its worker "
@@ -301,8 +383,16 @@ def write_results(args, rows: list[dict], stops: list[dict]) -> None:
               "ended inside C++ code that cannot be unwound. cppo's trainer ends the group it "
               "started (`CPPOTrainer.close()`, or an exit handler while the interpreter is whole). "
               "Destroying the group does not stop its threads while another object still holds "
-              "it (FSDP's module states do), so the handler then waits a moment, with the "
-              "interpreter's lock released, for them to release their last work (the drain)."]
+              "it: DDP's reducer, FSDP's module states and every DeviceMesh do, and so do the "
+              "default arguments of `torch.distributed.nn.functional` when it is imported after "
+              "the group started. The engine now releases its references first (`Engine.release`, "
+              "called by `Distributed.close()`) and that module is imported before the group "
+              "starts, so destroying the group runs its destructor, which joins the threads: the "
+              "two-node rows run with the drain taken out and count the gloo threads left after "
+              "the end (0). The drain (a wait, with the interpreter's lock released, for the "
+              "threads to release their last work) now runs only when a gloo thread outlives "
+              "the end, i.e. when an object cppo does not know of holds the group (the 'group "
+              "held elsewhere' rows)."]
     if stops:
         lines += ["", "SIGTERM to exit (the step in progress finishes, a checkpoint is written, "
                   "the summary and plots are drawn):", "",
