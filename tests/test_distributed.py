@@ -409,6 +409,50 @@ def test_a_killed_node_then_resume_ends_identical(runs, tiny_model_dir, tmp_path
     assert_same_run(run, runs["fsdp"])
 
 
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_a_restart_by_torchrun_resumes_and_ends_identical(runs, tiny_model_dir, tmp_path,
+                                                          rendezvous):
+    """torchrun --max-restarts 1 (static rendezvous, or c10d): rank 1 is SIGKILLed inside step
+    3; the launcher restarts both in place on the store it kept, their group meets under keys of
+    its own start (not the killed group's), they resume from checkpoint-2 without --resume, and
+    the run completes (exit 0) with the weights of the uninterrupted run."""
+    run = tmp_path / "restarted"
+    config = spec(tiny_model_dir, run, batch=2, scope="global", strategy="fsdp",
+                  park_at_step=[1, 2])
+    launcher = ("--nproc_per_node", "2", "--nnodes", "1", "--max-restarts", "1")
+    if rendezvous == "c10d":
+        launcher += ("--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}")
+    proc, log = torchrun(config, tmp_path / "restart.json", wait=False, launcher=launcher)
+    wait_for(run / "parked-rank1", [proc], [log])
+    os.kill(int((run / "pid-rank1").read_text()), signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    assert "restart 1 by the launcher: resuming" in log.read_text()
+    assert json.loads((run / "summary.json").read_text())["resumed_from"].endswith("checkpoint-2")
+    assert_same_run(run, runs["fsdp"])
+
+
+def test_a_rendezvous_that_never_completes_names_the_endpoint_and_the_timeout(monkeypatch):
+    """WORLD_SIZE=2 with one process: it hosts the store, the other never comes, and it fails
+    after CPPO_RENDEZVOUS_TIMEOUT seconds, naming the store's host:port and the seconds; no
+    process group is left started."""
+    from cppo.parallel.processes import RendezvousTimeout
+    port = free_port()
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "CPPO_RENDEZVOUS_TIMEOUT": "1.5"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(RendezvousTimeout, match=rf"127\.0\.0\.1:{port} .*1\.5 s.*1 of 2"):
+        Distributed.from_environment()
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")   # torchrun's store, not there
+    with pytest.raises(RendezvousTimeout, match=rf"could not reach .*127\.0\.0\.1:{port} .*1\.5 s"):
+        Distributed.from_environment()
+    monkeypatch.setenv("CPPO_RENDEZVOUS_TIMEOUT", "soon")
+    with pytest.raises(ConfigError, match="CPPO_RENDEZVOUS_TIMEOUT"):
+        Distributed.from_environment()
+
+
 # --- bad input: clear errors before training ----------------------------------------------------
 def test_deepspeed_and_fsdp_v1_launches_are_refused_and_fsdp_v2_selects_fsdp():
     with pytest.raises(ShardingError, match="examples/accelerate/fsdp.yaml"):

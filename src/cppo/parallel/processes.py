@@ -70,7 +70,7 @@ class Distributed:
             # its functions' default `group=group.WORLD` is read at import: None now, but the
             # group itself (held until exit, past close()) if FSDP's import came after the start
             importlib.import_module("torch.distributed.nn.functional")
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+            start_group("nccl" if device.type == "cuda" else "gloo")
         out = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                   device=device, owns_group=owns)
         if owns:
@@ -196,6 +196,75 @@ class Distributed:
         out = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
+
+
+RENDEZVOUS_TIMEOUT_ENV = "CPPO_RENDEZVOUS_TIMEOUT"
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 600.0
+
+
+class RendezvousTimeout(TimeoutError):
+    """The processes of a launch did not all meet at the rendezvous store in time; the message
+    names the store's host:port, the timeout and how many arrived."""
+
+
+def rendezvous_timeout(environ=os.environ) -> float:
+    """Seconds a process waits for the store and for all the others (CPPO_RENDEZVOUS_TIMEOUT,
+    default 600)."""
+    raw = environ.get(RENDEZVOUS_TIMEOUT_ENV, "").strip()
+    try:
+        seconds = float(raw) if raw else DEFAULT_RENDEZVOUS_TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        from cppo.errors import ConfigError
+        raise ConfigError(f"{RENDEZVOUS_TIMEOUT_ENV}={raw!r}: expected a positive number of "
+                          f"seconds (the default is {DEFAULT_RENDEZVOUS_TIMEOUT_S:g})")
+    return seconds
+
+
+def start_group(backend: str, environ=os.environ) -> None:
+    """init_process_group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the launcher) under
+    keys of this start's own, once every process has arrived, within `rendezvous_timeout`.
+
+    torchrun keeps one store for all its restarts (`--max-restarts`: the static rendezvous's, or
+    the c10d rendezvous's shared one at the same MASTER_PORT), and a worker's group used to
+    write its keys under the same names in each start (`default_pg/...`). A restarted group then
+    read the keys the killed one left: gloo's full-mesh connect dialled dead processes'
+    addresses (`connectFullMesh`: connection refused) or waited for a peer that would never
+    answer (a hang until gloo's 30-minute timeout). Here each rank counts its starts at that
+    store, and the group of a start keeps its keys under `cppo/start<n>/`: every start meets
+    fresh keys. A start that cannot meet all the others (the store unreachable, a process that
+    never comes) raises RendezvousTimeout naming the store's address and the seconds waited."""
+    from datetime import timedelta
+    rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+    host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+    endpoint = f"{host}:{port}"
+    seconds = rendezvous_timeout(environ)
+    timeout = timedelta(seconds=seconds)
+    knob = f"(set {RENDEZVOUS_TIMEOUT_ENV} to wait longer)"
+    # as torch's env:// rendezvous: the agent's store under torchrun, else rank 0 hosts one
+    agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    try:
+        store = dist.TCPStore(host, port, world, is_master=not agent and rank == 0,
+                              timeout=timeout, wait_for_workers=False, multi_tenant=not agent)
+    except (RuntimeError, OSError) as err:   # DistNetworkError, DistStoreError
+        raise RendezvousTimeout(
+            f"rank {rank} of {world} could not reach the rendezvous store at {endpoint} within "
+            f"{seconds:g} s {knob}: {err}") from err
+    store.set_timeout(timeout)
+    start = store.add(f"cppo/starts/rank{rank}", 1)   # 1 on a launch, n + 1 on its n-th restart
+    prefix = f"cppo/start{start}/"
+    if store.add(prefix + "arrived", 1) == world:
+        store.set(prefix + "complete", "1")
+    try:
+        store.wait([prefix + "complete"])
+    except RuntimeError as err:
+        arrived = store.add(prefix + "arrived", 0)
+        raise RendezvousTimeout(
+            f"rendezvous at {endpoint} did not complete within {seconds:g} s: {arrived} of "
+            f"{world} processes arrived (rank {rank}, start {start}) {knob}") from err
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(prefix, store), rank=rank,
+                            world_size=world)
 
 
 GLOO_DRAIN_S = 0.25
