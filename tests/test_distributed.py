@@ -453,6 +453,51 @@ def test_a_rendezvous_that_never_completes_names_the_endpoint_and_the_timeout(mo
         Distributed.from_environment()
 
 
+def test_a_corrupt_or_missing_newest_checkpoint_falls_back_to_the_one_before(runs, tiny_model_dir,
+                                                                             tmp_path):
+    """A restart whose newest checkpoint is damaged resumes from the one before it and says
+    so: a truncated shard (fsdp), a truncated model file, a missing state file or COMPLETE
+    marker; the resumed run (1 process, truncated model of checkpoint-4) ends identical."""
+    import shutil
+    said = []
+
+    def say(*parts, **_):
+        said.append(" ".join(map(str, parts)))
+
+    def damaged(source: Path, name: str, damage) -> Path:
+        run = tmp_path / name
+        shutil.copytree(source, run)
+        damage(run / f"checkpoint-{STEPS}")
+        return run
+
+    def truncate(path: Path) -> None:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    cases = {
+        "shard": (runs["fsdp"], lambda c: truncate(c / "sharded" / "__1_0.distcp"), "__1_0.distcp"),
+        "model": (runs["one"], lambda c: truncate(c / "model.safetensors"), "model.safetensors"),
+        "rng": (runs["one"], lambda c: (c / "rng_state.pt").unlink(), "rng_state.pt is missing"),
+        "marker": (runs["one"], lambda c: (c / "COMPLETE").unlink(), "no COMPLETE marker"),
+    }
+    for name, (source, damage, why) in cases.items():
+        said.clear()
+        run = damaged(source, name, damage)
+        assert ckpt.latest_checkpoint(run, say=say) == run / "checkpoint-2", name
+        assert len(said) == 1 and f"checkpoint-{STEPS}" in said[0] and why in said[0] \
+            and "falling back to checkpoint-2" in said[0], said
+        assert (run / f"checkpoint-{STEPS}").is_dir()          # left in place for the next save
+    assert ckpt.latest_checkpoint(runs["one"], say=say) == runs["one"] / f"checkpoint-{STEPS}"
+    config = spec(tiny_model_dir, tmp_path / "model", batch=4, scope="step", resume=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        summary = _dist_worker.run(config)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["resumed_from"].endswith("checkpoint-2")
+    assert_same_run(tmp_path / "model", runs["one"])
+
+
 # --- bad input: clear errors before training ----------------------------------------------------
 def test_deepspeed_and_fsdp_v1_launches_are_refused_and_fsdp_v2_selects_fsdp():
     with pytest.raises(ShardingError, match="examples/accelerate/fsdp.yaml"):

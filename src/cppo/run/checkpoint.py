@@ -262,11 +262,110 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint (after `clean_stale`), or None."""
+def latest_checkpoint(output_dir: str | Path, say=print) -> Path | None:
+    """The newest complete checkpoint that looks loadable (after `clean_stale`), or None.
+
+    A newer `checkpoint-<step>` that cannot be resumed from (no COMPLETE marker, a file missing,
+    truncated or unreadable: `checkpoint_problem`) is passed over for the one before it, and
+    `say` (print) names it, why, and the one taken instead. It is left in place: a later save of
+    the same step replaces it."""
     clean_stale(output_dir)
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return None
+    named = sorted((int(m.group(1)), path) for path in output_dir.iterdir()
+                   if (m := _NAME.match(path.name)) and path.is_dir())
+    passed = []
+    for _, path in reversed(named):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            for skipped, why in passed:
+                say(f"checkpoint {skipped} cannot be resumed from ({why}); falling back to "
+                    f"{path.name}", flush=True)
+            return path
+        passed.append((path.name, problem))
+    for skipped, why in passed:
+        say(f"checkpoint {skipped} cannot be resumed from ({why}); no earlier checkpoint",
+            flush=True)
+    return None
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """Why a checkpoint directory cannot be resumed from, or None when it looks whole: its
+    COMPLETE marker, trainer_state.json (JSON), the model (safetensors whose header and size
+    agree, or torch.distributed.checkpoint shards whose metadata loads and whose files hold the
+    bytes it names) and the torch-saved states (each opens as a whole archive). Reads headers
+    and archive directories, not the tensors."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / COMPLETE_MARKER).is_file():
+        return f"no {COMPLETE_MARKER} marker"
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        if not isinstance(state, dict):
+            return "trainer_state.json is not a JSON object"
+    except (OSError, ValueError) as err:
+        return f"trainer_state.json: {type(err).__name__}: {err}"
+    weights = sorted(checkpoint.glob("*.safetensors"))
+    if not weights and not (checkpoint / SHARDED_DIR).is_dir():
+        return f"no model weights (*.safetensors or {SHARDED_DIR}/)"
+    for file in weights:
+        problem = _safetensors_problem(file)
+        if problem:
+            return f"{file.name}: {problem}"
+    if (checkpoint / SHARDED_DIR).is_dir():
+        problem = _sharded_problem(checkpoint / SHARDED_DIR)
+        if problem:
+            return f"{SHARDED_DIR}/: {problem}"
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pt"):
+        file = checkpoint / name
+        if name == "optimizer.pt" and not file.exists() and (checkpoint / SHARDED_DIR).is_dir():
+            continue   # the optimizer state is in the shards
+        if not file.is_file():
+            return f"{name} is missing"
+        try:
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:   # a truncated or garbled archive: any of torch's errors
+            return f"{name}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """None when the safetensors header parses and the file is exactly as long as it says."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            length = int.from_bytes(fh.read(8), "little")
+            if length <= 0 or 8 + length > size:
+                return f"header of {length} bytes in a file of {size}"
+            header = json.loads(fh.read(length))
+    except (OSError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + length + end != size:
+        return f"{size} bytes, the header names {8 + length + end}"
+    return None
+
+
+def _sharded_problem(directory: Path) -> str | None:
+    """None when the torch.distributed.checkpoint metadata loads and every shard file holds
+    the byte ranges it names."""
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+        metadata = FileSystemReader(str(directory)).read_metadata()
+    except Exception as err:   # missing or unpicklable .metadata
+        return f"metadata: {type(err).__name__}: {err}"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        path = getattr(info, "relative_path", None)
+        if path is not None:
+            end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+            needed[path] = max(needed.get(path, 0), end)
+    for path, end in sorted(needed.items()):
+        file = directory / path
+        size = file.stat().st_size if file.is_file() else -1
+        if size < end:
+            return f"{path} holds {max(size, 0)} bytes, the metadata names {end}"
+    return None
 
 
 def load_tensors(path: Path) -> Any:
