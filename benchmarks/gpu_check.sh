@@ -40,6 +40,9 @@ mkdir -p "$RES"
 failed=""
 start=$(date +%s)
 export PYTHONUNBUFFERED=1
+# offline: nothing asks the Hub (every model here is a local folder), no retries against a network
+# that is not there; plots headless
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 MPLBACKEND=Agg
 
 pack() {   # the device tool brings back at most 8 files, 2 folders down: one archive + 2 to read
     local rc=$?
