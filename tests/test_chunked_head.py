@@ -6,6 +6,8 @@ import torch
 
 from cppo.models.head import chunked_logprobs_and_entropy
 
+pytestmark = pytest.mark.cpu_paths   # two code paths compared: tests/test_cpu_paths.py
+
 
 def _reference(hidden, weight, bias, targets, temperature):
     logits = (hidden @ weight.t() + (bias if bias is not None else 0)) / temperature

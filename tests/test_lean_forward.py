@@ -10,6 +10,8 @@ from cppo.models.lean import lean_forward_for, unsupported_reason
 from cppo.sampling.logprobs import completion_logprobs
 from cppo.sampling.sampler import encode_prompts, sample_completions
 
+pytestmark = pytest.mark.cpu_paths   # two code paths compared: tests/test_cpu_paths.py
+
 
 def _models():
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

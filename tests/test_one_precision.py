@@ -9,6 +9,8 @@ import torch
 import cppo.trainer as trainer_module
 from helpers import make_trainer
 
+pytestmark = pytest.mark.cpu_paths   # two code paths compared: tests/test_cpu_paths.py
+
 
 @pytest.mark.parametrize("lean_forward,precision", [(True, {"bf16": True}), (False, {"bf16": True}),
                                                     (True, {"matmul_dtype": "bfloat16"})])

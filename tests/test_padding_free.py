@@ -10,6 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cppo.sampling.logprobs import completion_logprobs, token_entropy
 from test_lean_forward import MODELS
 
+pytestmark = pytest.mark.cpu_paths   # two code paths compared: tests/test_cpu_paths.py
+
 VOCAB, T = 40, 6
 
 

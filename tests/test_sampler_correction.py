@@ -151,6 +151,7 @@ TRL_OPTIONS = {   # TRL's names; cppo gets them through cppo.config.trl_fields.t
 }
 
 
+@pytest.mark.cpu_paths
 @pytest.mark.parametrize("name", TRL_OPTIONS)
 def test_the_correction_matches_trl_run_with_vllm(tiny_model_dir, tmp_path, monkeypatch, name):
     """One round, mu = 2 (the second step has policy ratios != 1 too), dapo: TRL's importance

@@ -99,6 +99,7 @@ def test_all_zero_advantages_skip_the_step(tiny_model_dir, tmp_path):
     assert all(r.get("cppo/skipped") == 1 for r in records if "reward" in r)
 
 
+@pytest.mark.cpu_paths
 def test_interrupted_and_resumed_run_ends_with_the_same_parameters(tiny_model_dir, tmp_path):
     straight = make_trainer(tiny_model_dir, tmp_path / "a")
     straight.train()

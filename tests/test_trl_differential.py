@@ -17,6 +17,8 @@ pytest.importorskip("trl")
 from helpers.trl_twin import (LOGPS_ATOL, assert_same_training, make_rounds,  # noqa: E402
                               masked_difference, run_cppo, run_trl)
 
+pytestmark = pytest.mark.cpu_paths   # two code paths compared: tests/test_cpu_paths.py
+
 LR = 0.05   # large enough that the second step's ratios and KL are far from 1 and 0
 
 

@@ -23,6 +23,7 @@ from cppo.config import CPPOConfig                                   # noqa: E40
 from cppo.sampling.vllm import VLLMBackend                              # noqa: E402
 from cppo.models import load_model, load_tokenizer                   # noqa: E402
 from cppo.sampling.logprobs import completion_logprobs        # noqa: E402
+from helpers import note_margin                                       # noqa: E402
 from cppo.sampling.sampler import encode_prompts
 
 G = 4
@@ -158,12 +159,14 @@ def test_rows_logprobs_and_eos_flags(tied):
     assert len({tuple(r.tolist()) for r in out.ids[:G]}) > 1
 
 
+@pytest.mark.cpu_paths
 def test_vllm_logprobs_equal_the_policy(tied, untied):
     for engine in (tied, untied):
         prompts = engine.prompts()
         out = engine.backend.generate(prompts, round_index=0)
         ours = engine.policy_logprobs(prompts, out)
         diff = float((ours - out.logprobs).abs().max())
+        note_margin("vllm_logprobs", logprobs=diff, logprobs_bound=LOGPROB_TOLERANCE)
         assert diff <= LOGPROB_TOLERANCE, diff
 
 

@@ -20,6 +20,19 @@ ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range
 
 
 PARK_ENV = "CPPO_TEST_PARK_RUN"   # see park_in_training
+MARGINS_ENV = "CPPO_MARGINS"       # see note_margin
+
+
+def note_margin(check: str, **differences: float) -> None:
+    """With CPPO_MARGINS=path set, append one JSON line: the current test, `check` and the
+    differences it measured against its bounds (benchmarks/cpu_paths.py reads them to report each
+    bound's margin per CPU code path). A no-op otherwise."""
+    path = os.environ.get(MARGINS_ENV)
+    if not path:
+        return
+    case = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    with open(path, "a") as f:
+        f.write(json.dumps({"case": case, "check": check, **differences}) + "\n")
 
 
 def odd_length_reward(prompts, completions, completion_ids=None, **columns):

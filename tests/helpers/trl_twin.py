@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from helpers import note_margin
+
 COMPLETIONS = 8       # per round: 8 // group_size questions of group_size completions
 MAX_LEN = 6           # max_completion_length
 DTYPE = torch.float64          # both models; see the module docstring
@@ -257,26 +259,13 @@ def assert_same_training(trl: Record, cppo: Record, steps: int) -> None:
     assert len(trl.losses) == len(cppo.losses)
     assert len(trl.grads) == len(cppo.grads) == steps
     grads = [max_difference(b, a) for a, b in zip(trl.grads, cppo.grads)]
-    _note_margins(trl, cppo, grads)
+    losses = [abs(b - a) / max(abs(a) * LOSS_RTOL, LOSS_ATOL) for a, b in zip(trl.losses, cppo.losses)]
+    note_margin("trl_twin", first_step=grads[0], first_step_bound=FIRST_STEP,
+                later_steps=max(grads[1:], default=0.0), later_steps_bound=LATER_STEPS,
+                loss=max(losses, default=0.0), loss_bound=1.0)   # loss: |difference| / tolerance
     assert cppo.losses == pytest.approx(trl.losses, rel=LOSS_RTOL, abs=LOSS_ATOL)
     for step, difference in enumerate(grads):
         assert difference <= (FIRST_STEP if step == 0 else LATER_STEPS), step
-
-
-def _note_margins(trl: Record, cppo: Record, grads: list[float]) -> None:
-    """With CPPO_TWIN_MARGINS=path, append this case's differences as a JSON line (what
-    benchmarks/differential_margins.py reads to report each bound's margin per CPU code path)."""
-    import json
-    import os
-    path = os.environ.get("CPPO_TWIN_MARGINS")
-    if not path:
-        return
-    losses = [abs(b - a) / max(abs(a), LOSS_ATOL / LOSS_RTOL) for a, b in zip(trl.losses, cppo.losses)]
-    line = {"case": os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0],
-            "first_step": grads[0] if grads else 0.0, "later_steps": max(grads[1:], default=0.0),
-            "loss": max(losses, default=0.0)}
-    with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
 
 
 def _after_each_call(monkeypatch, module, name: str, note) -> None:
