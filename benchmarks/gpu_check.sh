@@ -19,7 +19,10 @@
 #
 #   run(command="bash benchmarks/gpu_check.sh", carry=["gpu_wheels"], timeout_s=590)
 #
-# and `tar xzf <files_at>/gpu_check.tar.gz` here to get benchmarks/results/gpu/.
+# and `tar xzf <files_at>/gpu_check.tar.gz` here to get benchmarks/results/gpu/. With the machine's
+# start (a minute or more) that one call is most of a session's 15 minutes of device time, with no
+# room for a second; a shorter one: command "GPU_CHECK_BUDGET=300 bash benchmarks/gpu_check.sh",
+# timeout_s=330 (the later steps are cut or skipped, summary.txt says which).
 #
 # Elsewhere (a GPU machine with the project's venv and `pip install -e ".[test,bench,vllm]"`):
 #   bash benchmarks/gpu_check.sh        # no gpu_wheels/ folder: installs nothing, runs 1-3
