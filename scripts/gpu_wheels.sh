@@ -12,7 +12,7 @@
 # it lacks:
 #   datasets       (cppo; TRL)           -> dill, multiprocess (its other needs are on the image)
 #   math-verify    (cppo)                -> latex2sympy2_extended -> antlr4-python3-runtime
-#   trl            (the benchmarks' TRL side; pure Python, ~0.6 MB)
+#   trl            (the benchmarks' TRL side; pure Python, ~0.9 MB)
 # plus pytest-timeout (pyproject's `timeout = 900`; the image has it, this is a tiny safety copy)
 # and setuptools + wheel (0.45.1: the last with no dependency of its own; pyproject's build requires: `pip install -e .` builds cppo in an isolated
 # environment, which offline finds them only here). Every one is pure Python (py3-none-any),
