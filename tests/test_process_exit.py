@@ -1,9 +1,15 @@
-"""A gloo group ended by cppo never aborts the process at exit, even while something else (FSDP's
-module states, a DTensor's mesh) still holds it: 2 groups of 2 processes at once, each a script
-whose gloo worker threads hold the last references of their collectives' tensors when the exit
-handler destroys the group (tests/helpers/gloo_exit.py). With the drain in `Distributed.close`
-taken out, 3 or 4 of the 4 processes died by SIGABRT ("terminate called without an active
-exception") in each of four runs of this test.
+"""A gloo group ended by cppo never aborts the process at exit, even while an object cppo does not
+know of still holds it: 2 groups of 2 processes at once, each a script whose gloo worker threads
+hold the last references of their collectives' tensors when the exit handler destroys the group
+(tests/helpers/gloo_exit.py; the group is held by a module global, as a user's own object can).
+
+The objects cppo makes hold the group too (DDP's reducer, FSDP's module states, every DeviceMesh),
+and `Distributed.close()` releases them first (cppo.parallel.engines.Engine.release), so the
+group's destructor joins gloo's threads there: tests/test_distributed.py checks that no gloo
+thread is left after a real fsdp and ddp run. What cppo cannot release it can only outwait: with
+a gloo thread still alive after the group's end, close() waits with the interpreter's lock
+released (`drain_collective_threads`). With that drain taken out, 3 or 4 of the 4 processes died
+by SIGABRT ("terminate called without an active exception") in each of four runs of this test.
 """
 
 import os

@@ -6,7 +6,9 @@ spec.json: {"config": {...CPPOConfig fields...}, "rows": [...], "model": dir, "p
 (default true: the collectives after train() below), "raise_at_step": [rank, step] (that rank
 raises a RuntimeError in the round that starts at that step), "park_at_step": [rank, step] (that
 rank's first reward call at that step writes parked-rank<r> and waits, up to 300 s, for a stop
-signal or stop-rank<r>; only on a launcher's first start)}. Each process writes to <output_dir>:
+signal or stop-rank<r>; only on a launcher's first start), "plain_init": bool (benchmarks/
+restarts.py's "before" rows: the group started by a plain init_process_group under the launcher's
+shared keys, as before cppo.parallel.processes.start_group)}. Each process writes to <output_dir>:
 questions-rank<r>.json (the questions it drew), summary-rank<r>.json (train()'s summary),
 bytes-rank<r>.json (the parameter, gradient and optimizer bytes it holds at the end), pid-rank<r>
 (its process id, written before training), reductions-rank<r>.json (how many gradient reductions
@@ -106,6 +108,10 @@ def run(spec: dict) -> dict:
     from cppo.parallel.engines import local_bytes
     from cppo.trainer import CPPOTrainer
     out = spec["config"]["output_dir"]
+    if spec.get("plain_init"):
+        from cppo.parallel import processes
+        processes.start_group = lambda backend, environ=None: \
+            torch.distributed.init_process_group(backend=backend)
     trainer = TRAINER = CPPOTrainer(model=spec["model"], reward_funcs=[length_reward],
                                     args=CPPOConfig(**spec["config"]), train_dataset=spec["rows"])
     rank = trainer.dist.rank
