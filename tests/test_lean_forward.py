@@ -9,6 +9,7 @@ from torch import nn
 from cppo.models.lean import lean_forward_for, unsupported_reason
 from cppo.sampling.logprobs import completion_logprobs
 from cppo.sampling.sampler import encode_prompts, sample_completions
+from helpers import closeness, note_margin
 
 pytestmark = pytest.mark.cpu_paths   # two code paths compared: tests/test_cpu_paths.py
 
@@ -59,6 +60,8 @@ def test_logits_match_the_models_forward_with_left_padding(name, attention):
         got, _ = lean(ids, pos, mask.bool())
         last, _ = lean(ids, pos, mask.bool(), logits_to_keep=3)
     valid = mask.bool()
+    note_margin("lean_forward", logits=closeness(got[valid], expected[valid], atol=1e-5, rtol=1e-5),
+                logits_bound=1.0)
     torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(last, expected[:, -3:], atol=1e-5, rtol=1e-5)
 
@@ -96,6 +99,9 @@ def test_gradients_reach_the_models_parameters_and_match(name, attention):
         grads[lean] = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     assert grads[True].keys() == grads[False].keys()
+    note_margin("lean_forward", gradients=max(closeness(grads[True][n], grads[False][n], atol=1e-5,
+                                                        rtol=1e-4) for n in grads[True]),
+                gradients_bound=1.0)
     for n in grads[True]:
         torch.testing.assert_close(grads[True][n], grads[False][n], atol=1e-5, rtol=1e-4, msg=n)
 

@@ -23,6 +23,12 @@ PARK_ENV = "CPPO_TEST_PARK_RUN"   # see park_in_training
 MARGINS_ENV = "CPPO_MARGINS"       # see note_margin
 
 
+def closeness(got, expected, *, atol: float, rtol: float) -> float:
+    """max |got - expected| / (atol + rtol |expected|): torch.testing.assert_close passes at <= 1."""
+    diff = (got.double() - expected.double()).abs()
+    return float((diff / (atol + rtol * expected.double().abs())).max()) if diff.numel() else 0.0
+
+
 def note_margin(check: str, **differences: float) -> None:
     """With CPPO_MARGINS=path set, append one JSON line: the current test, `check` and the
     differences it measured against its bounds (benchmarks/cpu_paths.py reads them to report each
