@@ -23,17 +23,34 @@ GROUPS, WORLD = 2, 2
 SCRIPT = Path(__file__).parent / "helpers" / "gloo_exit.py"
 
 
-def test_a_gloo_group_still_held_elsewhere_ends_without_an_abort_at_exit():
+def launch(modes: list[str]) -> list[tuple[int, str]]:
+    """One group of WORLD processes per mode, all at once: [(exit code, output)] per process."""
     procs = []
-    for _ in range(GROUPS):
+    for mode in modes:
         port = str(free_port())
         for rank in range(WORLD):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
                    "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                    "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen([sys.executable, str(SCRIPT)],
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), mode],
                                           env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
-    ended = [(proc.wait(timeout=240), proc.stdout.read()) for proc in procs]
+    return [(proc.wait(timeout=240), proc.stdout.read()) for proc in procs]
+
+
+def test_a_gloo_group_still_held_elsewhere_ends_without_an_abort_at_exit():
+    ended = launch(["held"] * GROUPS)
     assert [code for code, _ in ended] == [0] * GROUPS * WORLD, \
         "\n".join(out[-800:] for code, out in ended if code)
+
+
+def test_closing_joins_gloo_threads_after_ddp_and_fsdp_engines():
+    """The engine lets go of the group (DDP's reducer; FSDP's states and the meshes of its
+    DTensor parameters and optimizer state), and torch.distributed.nn.functional, imported only
+    by FSDP after the start in this script, was imported before it: no gloo thread is left after
+    close(), so nothing is left for the drain or for interpreter shutdown."""
+    ended = launch(["engine:ddp", "engine:fsdp"])
+    assert [code for code, _ in ended] == [0] * 2 * WORLD, \
+        "\n".join(out[-800:] for code, out in ended if code)
+    for code, out in ended:
+        assert "gloo threads after close: 0" in out, out[-800:]
