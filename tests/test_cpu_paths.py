@@ -28,6 +28,7 @@ WIDER_THAN_AVX2 = torch.backends.cpu.get_cpu_capability() not in ("AVX2", "DEFAU
 def child_pytest(args: list[str], env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
     """`pytest args` in a child process with `env` on top of this one's (never the parent's own
     xdist workers: one process, this file's conftest)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:warnings",
                "--basetemp", str(tmp_path / "basetemp"), *args]
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
