@@ -168,6 +168,8 @@ def record_group_state(out: str) -> None:
     """At exit, after the trainer's handler: is the process group still up? (group-rank<r>)"""
     import torch.distributed as dist
     from cppo.parallel.processes import collective_threads
+    if TRAINER is None:   # failed before the trainer was built: nothing to record
+        return
     with open(os.path.join(out, f"group-rank{TRAINER.dist.rank}"), "w") as fh:
         fh.write(f"{'alive' if dist.is_initialized() else 'ended'}, "
                  f"gloo threads: {collective_threads()}")
