@@ -184,3 +184,29 @@ def test_leftovers_of_a_live_writer_are_left_alone(tmp_path):
     (tmp_path / "checkpoint-9").mkdir()                             # no COMPLETE marker
     assert ckpt.clean_stale(tmp_path) == [dead]
     assert live.is_dir() and ckpt.latest_checkpoint(tmp_path) is None
+
+
+class _Payload:
+    """A pickled object that would run a command when unpickled."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_a_poisoned_newest_checkpoint_is_refused_not_passed_over(straight, tmp_path, capfd):
+    """The fallback past a damaged newest checkpoint is for damage (a truncated or missing file):
+    a whole checkpoint whose optimizer.pt holds code is refused with CheckpointError even when an
+    earlier checkpoint would load, and its payload never runs. With only damaged checkpoints
+    left, the newest complete one is returned, so that loading it says what is wrong."""
+    from cppo.errors import CheckpointError
+    run = tmp_path / "poisoned"
+    shutil.copytree(straight, run)
+    newest = ckpt.list_checkpoints(run)[-1]
+    torch.save({"state": {}, "param_groups": [], "payload": _Payload()}, newest / "optimizer.pt")
+    with pytest.raises(CheckpointError, match=f"refusing to load {newest}/optimizer.pt"):
+        ckpt.latest_checkpoint(run, say=lambda *a, **k: None)
+    assert "pwned" not in capfd.readouterr().out
+    shutil.copy(straight / newest.name / "optimizer.pt", newest / "optimizer.pt")
+    for checkpoint in ckpt.list_checkpoints(run):   # every one damaged: the newest complete one
+        (checkpoint / "rng_state.pt").unlink()
+    assert ckpt.latest_checkpoint(run, say=lambda *a, **k: None) == newest

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -268,7 +269,9 @@ def latest_checkpoint(output_dir: str | Path, say=print) -> Path | None:
     A newer `checkpoint-<step>` that cannot be resumed from (no COMPLETE marker, a file missing,
     truncated or unreadable: `checkpoint_problem`) is passed over for the one before it, and
     `say` (print) names it, why, and the one taken instead. It is left in place: a later save of
-    the same step replaces it."""
+    the same step replaces it. With no whole one to fall back to, the newest complete one is
+    returned (its loading raises CheckpointError naming the problem); one holding pickled objects
+    is refused at once (CheckpointError), never passed over."""
     clean_stale(output_dir)
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
@@ -284,10 +287,10 @@ def latest_checkpoint(output_dir: str | Path, say=print) -> Path | None:
                     f"{path.name}", flush=True)
             return path
         passed.append((path.name, problem))
-    for skipped, why in passed:
-        say(f"checkpoint {skipped} cannot be resumed from ({why}); no earlier checkpoint",
-            flush=True)
-    return None
+    # none is whole: the newest complete one, whose loading names exactly what is wrong (another
+    # model's weights, a missing file), rather than a fresh start the user did not ask for
+    complete = list_checkpoints(output_dir)
+    return complete[-1] if complete else None
 
 
 def checkpoint_problem(checkpoint: Path) -> str | None:
@@ -324,6 +327,10 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
             return f"{name} is missing"
         try:
             torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as err:   # whole, but holding code: refused, never passed over
+            raise CheckpointError(f"refusing to load {file}: it holds pickled objects other than "
+                                  f"tensors (only weights_only=True loading is allowed): "
+                                  f"{str(err).splitlines()[0]}") from None
         except Exception as err:   # a truncated or garbled archive: any of torch's errors
             return f"{name}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     return None
@@ -371,7 +378,6 @@ def _sharded_problem(directory: Path) -> str | None:
 def load_tensors(path: Path) -> Any:
     """Tensors, numbers, strings and containers of them (`weights_only=True`); a file holding any
     other pickled object (which could run code when unpickled) is refused with CheckpointError."""
-    import pickle
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
