@@ -163,6 +163,15 @@ def launch_two_nodes(script: list[str], env: dict, log: Path) -> tuple[int, int,
         time.perf_counter() - began
 
 
+
+def run_config(root: Path, strategy: str) -> dict:
+    """The 2-process CPPO run every cppo variant launches: 4 steps of the tiny model."""
+    return dict(output_dir=str(root / "run"), per_device_train_batch_size=2,
+                gradient_accumulation_steps=2, num_generations=4, pruning_rate=0.5,
+                selection_scope="global", beta=0.04, num_iterations=2, max_steps=4,
+                generation_chunk_size=8, max_completion_length=5, learning_rate=1e-3,
+                eval_steps=0, save_steps=2, progress_bar=False, seed=3, distributed=strategy)
+
 def variants(model: str, root: Path) -> list[tuple[str, list[str], dict]]:
     out = []
     bare = root / "bare_gloo.py"
@@ -181,12 +190,7 @@ def variants(model: str, root: Path) -> list[tuple[str, list[str], dict]]:
             for post_run in (False, True):
                 name = (f"cppo {strategy}, {'with' if post_run else 'no'} post-run collectives, "
                         f"{'teardown' if teardown else 'NO teardown (before the fix)'}")
-                config = dict(output_dir=str(root / "run"), per_device_train_batch_size=2,
-                              gradient_accumulation_steps=2, num_generations=4, pruning_rate=0.5,
-                              selection_scope="global", beta=0.04, num_iterations=2, max_steps=4,
-                              generation_chunk_size=8, max_completion_length=5, learning_rate=1e-3,
-                              eval_steps=0, save_steps=2, progress_bar=False, seed=3,
-                              distributed=strategy)
+                config = run_config(root, strategy)
                 spec = root / f"spec-{len(out)}.json"
                 spec.write_text(json.dumps({"config": config, "model": model, "post_run": post_run,
                                             "teardown": teardown}))
@@ -194,12 +198,7 @@ def variants(model: str, root: Path) -> list[tuple[str, list[str], dict]]:
     for strategy in ("fsdp", "ddp"):
         name = (f"cppo {strategy}, two nodes (c10d), with post-run collectives, teardown "
                 f"(release), NO drain")
-        config = dict(output_dir=str(root / "run"), per_device_train_batch_size=2,
-                      gradient_accumulation_steps=2, num_generations=4, pruning_rate=0.5,
-                      selection_scope="global", beta=0.04, num_iterations=2, max_steps=4,
-                      generation_chunk_size=8, max_completion_length=5, learning_rate=1e-3,
-                      eval_steps=0, save_steps=2, progress_bar=False, seed=3,
-                      distributed=strategy)
+        config = run_config(root, strategy)
         spec = root / f"spec-{len(out)}.json"
         spec.write_text(json.dumps({"config": config, "model": model, "post_run": True,
                                     "teardown": True, "drain": False,
