@@ -163,7 +163,6 @@ def launch_two_nodes(script: list[str], env: dict, log: Path) -> tuple[int, int,
         time.perf_counter() - began
 
 
-
 def run_config(root: Path, strategy: str) -> dict:
     """The 2-process CPPO run every cppo variant launches: 4 steps of the tiny model."""
     return dict(output_dir=str(root / "run"), per_device_train_batch_size=2,
