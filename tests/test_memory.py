@@ -79,9 +79,9 @@ def tiny_sizes(trainer, budget_gib):
     from cppo.parallel.memory import plan_for_run
     args = trainer.args
     return plan_for_run(trainer.policy, trainer.reference, trainer.device,
-                        max_prompt_length=args.max_prompt_length,
+                        prompt_length=args.max_prompt_length,
                         max_completion_length=args.max_completion_length,
-                        num_generations=args.num_generations, generation_dtype=args.generation_dtype,
+                        num_generations=args.num_generations, generation_dtype=trainer.generation_dtype,
                         bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
                         memory_budget_gib=budget_gib)
 
@@ -163,7 +163,8 @@ def test_cppo_eval_decodes_in_budgeted_batches(tiny_model_dir, monkeypatch):
     from cppo.parallel.memory import eval_batch_size
     from cppo.models import load_model, load_tokenizer
     rows = [{"prompt": "12*34="}]
-    per_4 = eval_batch_size(load_model(tiny_model_dir), load_tokenizer(tiny_model_dir), rows,
+    from cppo.sampling.sampler import prompts_length
+    per_4 = eval_batch_size(load_model(tiny_model_dir), prompts_length(load_tokenizer(tiny_model_dir), rows),
                             max_new_tokens=8, k=4, memory_budget_gib=1.0)
     budget = 20 * (1.0 / per_4)          # ~20 x 4 completions... scaled below
     assert main(["eval", "--model", tiny_model_dir, "--k", "4", "--eval_num_questions", "12",
@@ -227,7 +228,7 @@ def test_a_colocated_vllm_engine_takes_its_share_of_the_budget(tiny_model_dir, m
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 8 * GIB)
     cfg.vllm_mode = "colocate"
     share = vllm_engine_bytes(cfg, policy, cpu, 8 * GIB)
-    run = dict(max_prompt_length=8, max_completion_length=4, num_generations=4,
+    run = dict(prompt_length=8, max_completion_length=4, num_generations=4,
                generation_dtype=None, bf16=False, gradient_checkpointing=False,
                memory_budget_gib=None)
     memory.plan_for_run(policy, None, cpu, **run, engine_bytes=share)

@@ -158,6 +158,7 @@ def cmd_eval(args) -> int:
     from cppo.data.sources import TaskSource, load_task
     from cppo.evaluate import evaluate
     from cppo.parallel.memory import eval_batch_size
+    from cppo.sampling.sampler import prompts_length
     from cppo.models import load_model, load_tokenizer
     from cppo.rewards import get_reward_function
 
@@ -169,7 +170,7 @@ def cmd_eval(args) -> int:
     model = load_model(cfg.model, torch_dtype=cfg.torch_dtype,
                        attn_implementation=cfg.attn_implementation)
     max_new = cfg.max_completion_length or task.max_answer_tokens or 256
-    batch_size = cfg.batch_size or eval_batch_size(model, tokenizer, task.eval_rows,
+    batch_size = cfg.batch_size or eval_batch_size(model, prompts_length(tokenizer, task.eval_rows),
                                                    max_new_tokens=max_new, k=cfg.k,
                                                    memory_budget_gib=cfg.memory_budget_gib)
     reward = task.scoring_reward(get_reward_function(cfg.reward_funcs[0]))

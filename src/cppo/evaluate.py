@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from cppo.sampling.sampler import encode_prompts, sample_completions
+from cppo.sampling.sampler import encode_prompts, prompts_length, sample_completions
 
 
 @dataclass
@@ -33,10 +33,8 @@ class EvalResult:
 def _correct(reward_fn, rows, completions, tokenizer, num_generations: int) -> torch.Tensor:
     """(Q, num_generations) bool: reward >= 1 means correct. The reward is called as in training (TRL's
     signature): chat-message completions for chat prompts, unpadded completion_ids."""
-    from cppo.rewards.runner import RewardRunner, unpadded_ids
-    texts = tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
-    scores = RewardRunner([reward_fn])(rows, texts, unpadded_ids(completions.ids, completions.mask),
-                                       num_generations, conversational=not isinstance(rows[0]["prompt"], str))
+    from cppo.rewards.runner import RewardRunner
+    _, scores, _ = RewardRunner([reward_fn]).score(tokenizer, rows, completions, num_generations)
     return (scores[:, 0] >= 1.0).view(len(rows), num_generations)   # NaN (None: does not apply) is wrong
 
 
@@ -54,8 +52,8 @@ def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16, temp
     greedy_hits, pass_hits, sample_hits = 0, 0, 0.0
     if batch_size is None:
         from cppo.parallel.memory import eval_batch_size
-        batch_size = eval_batch_size(model, tokenizer, rows, max_new_tokens=max_new_tokens, k=k,
-                                     memory_budget_gib=None, max_prompt_length=max_prompt_length)
+        batch_size = eval_batch_size(model, prompts_length(tokenizer, rows, max_prompt_length),
+                                     max_new_tokens=max_new_tokens, k=k, memory_budget_gib=None)
     per_batch = max(1, batch_size // max(k, 1))
     bar = tqdm(total=len(rows), desc="eval", unit="q", disable=not progress, leave=False)
     for s in range(0, len(rows), per_batch):
@@ -79,3 +77,29 @@ def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16, temp
                       pass_at_k=pass_hits / n if k > 0 else None, k=k,
                       sample_accuracy=sample_hits / n if k > 0 else None,
                       seconds=time.perf_counter() - start)
+
+
+@torch.no_grad()
+def sampled_metrics(policy, tokenizer, rows: list[dict], rewards, prompts, *, num_generations: int,
+                    max_new_tokens: int, sampling, generator, batch_size: int | None, lean: bool,
+                    share_prefixes: bool, scale_rewards) -> dict:
+    """TRL's evaluation metrics (before its eval_ prefix): num_generations completions per row
+    (`prompts`: the rows' encoded prompts) sampled by cppo's sampler with the training settings
+    (`sampling`, cppo.sampling.settings), scored by the reward functions (`rewards`, a
+    RewardRunner): reward statistics, each function's mean and the completion lengths."""
+    from cppo.algorithm import reward_stats
+    from cppo.run.tracking import length_metrics
+    was_training = policy.training
+    policy.eval()
+    try:
+        completions = sample_completions(
+            policy, prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            **sampling.kwargs(), generator=generator, batch_size=batch_size, lean=lean,
+            share_prefixes=share_prefixes)
+    finally:
+        policy.train(was_training)
+    _, per_function, combined = rewards.score(tokenizer, rows, completions, num_generations)
+    return {**reward_stats(combined.view(len(rows), num_generations), scale_rewards),
+            **rewards.means(per_function),
+            **length_metrics(completions.lengths.float(), completions.truncated)}

@@ -1,9 +1,10 @@
 """Configuration: the CPPOConfig dataclass (TRL's GRPOConfig names plus the CPPO fields), reading
 it from YAML and the command line, TRL's field table, and validation."""
 
-from cppo.config.checks import (check, check_fields, check_reward_weights, installed_vllm_version,
+from cppo.config.checks import (check, check_fields, installed_vllm_version,
                                 validate, validate_vllm)
 from cppo.config.fields import CPPOConfig
+from cppo.rewards.runner import check_reward_weights
 from cppo.config.options import option, same_as
 from cppo.config.reading import build_dataclass, coerce, from_trl_names, read_yaml
 from cppo.errors import ConfigError

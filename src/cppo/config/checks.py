@@ -105,14 +105,6 @@ def _check_sampler_correction(cfg) -> None:
           f"token_mask (it forms its own sequence weight; TRL refuses the same)")
 
 
-def check_reward_weights(weights, num_funcs: int) -> None:
-    """One weight per reward function. Checked where the functions are known (the trainer, whose
-    reward_funcs argument replaces the config's names), as TRL's GRPOTrainer does."""
-    check(weights is None or len(weights) == num_funcs,
-          f"'reward_weights' has {len(weights or [])} values but 'reward_funcs' has {num_funcs}; "
-          f"give one weight per function")
-
-
 def validate(cfg) -> None:
     """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
     check_fields(cfg)

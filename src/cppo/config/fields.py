@@ -24,9 +24,10 @@ from cppo.config.checks import validate
 from cppo.config.options import option
 from cppo.config.reading import build_dataclass, from_trl_names, read_yaml
 from cppo.data import arithmetic
+from cppo.models.loading import TORCH_DTYPES
 
 LR_SCHEDULERS = ("constant", "linear", "cosine", "constant_with_warmup")
-DTYPES = ("float32", "bfloat16", "float16", "float64", "auto")
+DTYPES = (*TORCH_DTYPES, "auto")
 
 
 @dataclass

@@ -14,7 +14,14 @@ PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt
                   "model.ckpt")
 
 EMBEDDED_DIR = Path(__file__).parent / "embedded"
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the dtype names a config may give, and their torch dtypes: the one table
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float64": torch.float64}
+
+
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a config's dtype name (None stays None)."""
+    return None if name is None else TORCH_DTYPES[name]
 
 
 def tiny_model_config(vocab_size: int, *, bos_token_id: int, eos_token_id: int, pad_token_id: int,
@@ -93,7 +100,7 @@ def load_model(name: str = "embedded", *, torch_dtype: str = "float32",
         register_eca_attention()
     kwargs = {"use_safetensors": True}
     if torch_dtype != "auto":
-        kwargs["dtype"] = _DTYPES[torch_dtype]
+        kwargs["dtype"] = TORCH_DTYPES[torch_dtype]
     else:
         kwargs["dtype"] = "auto"
     if attn_implementation is not None:
@@ -105,3 +112,32 @@ def load_model(name: str = "embedded", *, torch_dtype: str = "float32",
         raise ModelLoadError(f"could not load model '{name}': {err}. Give 'embedded', a local "
                              f"directory with config.json and *.safetensors, or a hub id (needs "
                              f"network).") from err
+
+
+def load_policy(model, processing_class, args, device, *, lora: bool, peft_config=None):
+    """The policy and its tokenizer: `model` a name (None: the config's) or a loaded model, the
+    tokenizer the processing_class or the model's; on `device`, gradient checkpointing and LoRA
+    as the config says, in training mode."""
+    name = model if isinstance(model, str) else (args.model if model is None else None)
+    policy = model if name is None else load_model(
+        name, torch_dtype=args.torch_dtype, attn_implementation=args.attn_implementation)
+    tokenizer = ready_for_generation(processing_class or load_tokenizer(
+        name or getattr(policy.config, "_name_or_path", None) or args.model))
+    policy.to(device)
+    if args.gradient_checkpointing:
+        # the sampler passes use_cache explicitly, so generation keeps its KV cache
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:
+        from cppo.models.lora import wrap_with_lora
+        policy = wrap_with_lora(policy, args, peft_config)
+    policy.train()
+    return policy, tokenizer
+
+
+def frozen_copy(model):
+    """A copy of the model in eval mode without gradients (the reference policy)."""
+    import copy
+    reference = copy.deepcopy(model).eval()
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    return reference

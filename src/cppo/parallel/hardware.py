@@ -16,7 +16,7 @@ import warnings
 from functools import lru_cache
 
 import torch
-from cppo.errors import SlowPrecisionWarning
+from cppo.errors import ConfigError, SlowPrecisionWarning
 
 LOW_PRECISION = ("bfloat16", "float16")
 # A CPU's bfloat16 matmul has a fixed cost per call (oneDNN's set-up and conversions) that float32
@@ -165,3 +165,98 @@ def warn_slow_precision(args, device: torch.device | str) -> None:
                   f"the backward. Use float32 (the default: drop {', '.join(s.split('=')[0] for s in slow)}) "
                   f"on this machine; bf16 pays on CPUs with AVX512-BF16 or AMX and on recent GPUs "
                   f"(docs/performance.md).", SlowPrecisionWarning, stacklevel=2)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_generation_dtype(args, policy_dtype: torch.dtype, device, *, built_in: bool,
+                             lean: tuple | None, decode_multiply_adds: float,
+                             announce: bool) -> str | None:
+    """The generation_dtype a run samples in (the config is left as it is): 'auto' becomes
+    bfloat16 or None (auto_generation_dtype; said in one line when `announce` and it is bfloat16,
+    or when the batch alone kept float32). An explicit one and num_speculative_tokens need the
+    lean forward on this model. lean: lean_forward_for's (forward, reason), None when not probed
+    (generation_dtype_needs_lean says when to probe); built_in: cppo's sampler on the lean forward
+    samples the round."""
+    wants = lean_forward_wants(args)
+    forward, reason = lean or (None, None)
+    resolved = args.generation_dtype
+    if resolved == "auto":
+        copy = built_in and forward is not None
+        work = decode_multiply_adds if copy else 0
+        resolved = auto_generation_dtype(policy_dtype, device, copy, work)
+        if resolved and announce:
+            print(f"generation_dtype: auto -> {resolved}: sampling from a {resolved} copy of the "
+                  f"policy, which this device computes fast (importance-sampling corrected; "
+                  f"--generation_dtype none samples in {_dtype_name(policy_dtype)})", flush=True)
+        elif copy and auto_generation_dtype(policy_dtype, device, copy) and announce:
+            print(f"generation_dtype: auto -> {_dtype_name(policy_dtype)}: a decode step here "
+                  f"({work:.1e} multiply-adds) is too small for bfloat16 to pay on this CPU (from "
+                  f"{BF16_MIN_DECODE_MULTIPLY_ADDS:.0e}); --generation_dtype bfloat16 samples from "
+                  f"the copy anyway", flush=True)
+    if wants and forward is None:
+        raise ConfigError(f"{' and '.join(wants)}, which needs the lean forward, but it does "
+                          f"not support this model: {reason}")
+    return resolved
+
+
+def lean_forward_wants(args) -> list[str]:
+    """The generation settings that need the lean forward on the model, as the config says them."""
+    wants = [f"'generation_dtype' is {args.generation_dtype!r}"] \
+        if args.generation_dtype and args.generation_dtype != "auto" else []
+    if args.num_speculative_tokens and not args.use_vllm:
+        wants.append(f"'num_speculative_tokens' is {args.num_speculative_tokens}")
+    return wants
+
+
+def resolve_matmul_dtype(args, policy_dtype: torch.dtype, device, *, lean: tuple | None,
+                         micro_batch_multiply_adds: float, announce: bool) -> str | None:
+    """The matmul_dtype the training passes run in (the config is left as it is): 'auto'
+    becomes bfloat16 or None (auto_matmul_dtype; said in one line when `announce` and it is
+    bfloat16); an explicit one needs the lean forward to run this model's training passes.
+    lean: lean_forward_for's (forward, reason) (None only when matmul_dtype is None)."""
+    if args.matmul_dtype is None:
+        return None
+    forward, reason = lean
+    if args.matmul_dtype != "auto":
+        if forward is None:
+            raise ConfigError(f"'matmul_dtype' is {args.matmul_dtype!r}, which needs the lean "
+                              f"forward, but it does not run this model's training passes: {reason}")
+        return args.matmul_dtype
+    resolved = None if args.bf16 else auto_matmul_dtype(
+        policy_dtype, device, forward is not None, micro_batch_multiply_adds)
+    if resolved and announce:
+        print(f"matmul_dtype: auto -> {resolved}: the training passes' Linear matmuls run in "
+              f"{resolved}, which this device computes fast (weights, optimizer, attention, head "
+              f"and loss stay {_dtype_name(policy_dtype)}; --matmul_dtype none keeps every matmul "
+              f"in it)", flush=True)
+    return resolved
+
+
+def run_dtypes(args, policy, device, *, engine, built_in: bool, questions_per_step: int,
+               announce: bool) -> tuple[str | None, str | None]:
+    """generation_dtype and matmul_dtype as a run uses them, 'auto' resolved from the device and
+    one decode step's (the completions decoded together) and one micro-batch's linear-layer
+    work; built_in: cppo's sampler on the lean forward samples the rounds; the probe of the lean
+    forward for sampling runs on the engine's gathered weights."""
+    from cppo.models.lean import lean_forward_for
+    from cppo.parallel.memory import ModelShape
+    dtype = next(policy.parameters()).dtype
+    probe = None
+    if lean_forward_wants(args) or (args.generation_dtype == "auto" and built_in):
+        with engine.gathered():   # the sampler runs on the gathered weights
+            probe = lean_forward_for(policy)
+    per_token = ModelShape.from_config(policy.config).multiply_adds_per_token()
+    decoded = questions_per_step * args.num_generations
+    if args.generation_chunk_size:
+        decoded = min(decoded, args.generation_chunk_size)
+    generation = resolve_generation_dtype(args, dtype, device, built_in=built_in, lean=probe,
+                                          decode_multiply_adds=decoded * per_token, announce=announce)
+    lean = None
+    if args.matmul_dtype is not None:
+        lean = lean_forward_for(policy) if args.lean_forward else (None, "lean_forward is false")
+    work = args.per_device_train_batch_size * args.max_completion_length * per_token
+    return generation, resolve_matmul_dtype(args, dtype, device, lean=lean, announce=announce,
+                                            micro_batch_multiply_adds=work)

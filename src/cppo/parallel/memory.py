@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from cppo.errors import ConfigError
+from cppo.models.loading import torch_dtype
 
 
 GIB = 2**30
@@ -245,28 +246,22 @@ def check_batch_settings(sizes: BatchSizes, *, per_device_train_batch_size: int,
             f"{sizes.generation}, or None to use the largest that fits")
 
 
-def plan_for_run(policy, reference, device, *, max_prompt_length: int | None,
+def plan_for_run(policy, reference, device, *, prompt_length: int,
                  max_completion_length: int, num_generations: int, generation_dtype: str | None,
                  bf16: bool, gradient_checkpointing: bool, memory_budget_gib: float | None,
-                 engine_bytes: int = 0, speculation_slots: int = 0, tokenizer=None,
-                 rows=(), matmul_dtype: str | None = None) -> BatchSizes:
-    """plan_batch_sizes for a run's loaded models: the prompt length is max_prompt_length (None:
-    the longest of `rows`), the sampler's KV cache is in generation_dtype (None: the weights'
-    dtype), activations in bf16 under `bf16`; `engine_bytes` (a colocated vLLM engine's share)
+                 engine_bytes: int = 0, speculation_slots: int = 0,
+                 matmul_dtype: str | None = None) -> BatchSizes:
+    """plan_batch_sizes for a run's loaded models: prompts of prompt_length tokens, the
+    sampler's KV cache in generation_dtype (None: the weights' dtype), activations in bf16 under `bf16`; `engine_bytes` (a colocated vLLM engine's share)
     comes off the device's memory; `speculation_slots` KV-cache slots per completion are kept for
     rejected drafts; with `matmul_dtype`, the training passes' copy of the decoder layers' Linear
     weights in it (kept for the backward) comes off too."""
-    prompt_length = max_prompt_length
-    if prompt_length is None:
-        from cppo.sampling.sampler import encode_prompts
-        prompt_length = (encode_prompts(tokenizer, [r["prompt"] for r in rows]).ids.shape[1]
-                         if rows else 2048)
     weight_bytes = next(policy.parameters()).element_size()
-    sampling_bytes = (torch.empty(0, dtype=getattr(torch, generation_dtype)).element_size()
+    sampling_bytes = (torch.empty(0, dtype=torch_dtype(generation_dtype)).element_size()
                       if generation_dtype else weight_bytes)
     shape = ModelShape.from_config(policy.config)
     matmul_copy = (shape.num_layers * shape.layer_linear_weights()
-                   * torch.empty(0, dtype=getattr(torch, matmul_dtype)).element_size()
+                   * torch.empty(0, dtype=torch_dtype(matmul_dtype)).element_size()
                    if matmul_dtype else 0)
     budget = budget_bytes(memory_budget_gib, device_bytes=device_memory_bytes(device),
                           state_bytes=model_state_bytes(policy, reference) + matmul_copy,
@@ -280,13 +275,12 @@ def plan_for_run(policy, reference, device, *, max_prompt_length: int | None,
                             gradient_checkpointing=gradient_checkpointing)
 
 
-def eval_batch_size(model, tokenizer, rows, *, max_new_tokens: int, k: int,
-                    memory_budget_gib: float | None, max_prompt_length: int | None = None) -> int:
-    """`cppo eval`: completions decoded together so that their KV caches and logits fit in the
-    budget (None: 90% of the device less the model's weights), a multiple of k when sampling."""
-    from cppo.sampling.sampler import encode_prompts
+def eval_batch_size(model, prompt_length: int, *, max_new_tokens: int, k: int,
+                    memory_budget_gib: float | None) -> int:
+    """`cppo eval`: completions of prompts of prompt_length tokens decoded together so that their
+    KV caches and logits fit in the budget (None: 90% of the device less the model's weights), a
+    multiple of k when sampling."""
     device = next(model.parameters()).device
-    prompt_length = encode_prompts(tokenizer, [r["prompt"] for r in rows], max_prompt_length).ids.shape[1]
     budget = budget_bytes(memory_budget_gib, device_bytes=device_memory_bytes(device),
                           state_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
     group = max(k, 1)

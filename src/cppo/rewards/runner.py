@@ -16,10 +16,41 @@ from typing import Callable, Sequence
 
 import torch
 
-from cppo.config.checks import check_reward_weights
+from cppo.algorithm import combine_rewards
 from cppo.errors import ConfigError, RewardError, RewardPreflightError, snippet
 
 PREFLIGHT_COMPLETIONS = ("", "0")   # an empty answer and a number: reaches gold parsing too
+
+
+def check_reward_weights(weights, num_funcs: int) -> None:
+    """One weight per reward function. Checked where the functions are known (the trainer, whose
+    reward_funcs argument replaces the config's names), as TRL's GRPOTrainer does."""
+    if weights is not None and len(weights) != num_funcs:
+        raise ConfigError(f"'reward_weights' has {len(weights)} values but 'reward_funcs' has "
+                          f"{num_funcs}; give one weight per function")
+
+
+def reward_sources(reward_funcs, args, env_rewards: list, processing_classes=None
+                   ) -> tuple[list, list[float] | None, object]:
+    """The reward functions, their weights and processing classes of a run: the trainer's
+    reward_funcs (None: the config's names; none with environments that score), each
+    environment class's get_reward after them with weight 1 (TRL)."""
+    funcs = reward_funcs if reward_funcs is not None else ([] if env_rewards else args.reward_funcs)
+    funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+    check_reward_weights(args.reward_weights, len(funcs))   # before any loading
+    weights = args.reward_weights
+    if env_rewards:
+        extra = len(env_rewards)
+        funcs = funcs + env_rewards
+        weights = None if weights is None else [*weights, *[1.0] * extra]
+        if isinstance(processing_classes, (list, tuple)):
+            processing_classes = [*processing_classes, *[None] * extra]
+    return funcs, weights, processing_classes
+
+
+def is_conversational(rows: list[dict]) -> bool:
+    """Rows of chat messages (TRL's conversational format): the prompt is not a string."""
+    return not isinstance(rows[0]["prompt"], str)
 PREFLIGHT_ENCODED_ROWS = 8          # prompts tokenised by preflight (all rows are of one kind)
 
 
@@ -129,13 +160,24 @@ class RewardRunner:
             out[f"rewards/{name}/std"] = float(col.std()) if col.numel() > 1 else math.nan
         return out
 
+    def score(self, tokenizer, rows: list[dict], completions, group: int,
+              extra_columns: dict[str, list] | None = None,
+              messages: list[list[dict]] | None = None) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """Decode, score and combine: the completions' texts, the rewards per function (N, F) and
+        their weighted sum (N,), for `completions` (N = len(rows) x group rows, question-major)."""
+        texts = tokenizer.batch_decode(completions.ids.cpu(), skip_special_tokens=True)
+        per_function = self(rows, texts, unpadded_ids(completions.ids, completions.mask), group,
+                            conversational=is_conversational(rows), extra_columns=extra_columns,
+                            messages=messages)
+        return texts, per_function, combine_rewards(per_function, self.weights)
+
     def preflight(self, rows: list[dict], tokenizer=None) -> None:
         """Before training: encode the first rows' prompts (when a tokenizer is given) and call
         every function on each row with the probe completions; raise naming the first failing
         row. Cost: one reward call per function over len(rows) x 2 probe completions."""
         if not rows:
             return
-        conversational = not isinstance(rows[0]["prompt"], str)
+        conversational = is_conversational(rows)
         if tokenizer is not None:
             from cppo.sampling.sampler import encode_prompts
             for i, row in enumerate(rows[:PREFLIGHT_ENCODED_ROWS]):  # check_rows made them one kind

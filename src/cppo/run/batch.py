@@ -75,3 +75,23 @@ class StepBatch:
                 t = t.new_full((0, 1, *t.shape[2:]), fill)
             return torch.cat([t, t.new_full(shape, fill)])
         return self._map(grow, filler_rows=self.filler_rows + extra)
+
+
+def kept_batch(prompts, completions, advantages: torch.Tensor, keep_mask: torch.Tensor, *,
+               num_generations: int, mask_truncated: bool, sampler_logprobs: bool) -> StepBatch:
+    """The kept completions (keep_mask (Q, G)) with their prompts (one row per question, or per
+    completion for rollouts), loss masks (mask_truncated: none on a completion without EOS),
+    advantages (Q, G) and, with sampler_logprobs, the sampler's log-probs; trimmed, so no pass
+    runs on pruned widths."""
+    kept = keep_mask.flatten().nonzero().squeeze(1).to(completions.ids.device)  # of Q*G rows
+    question = kept if len(prompts) == len(completions.ids) else kept // num_generations
+    mask = completions.mask[kept]
+    if mask_truncated:
+        mask = mask * (~completions.truncated[kept]).long()[:, None]
+    sampler_logps = None
+    if completions.logprobs is not None and sampler_logprobs:
+        sampler_logps = completions.logprobs[kept].float()
+    tool_mask = None if completions.tool_mask is None else completions.tool_mask[kept]
+    return StepBatch(prompts.ids[question], prompts.mask[question], completions.ids[kept],
+                     mask, advantages.flatten().to(kept.device)[kept].float(),
+                     sampler_logps=sampler_logps, tool_mask=tool_mask).trimmed()

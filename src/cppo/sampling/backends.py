@@ -24,22 +24,54 @@ import torch
 
 from cppo.algorithm.allocation import questions_per_chunk
 from cppo.models.lean import lean_forward_for
+from cppo.models.loading import torch_dtype
 from cppo.sampling.batches import Completions, PromptBatch, concat_completions
 from cppo.sampling.sampler import chunk_seed, sample_completions
+from cppo.sampling.settings import SamplingSettings
 from cppo.sampling.speculative import Speculation
 
 
 class GenerationBackend(Protocol):
-    def generate(self, prompts: PromptBatch, *, round_index: int, question_offset: int) -> Completions:
-        """G completions for each prompt (question-major rows q*G + g)."""
+    """What the trainer calls on a backend. The vLLM backend also samples token contexts for the
+    tool loop (`sample_contexts`, `max_model_len`)."""
+
+    def generate(self, prompts: PromptBatch, *, round_index: int, question_offset: int = 0,
+                 num_generations: int | None = None, stage: int = 1) -> Completions:
+        """num_generations (None: the config's G) completions for each prompt (question-major
+        rows q*G + g); stage 2 (two_stage_generations' second stage) samples from its own seeds."""
+
+    def sync_weights(self, round_index: int, probe: list[int]) -> None:
+        """Make the policy's current weights the sampler's for this round (once per round)."""
+
+    def rest(self) -> None:
+        """After a round's sampling: release what the sampler holds until the next round."""
+
+    def close(self) -> None:
+        """End the sampler (its engine, its connection)."""
 
 
 class TransformersBackend:
     """Sample with the policy (any transformers causal LM) through cppo.sampling.sampler's sampler."""
 
-    def __init__(self, model, tokenizer, args, chunk_size: int | None = None) -> None:
+    def __init__(self, model, tokenizer, args, chunk_size: int | None = None,
+                 sampling: SamplingSettings | None = None, generation_dtype: str | None = "config"
+                 ) -> None:
+        """generation_dtype: the resolved dtype of the sampling copy (None: the policy's own;
+        "config": the config's, which must not be "auto" then)."""
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.chunk_size = chunk_size   # completions decoded together (None: all at once)
+        self.sampling = sampling or SamplingSettings.of(args)
+        self.generation_dtype = args.generation_dtype if generation_dtype == "config" \
+            else generation_dtype
+
+    def sync_weights(self, round_index: int, probe: list[int]) -> None:
+        """The sampler runs on the policy itself: nothing to push."""
+
+    def rest(self) -> None:
+        """Nothing held between rounds."""
+
+    def close(self) -> None:
+        """Nothing to end."""
 
     def questions_per_chunk(self, num_questions: int, group_size: int | None = None) -> int:
         return questions_per_chunk(self.chunk_size, group_size or self.args.num_generations,
@@ -68,10 +100,9 @@ class TransformersBackend:
                 parts.append(sample_completions(
                     self.model, chunk, num_generations=group,
                     max_new_tokens=args.max_completion_length, eos_token_id=tok.eos_token_id,
-                    pad_token_id=tok.pad_token_id, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                    pad_token_id=tok.pad_token_id, **self.sampling.kwargs(),
                     generator=generator, lean=args.lean_forward,
-                    dtype=getattr(torch, args.generation_dtype) if args.generation_dtype else None,
+                    dtype=torch_dtype(self.generation_dtype),
                     speculative=speculation(args), share_prefixes=args.share_prefixes))
         finally:
             if toggle:
@@ -91,10 +122,14 @@ def speculation_slots(args) -> int:
     return spec.slack if spec is not None else 0
 
 
-def make_backend(model, tokenizer, args, chunk_size: int | None = None) -> GenerationBackend:
+def make_backend(model, tokenizer, args, chunk_size: int | None = None,
+                 sampling: SamplingSettings | None = None,
+                 generation_dtype: str | None = "config") -> GenerationBackend:
     """chunk_size: completions the built-in sampler decodes together (the trainer derives it
-    from the memory budget); vLLM schedules its own batches."""
+    from the memory budget); vLLM schedules its own batches. sampling: the settings every
+    sampler draws with (None: the config's); generation_dtype: the resolved sampling dtype."""
+    sampling = sampling or SamplingSettings.of(args)
     if args.use_vllm:
         from cppo.sampling.vllm import VLLMBackend
-        return VLLMBackend(model, tokenizer, args)
-    return TransformersBackend(model, tokenizer, args, chunk_size)
+        return VLLMBackend(model, tokenizer, args, sampling=sampling)
+    return TransformersBackend(model, tokenizer, args, chunk_size, sampling, generation_dtype)

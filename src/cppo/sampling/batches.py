@@ -58,7 +58,8 @@ class Completions:
     counts (cppo.sampling.speculative.SpeculationStats) when it ran; tool_mask (N, T), for
     multi-turn completions (cppo.sampling.multi_turn): 0 on the tokens a tool or environment wrote
     (in the context, out of the loss), 1 elsewhere; decode: the built-in sampler's DecodeStats
-    when it shared prefixes."""
+    when it shared prefixes; columns: a rollout function's extra reward columns (one value per
+    completion), None for sampled completions."""
 
     ids: Tensor
     mask: Tensor
@@ -67,6 +68,7 @@ class Completions:
     speculation: object | None = None
     tool_mask: Tensor | None = None
     decode: DecodeStats | None = None
+    columns: dict[str, list] | None = None
 
     @property
     def lengths(self) -> Tensor:

@@ -99,6 +99,7 @@ def rollout_from_output(output: Any, num_rows: int, *, eos_token_id: int | Seque
                                f"values (an extra key is a reward column: one value per prompt)")
     completions = Completions(ids.to(device), mask.to(device), truncated.to(device),
                               None if logprobs is None else logprobs.to(device),
-                              tool_mask=None if tool_mask is None else tool_mask.to(device))
+                              tool_mask=None if tool_mask is None else tool_mask.to(device),
+                              columns={k: list(v) for k, v in extra.items()})
     prompts = PromptBatch(*pad_token_lists(prompt_ids, pad_token_id, side="left"))
-    return Rollout(prompts.to(device), completions, {k: list(v) for k, v in extra.items()})
+    return Rollout(prompts.to(device), completions, completions.columns)

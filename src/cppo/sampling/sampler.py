@@ -53,6 +53,12 @@ def encode_prompts(tokenizer, prompts: Sequence, max_prompt_length: int | None =
     return PromptBatch(*pad_token_lists(rows, tokenizer.pad_token_id, side="left"))
 
 
+def prompts_length(tokenizer, rows: list[dict], max_prompt_length: int | None = None) -> int:
+    """The padded length of the rows' encoded prompts (at most max_prompt_length): what memory
+    planning sizes a round's prompts by."""
+    return encode_prompts(tokenizer, [r["prompt"] for r in rows], max_prompt_length).ids.shape[1]
+
+
 def _next_tokens(logits: Tensor, *, greedy: bool, generator: torch.Generator | None,
                  logprobs: list | None = None, seen: Tensor | None = None,
                  workspace: Tensor | None = None, **transforms) -> Tensor:

@@ -20,15 +20,41 @@ from __future__ import annotations
 import inspect
 import json
 import re
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from cppo.errors import ConfigError
 from cppo.sampling.padding import pad_token_lists
 from cppo.sampling.batches import PromptBatch
 from cppo.sampling.sampler import chunk_seed, sample_completions
+from cppo.sampling.settings import SamplingSettings
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What the tool loop reads of a run, for one round: the tokenizer, the policy (cppo's
+    sampler draws the turns on it), the generation backend (vLLM samples token contexts:
+    `sample_contexts`, `max_model_len`), the sampling settings, the config's lengths and seed,
+    this process's rank, the round and the optimizer step."""
+
+    tokenizer: object
+    policy: object
+    backend: object
+    device: torch.device
+    sampling: SamplingSettings
+    seed: int
+    num_generations: int
+    max_prompt_length: int | None
+    max_completion_length: int
+    lean_forward: bool
+    share_prefixes: bool
+    rank: int
+    round_index: int
+    step: int
 
 
 def parse_tool_calls(tokenizer, ids: list[int], prefix: list[int] | None = None,
@@ -124,7 +150,7 @@ def check_tools(tools) -> list[Callable]:
 
 class ToolLoop:
     """A rollout function (cppo.sampling.multi_turn's contract) that samples the model's turns
-    and runs tools between them. `sample(trainer, contexts, num_generations, max_new_tokens, ...)`
+    and runs tools between them. `sample(run, contexts, num_generations, max_new_tokens, ...)`
     draws the turns: contexts are token-id lists, the result one token-id list per completion
     (context-major) and the sampler's log-probs of their tokens. With a backend that samples token
     contexts (vLLM: `sample_contexts`) the turns are vLLM's, each with its own token budget, and
@@ -210,7 +236,7 @@ class ToolLoop:
             return {"role": "assistant", "content": text, "tool_calls": calls}
         return {"role": "assistant", "content": text}
 
-    def sample(self, trainer, contexts: list[list[int]], num_generations: int,
+    def sample(self, run: ToolContext, contexts: list[list[int]], num_generations: int,
                max_new_tokens: list[int] | int, turn: int = 0, keys: list[int] | None = None
                ) -> tuple[list[list[int]], list[list[float]] | None]:
         """num_generations turns after each context (rows context-major), at most max_new_tokens
@@ -219,113 +245,141 @@ class ToolLoop:
         chunk_seed(seed, round, keys[c], turn): keys are the contexts' places among all
         processes' (their questions for the first turn of shared prompts, seeded as single-turn
         generation; else their rollouts), so the seeds do not depend on the process count."""
-        args, tok = trainer.args, trainer.tokenizer
+        tok = run.tokenizer
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(contexts)
-        sample_contexts = getattr(trainer.backend, "sample_contexts", None)
+        sample_contexts = getattr(run.backend, "sample_contexts", None)
         if sample_contexts is not None:
-            seeds = [chunk_seed(args.seed, trainer.round_index, key, turn)
+            seeds = [chunk_seed(run.seed, run.round_index, key, turn)
                      for key in (range(len(contexts)) if keys is None else keys)]
             return sample_contexts(contexts, num_generations=num_generations, max_tokens=budgets,
-                                   seeds=seeds, round_index=trainer.round_index)
+                                   seeds=seeds, round_index=run.round_index)
         prompts = PromptBatch(*pad_token_lists(contexts, tok.pad_token_id, side="left"))
-        generator = torch.Generator(device=trainer.device).manual_seed(
-            (args.seed * 1_000_003 + trainer.run_state.step * 7919 + len(contexts)) % 2**63)
+        generator = torch.Generator(device=run.device).manual_seed(
+            (run.seed * 1_000_003 + run.step * 7919 + len(contexts)) % 2**63)
         with torch.no_grad():
             out = sample_completions(
-                trainer.policy, prompts.to(trainer.device), num_generations=num_generations,
+                run.policy, prompts.to(run.device), num_generations=num_generations,
                 max_new_tokens=max(budgets), eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                generator=generator, lean=args.lean_forward, share_prefixes=args.share_prefixes)
+                pad_token_id=tok.pad_token_id, **run.sampling.kwargs(),
+                generator=generator, lean=run.lean_forward, share_prefixes=run.share_prefixes)
         turns = [ids[mask.bool()].tolist() for ids, mask in zip(out.ids.cpu(), out.mask.cpu())]
         if isinstance(max_new_tokens, list):
             turns = [t[:n] for t, n in zip(turns, max_new_tokens)]
         return turns, None
 
     @staticmethod
-    def context_limit(trainer) -> int:
+    def context_limit(run: ToolContext) -> int:
         """Tokens a context may hold: the policy's positions, and vLLM's max_model_len (TRL)."""
-        limits = [getattr(trainer.policy.config, "max_position_embeddings", None),
-                  getattr(trainer.backend, "max_model_len", None)]
+        limits = [getattr(run.policy.config, "max_position_embeddings", None),
+                  getattr(run.backend, "max_model_len", None)]
         return min([n for n in limits if n] or [1 << 30])
 
-    def __call__(self, prompts: list, trainer, rows: list[dict] | None = None) -> dict:
-        """rows: each prompt's dataset row (environments are reset with it)."""
-        args, tok = trainer.args, trainer.tokenizer
-        g = args.num_generations
+    def __call__(self, prompts: list, run: ToolContext, rows: list[dict] | None = None) -> dict:
+        """Roll out each prompt (num_generations copies of each question's, question-major) with
+        tool calls; rows: each prompt's dataset row (environments are reset with it)."""
         if not all(isinstance(p, list) for p in prompts):
             raise ValueError("tools need conversational prompts (lists of chat messages), as in TRL")
-        tools = [self.tools] * len(prompts)
-        environments = None
-        if self.factories:   # one environment per rollout: prompts and tools differ
-            rows = rows or [{}] * len(prompts)
-            environments, names = self.environments(rows)
-            prompts = [self._reset(env, p, {k: v for k, v in row.items()
-                                            if not (self.multi and k == "environment")})
-                       for env, p, row in zip(environments, prompts, rows)]
-            tools = [self.tools + [getattr(env, n) for n in self.env_methods[name]]
-                     for env, name in zip(environments, names)]
-        by_name = [{t.__name__: t for t in ts} for ts in tools]
+        prompts, tools, environments = self._prepared(prompts, rows)
+        g = run.num_generations
         shared = environments is None   # G completions of a question share its prompt
-        rendered = [tok.apply_chat_template(p, tools=ts or None, add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-                    for p, ts in (zip(prompts[::g], tools[::g]) if shared else zip(prompts, tools))]
-        if args.max_prompt_length is not None:
-            rendered = [ids[-args.max_prompt_length:] for ids in rendered]
-        first = trainer.dist.rank * len(rendered)   # this process's first question (or rollout)
-        completions, logprobs = self.sample(trainer, rendered, g if shared else 1,
-                                            args.max_completion_length,
+        rendered = self._render(run, prompts[::g], tools[::g]) if shared else \
+            self._render(run, prompts, tools)
+        first = run.rank * len(rendered)   # this process's first question (or rollout)
+        completions, logprobs = self.sample(run, rendered, g if shared else 1,
+                                            run.max_completion_length,
                                             keys=list(range(first, first + len(rendered))))
         prompt_ids = [ids for ids in rendered for _ in range(g)] if shared else rendered
-        env_mask = [[1] * len(c) for c in completions]
+        tok = run.tokenizer
         calls = [parse_tool_calls(tok, c, prompt_ids[i], tools[i]) for i, c in enumerate(completions)]
-        messages = [[self.assistant_message(tok, c, calls[i])] for i, c in enumerate(completions)]
-        pending = [i for i, c in enumerate(calls) if c]
-        max_len = self.context_limit(trainer)
-        count = failures = rounds = 0
-        while pending and (self.max_iterations is None or rounds < self.max_iterations):
-            contexts, budgets, ready = [], [], []
-            results = {}
-            for i in pending:
-                results[i], failed = run_tool_calls(calls[i], by_name[i])
-                count, failures = count + len(calls[i]), failures + failed
-                suffix = tool_suffix_ids(tok, results[i])
-                grown = completions[i] + suffix
-                if len(grown) > args.max_completion_length or \
-                        len(prompt_ids[i]) + len(grown) >= max_len:
-                    continue   # the results would not fit: the completion ends as it is (TRL)
-                contexts.append(prompt_ids[i] + grown)
-                budgets.append(args.max_completion_length - len(grown))
-                completions[i] = grown
-                env_mask[i] += [0] * len(suffix)
-                if logprobs is not None:   # a tool's tokens: no sampler log-prob
-                    logprobs[i] += [0.0] * len(suffix)
-                messages[i] += results[i]
-                ready.append(i)
-            if not ready:
-                break
-            rounds += 1
-            first = trainer.dist.rank * len(completions)   # this process's first rollout
-            turns, turn_logprobs = self.sample(trainer, contexts, 1, budgets, turn=rounds,
-                                               keys=[first + i for i in ready])
-            for k, (i, turn) in enumerate(zip(ready, turns)):
-                completions[i] = completions[i] + turn
-                env_mask[i] += [1] * len(turn)
-                if logprobs is not None:
-                    logprobs[i] += turn_logprobs[k]
-                calls[i] = parse_tool_calls(tok, turn, contexts[k], tools[i]) \
-                    if turn else []
-                if turn:
-                    messages[i].append(self.assistant_message(tok, turn, calls[i]))
-            pending = [i for i in ready if calls[i]]
-        self.messages = messages
+        r = _Rollouts(prompt_ids, completions, logprobs, [[1] * len(c) for c in completions], calls,
+                      [[self.assistant_message(tok, c, calls[i])] for i, c in enumerate(completions)])
+        count, failures = self._run_turns(run, r, tools)
+        self.messages = r.messages
         self.metrics = {"tools/call_frequency": count / max(len(completions), 1),
                         "tools/failure_frequency": failures / count if count else 0.0}
-        out = {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs,
-               "env_mask": env_mask}
+        out = {"prompt_ids": prompt_ids, "completion_ids": r.completions, "logprobs": r.logprobs,
+               "env_mask": r.env_mask}
         if environments is not None:
             out["environments"] = list(environments)   # a reward column, as TRL passes them
         return out
+
+    def _prepared(self, prompts: list, rows: list[dict] | None) -> tuple[list, list, list | None]:
+        """The prompts (reset environments may add to them), each one's tools, and its
+        environment instance (None without environment_factory)."""
+        tools = [self.tools] * len(prompts)
+        if not self.factories:
+            return prompts, tools, None
+        rows = rows or [{}] * len(prompts)   # one environment per rollout: prompts and tools differ
+        environments, names = self.environments(rows)
+        prompts = [self._reset(env, p, {k: v for k, v in row.items()
+                                        if not (self.multi and k == "environment")})
+                   for env, p, row in zip(environments, prompts, rows)]
+        tools = [self.tools + [getattr(env, n) for n in self.env_methods[name]]
+                 for env, name in zip(environments, names)]
+        return prompts, tools, environments
+
+    @staticmethod
+    def _render(run: ToolContext, prompts: list, tools: list) -> list[list[int]]:
+        """Each prompt with its tools' schemas through the chat template, cut to max_prompt_length."""
+        rendered = [run.tokenizer.apply_chat_template(p, tools=ts or None, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False)
+                    for p, ts in zip(prompts, tools)]
+        if run.max_prompt_length is not None:
+            rendered = [ids[-run.max_prompt_length:] for ids in rendered]
+        return rendered
+
+    def _run_turns(self, run: ToolContext, r: "_Rollouts", tools: list) -> tuple[int, int]:
+        """Tool results and model turns until no turn calls a tool, max_iterations rounds have
+        run or nothing fits any more; returns the tool calls made and how many failed."""
+        by_name = [{t.__name__: t for t in ts} for ts in tools]
+        pending = [i for i, c in enumerate(r.calls) if c]
+        max_len = self.context_limit(run)
+        count = failures = rounds = 0
+        while pending and (self.max_iterations is None or rounds < self.max_iterations):
+            contexts, budgets, ready, made, failed = self._append_results(run, r, pending, by_name,
+                                                                          max_len)
+            count, failures = count + made, failures + failed
+            if not ready:
+                break
+            rounds += 1
+            first = run.rank * len(r.completions)   # this process's first rollout
+            turns, turn_logprobs = self.sample(run, contexts, 1, budgets, turn=rounds,
+                                               keys=[first + i for i in ready])
+            for k, (i, turn) in enumerate(zip(ready, turns)):
+                r.completions[i] = r.completions[i] + turn
+                r.env_mask[i] += [1] * len(turn)
+                if r.logprobs is not None:
+                    r.logprobs[i] += turn_logprobs[k]
+                r.calls[i] = parse_tool_calls(run.tokenizer, turn, contexts[k], tools[i]) if turn else []
+                if turn:
+                    r.messages[i].append(self.assistant_message(run.tokenizer, turn, r.calls[i]))
+            pending = [i for i in ready if r.calls[i]]
+        return count, failures
+
+    @staticmethod
+    def _append_results(run: ToolContext, r: "_Rollouts", pending: list[int], by_name: list[dict],
+                        max_len: int) -> tuple[list, list, list, int, int]:
+        """Run the pending completions' tool calls and append their results where they fit; returns
+        the contexts to continue, their token budgets, their completions' indices, and the calls
+        made and failed."""
+        limit = run.max_completion_length
+        contexts, budgets, ready, count, failures = [], [], [], 0, 0
+        for i in pending:
+            results, failed = run_tool_calls(r.calls[i], by_name[i])
+            count, failures = count + len(r.calls[i]), failures + failed
+            suffix = tool_suffix_ids(run.tokenizer, results)
+            grown = r.completions[i] + suffix
+            if len(grown) > limit or len(r.prompt_ids[i]) + len(grown) >= max_len:
+                continue   # the results would not fit: the completion ends as it is (TRL)
+            contexts.append(r.prompt_ids[i] + grown)
+            budgets.append(limit - len(grown))
+            r.completions[i] = grown
+            r.env_mask[i] += [0] * len(suffix)
+            if r.logprobs is not None:   # a tool's tokens: no sampler log-prob
+                r.logprobs[i] += [0.0] * len(suffix)
+            r.messages[i] += results
+            ready.append(i)
+        return contexts, budgets, ready, count, failures
 
     @staticmethod
     def _reset(environment, prompt: list[dict], row: dict) -> list[dict]:
@@ -334,3 +388,45 @@ class ToolLoop:
         if observation is None:
             return prompt
         return prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + str(observation)}]
+
+
+@dataclass
+class _Rollouts:
+    """One call's rollouts as they grow (one entry per completion): the prompt's and the
+    completion's token ids, the sampler's log-probs (None: cppo's sampler), env_mask (0 on a
+    tool's tokens), the last turn's tool calls and the chat messages."""
+
+    prompt_ids: list[list[int]]
+    completions: list[list[int]]
+    logprobs: list[list[float]] | None
+    env_mask: list[list[int]]
+    calls: list[list[dict]]
+    messages: list[list[dict]]
+
+
+def rollout_function(rollout_func, tools, environment_factory, max_iterations: int | None,
+                     two_stage_generations: int = 0):
+    """TRL's rollout_func, or cppo's tool loop for tools or an environment_factory (its turns
+    are sampled by vLLM with use_vllm, else by cppo's sampler); None: one sampled turn per
+    completion. Raises ConfigError for arguments TRL would refuse."""
+    if environment_factory is not None and not callable(environment_factory) \
+            and not isinstance(environment_factory, dict):
+        raise ConfigError(f"environment_factory is {environment_factory!r}; expected a "
+                          f"callable that returns an environment (TRL's environment_factory)")
+    if rollout_func is not None and not callable(rollout_func):
+        raise ConfigError(f"rollout_func is {rollout_func!r}; expected a function "
+                          f"(prompts, trainer) -> dict (TRL's rollout_func)")
+    if tools or environment_factory is not None:
+        if rollout_func is not None:
+            raise ConfigError("give tools (or environment_factory) or rollout_func, not both (a "
+                              "rollout function runs its own tools)")
+        try:
+            rollout_func = ToolLoop(tools or [], max_iterations,
+                                    environment_factory=environment_factory)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    if two_stage_generations and rollout_func is not None:
+        raise ConfigError(f"'two_stage_generations' is {two_stage_generations}, which "
+                          f"applies to the built-in sampler; a rollout_func, tools or an "
+                          f"environment_factory roll out whole groups: set it to 0")
+    return rollout_func

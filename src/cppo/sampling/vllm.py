@@ -18,6 +18,7 @@ from cppo.parallel.processes import drain_collective_threads, free_port
 from cppo.sampling.batches import Completions, PromptBatch, completions_from_token_lists
 from cppo.sampling.logprobs import completion_logprobs
 from cppo.sampling.sampler import chunk_seed
+from cppo.sampling.settings import SamplingSettings
 
 
 def vllm_weight_name(name: str) -> str | None:
@@ -101,13 +102,12 @@ def server_weight_metadata(model) -> list[tuple[str, str, list[int]]]:
             if (target := vllm_weight_name(name)) is not None]
 
 
-def sampling_kwargs(args) -> dict:
+def sampling_kwargs(args, sampling: SamplingSettings | None = None) -> dict:
     """vLLM SamplingParams (and TRL server) arguments for one prompt's G completions. logprobs=0
     returns the sampled token's log-prob (after the repetition penalty, temperature, top-k,
     top-p, min-p: the engine runs with logprobs_mode='processed_logprobs'), which the
-    importance-sampling correction needs."""
-    return dict(n=args.num_generations, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty,
+    importance-sampling correction needs. sampling: the run's settings (None: the config's)."""
+    return dict(n=args.num_generations, **(sampling or SamplingSettings.of(args)).vllm_kwargs(),
                 max_tokens=args.max_completion_length, logprobs=0)
 
 
@@ -278,10 +278,12 @@ class VLLMBackend:
 
     PROBE_TOKENS = 4
 
-    def __init__(self, model, tokenizer, args, vllm=None, client=None, push_weights: bool = True) -> None:
+    def __init__(self, model, tokenizer, args, vllm=None, client=None, push_weights: bool = True,
+                 sampling: SamplingSettings | None = None) -> None:
         if vllm is None and client is None:
             vllm = import_vllm()
         self.vllm, self.model, self.tokenizer, self.args = vllm, model, tokenizer, args
+        self.sampling = sampling or SamplingSettings.of(args)
         self.synced_round: int | None = None
         self.sleeping = False
         self.llm, self.client = None, client
@@ -398,7 +400,7 @@ class VLLMBackend:
             kwargs["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
         return kwargs
 
-    def _sync_weights(self, round_index: int, probe: list[int]) -> None:
+    def sync_weights(self, round_index: int, probe: list[int]) -> None:
         """Write the policy's current weights into the engine, once per round (again after a
         level-2 sleep, which drops them), in place; then check them against the policy."""
         if self.synced_round == round_index:
@@ -476,7 +478,7 @@ class VLLMBackend:
     def sampling_params(self, num_generations: int, max_tokens: list[int], seeds: list[int]) -> list:
         """One vllm.SamplingParams per request: the run's sampling settings (sampling_kwargs),
         num_generations completions of at most its max_tokens, its seed, the EOS ids."""
-        common = {**sampling_kwargs(self.args), "n": num_generations}
+        common = {**sampling_kwargs(self.args, self.sampling), "n": num_generations}
         return [self.vllm.SamplingParams(**{**common, "max_tokens": budget}, seed=seed,
                                          stop_token_ids=self.eos_ids, detokenize=False)
                 for budget, seed in zip(max_tokens, seeds)]
@@ -501,7 +503,7 @@ class VLLMBackend:
                                        for values in (contexts, max_tokens, seeds))
         if self.llm is not None:
             self.check_fits([len(c) + budget for c, budget in zip(contexts, max_tokens)])
-        self._sync_weights(round_index, probe=contexts[0])
+        self.sync_weights(round_index, probe=contexts[0])
         sample = self._engine_sample if self.llm is not None else self._server_sample
         new_ids, new_logprobs = sample(contexts, n, max_tokens, seeds)
         for k, c in enumerate(live):   # rows k * n + g of the live contexts -> c * n + g
@@ -524,7 +526,7 @@ class VLLMBackend:
                        max_tokens: list[int], seeds=None) -> tuple[list[list[int]], list[list[float]]]:
         """sample_contexts through the server (each process asks for its own contexts; the
         server seeds its own sampling)."""
-        kwargs = {**sampling_kwargs(self.args), "n": num_generations, "max_tokens": max(max_tokens)}
+        kwargs = {**sampling_kwargs(self.args, self.sampling), "n": num_generations, "max_tokens": max(max_tokens)}
         result = self.client.generate(prompts=contexts, **kwargs)
         budgets = [budget for budget in max_tokens for _ in range(num_generations)]
         outputs = [list(ids[:budget]) for ids, budget in zip(result["completion_ids"], budgets)]
@@ -541,15 +543,18 @@ class VLLMBackend:
             self.sleeping, self.synced_round = True, None
 
     @torch.no_grad()
-    def generate(self, prompts: PromptBatch, *, round_index: int, question_offset: int = 0) -> Completions:
-        """G completions per prompt (question-major), each question seeded by chunk_seed."""
+    def generate(self, prompts: PromptBatch, *, round_index: int, question_offset: int = 0,
+                 num_generations: int | None = None, stage: int = 1) -> Completions:
+        """num_generations (None: G) completions per prompt (question-major), each question
+        seeded by chunk_seed (stage 2: from its own seeds, as the built-in sampler's)."""
         args = self.args
+        round_key = round_index if stage == 1 else f"{round_index}/stage{stage}"
         token_prompts = [row[mask.bool()].tolist()
                          for row, mask in zip(prompts.ids.cpu(), prompts.mask.cpu())]
-        seeds = [chunk_seed(args.seed, round_index, question_offset + i)
+        seeds = [chunk_seed(args.seed, round_key, question_offset + i)
                  for i in range(len(token_prompts))]
         outputs, logprobs = self.sample_contexts(
-            token_prompts, num_generations=args.num_generations,
+            token_prompts, num_generations=num_generations or args.num_generations,
             max_tokens=[args.max_completion_length] * len(token_prompts), seeds=seeds,
             round_index=round_index)
         self.rest()
