@@ -65,7 +65,7 @@ def measure(name: str, model: str | None, rows, questions: int, group: int, repe
     from cppo.parallel.memory import ModelShape
     trainers = {dtype: trainer_for(model, rows, questions, group, NEW_TOKENS[name], dtype)
                 for dtype in (None, "bfloat16")}
-    batch = {dtype: t.take_questions() for dtype, t in trainers.items()}
+    batch = {dtype: t.take_questions()[0] for dtype, t in trainers.items()}
     seconds = {dtype: [] for dtype in trainers}
     for i in range(repeats + 1):                          # round 0 warms up
         for dtype, trainer in trainers.items():

@@ -79,7 +79,7 @@ def measure(name: str, model: str | None, rows, repeats: int) -> dict:
     shape = ROUNDS[name]
     trainers = {share: trainer_for(model, rows, shape["questions"], shape["group"],
                                    shape["new_tokens"], share) for share in (True, False)}
-    questions = trainers[True].take_questions()[:shape["questions"]]
+    questions = trainers[True].take_questions()[0][:shape["questions"]]
     seconds = {share: [] for share in trainers}
     decode_rows = {share: [] for share in trainers}
     completion_rows = []
@@ -99,7 +99,7 @@ def measure(name: str, model: str | None, rows, repeats: int) -> dict:
     rows_shared, rows_plain = (statistics.mean(decode_rows[s]) for s in (True, False))
     return {"model": name, "completions": shape["questions"] * shape["group"],
             "new_tokens": shape["new_tokens"],
-            "generation_dtype": trainers[True].args.generation_dtype,
+            "generation_dtype": trainers[True].generation_dtype,
             "completion_decode_rows": round(statistics.mean(completion_rows)),
             "decode_rows_shared": round(rows_shared), "decode_rows_plain": round(rows_plain),
             "rows_saved": round(1 - rows_shared / rows_plain, 3),

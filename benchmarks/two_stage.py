@@ -52,7 +52,7 @@ def round_cost(model: str | None, k: int, rounds: int) -> dict:
         out[name] = {key: round(statistics.median(r[key] for r in recs), 3) for key in recs[0]}
         out[name]["round_range"] = [round(min(r["round"] for r in recs), 2),
                                     round(max(r["round"] for r in recs), 2)]
-        out[name]["generation_dtype"] = trainers[name].args.generation_dtype   # auto, resolved
+        out[name]["generation_dtype"] = trainers[name].generation_dtype   # auto, resolved
     a, b = times.values()
     ratios = [y["round"] / x["round"] for x, y in zip(a, b)]
     out["paired round ratio"] = {"median": round(statistics.median(ratios), 3),

@@ -31,9 +31,22 @@ def test_ci_runs_the_readme_commands():
         assert plain(step) in ci, f".ci/run lacks the README's step {step!r}"
 
 
+# CPPOTrainer's parameters, in order: TRL's GRPOTrainer names (each checked against TRL's own
+# signature below), every one optional (None); TRL's optimizers and quantization_config are not taken
+TRAINER_PARAMETERS = ["model", "reward_funcs", "args", "train_dataset", "eval_dataset",
+                      "processing_class", "peft_config", "callbacks", "reward_processing_classes",
+                      "rollout_func", "tools", "environment_factory"]
+
+
 def test_public_api_is_trl_shaped():
     import inspect
     import cppo
+    assert cppo.__all__ == ["CPPOConfig", "CPPOTrainer", "__version__"]
     params = inspect.signature(cppo.CPPOTrainer).parameters
-    for name in ("model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class"):
-        assert name in params
+    assert list(params) == TRAINER_PARAMETERS
+    for name, param in params.items():
+        assert param.default is None and param.kind == param.POSITIONAL_OR_KEYWORD, name
+    trl = __import__("pytest").importorskip("trl")
+    theirs = inspect.signature(trl.GRPOTrainer).parameters
+    assert set(TRAINER_PARAMETERS) <= set(theirs)
+    assert [n for n in theirs if n in TRAINER_PARAMETERS][:6] == TRAINER_PARAMETERS[:6]   # positional

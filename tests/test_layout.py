@@ -89,6 +89,47 @@ def test_the_circle_finder_finds_one(tmp_path):
     assert cycles(import_graph(package)) == [["cppo.a", "cppo.sub.b"]]
 
 
+# The floors, bottom up: a room imports only rooms on lower floors (and itself), so no import
+# runs back up. errors imports nothing; algorithm and eca are pure; the user's modules on top.
+FLOORS = [{"errors"}, {"algorithm", "eca"}, {"models"}, {"run"}, {"parallel"}, {"sampling"},
+          {"rewards"}, {"data"}, {"config"}, {"evaluate"}, {"pretrain", "trainer"}, {"cli"},
+          {"cppo"}]
+
+
+def room(module: str) -> str:
+    """cppo.sampling.tools -> sampling; cppo.trainer -> trainer; cppo -> cppo."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_imports(graph: dict[str, set[str]], floors: list[set[str]] = FLOORS) -> list[str]:
+    """Every import of a module in another room that is not on a lower floor, as 'a -> b'."""
+    floor = {r: i for i, rooms in enumerate(floors) for r in rooms}
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if room(a) != room(b) and floor[room(a)] <= floor[room(b)])
+
+
+def test_imports_only_look_down_the_floors():
+    graph = import_graph()
+    assert {room(m) for m in graph} == set().union(*FLOORS)   # every room has its floor
+    assert upward_imports(graph) == []
+
+
+def test_the_floor_check_finds_an_upward_import(tmp_path):
+    package = tmp_path / "cppo"
+    for name in ("algorithm", "sampling"):
+        (package / name).mkdir(parents=True)
+        (package / name / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "errors.py").write_text("")
+    (package / "sampling" / "tools.py").write_text("from cppo.algorithm import loss\n")
+    (package / "algorithm" / "loss.py").write_text("def f():\n    from cppo.sampling import tools\n")
+    graph = import_graph(package)
+    assert upward_imports(graph) == ["cppo.algorithm.loss -> cppo.sampling.tools"]
+    (package / "algorithm" / "loss.py").write_text("import math\n")
+    assert upward_imports(import_graph(package)) == []
+
+
 def test_top_of_the_package_holds_what_a_user_calls():
     top = {p.stem for p in PACKAGE.glob("*.py")}
     assert top == USER_MODULES
@@ -125,14 +166,42 @@ def test_readme_layout_lists_the_package_tree():
     assert listed == tree
 
 
-def test_readme_layout_names_every_benchmark_and_doc():
-    text = "\n".join(layout_block())
-    programs = [p.name for p in (ROOT / "benchmarks").iterdir()
-                if p.suffix in (".py", ".sh") or (p.is_dir() and p.name != "results")]
-    docs = [p.stem for p in (ROOT / "docs").glob("*.md")]
-    scripts = [p.name for p in (ROOT / "scripts").glob("*.py")]
-    missing = [name for name in programs + docs + scripts if name not in text]
-    assert missing == []
+def layout_folders(lines: list[str]) -> dict[str, str]:
+    """The entries after the package tree: each top-level folder ("benchmarks/") and its
+    description, continuation lines joined."""
+    entries, name = {}, None
+    for line in lines:
+        match = re.match(r"^(\S+/)\s+(.*)$", line)
+        if match:
+            name = match.group(1)
+            entries[name] = match.group(2)
+        elif name is not None and line.startswith(" "):
+            entries[name] += " " + line.strip()
+    return entries
+
+
+def named_files(text: str) -> set[str]:
+    """The file names a description lists (not those inside another folder's path)."""
+    return set(re.findall(r"(?<![/\w])([\w-]+\.(?:py|sh))\b", text))
+
+
+def test_readme_layout_names_every_folder_benchmark_doc_and_script():
+    """After the package tree the layout lists the repository's folders, and for benchmarks/,
+    docs/ and scripts/ exactly the programs, pages and scripts there: no name missing, none
+    extra."""
+    entries = layout_folders(layout_block())
+    folders = {f"{p.name}/" for p in ROOT.iterdir()
+               if p.is_dir() and not p.name.startswith(".") and p.name != "src"}
+    assert set(entries) == folders
+    bench = ROOT / "benchmarks"
+    assert named_files(entries["benchmarks/"]) == {p.name for p in bench.iterdir()
+                                                   if p.suffix in (".py", ".sh")}
+    subfolders = {p.name for p in bench.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert {f for f in subfolders if f"{f}/" in entries["benchmarks/"]} == subfolders
+    docs = entries["docs/"].replace(",", " ").split()
+    assert sorted(docs) == sorted(p.stem for p in (ROOT / "docs").glob("*.md"))
+    assert named_files(entries["scripts/"]) == {p.name for p in (ROOT / "scripts").iterdir()
+                                                if p.suffix in (".py", ".sh")}
 
 
 def test_cppo_bench_from_an_installed_wheel_says_it_needs_a_checkout(tmp_path, monkeypatch, capsys):

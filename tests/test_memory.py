@@ -106,7 +106,7 @@ def test_trainer_uses_the_budget_for_generation_and_evaluation(tiny_model_dir, t
         chunks.append(len(prompts))
         return sample(model, prompts, **kw)
     monkeypatch.setattr(generation, "sample_completions", spy)
-    rows = trainer.take_questions()
+    rows, _, _ = trainer.take_questions()
     trainer.generate(rows)
     assert len(chunks) > 1 and sum(chunks) == len(rows) == 4
     assert max(chunks) * 8 <= trainer.batch_sizes.generation

@@ -88,6 +88,7 @@ def calculator_rollout(prompts, trainer):
 def test_calculator_rollouts_train_with_tool_tokens_out_of_the_loss(tiny_model_dir, tmp_path,
                                                                     monkeypatch, lean):
     import cppo.trainer as trainer_module
+    import cppo.algorithm.micro_batch as micro_batch
     seen_columns, rollouts, batches, loss_masks, attended = [], [], [], [], []
 
     def reward(prompts, completions, tool_calls=None, **kw):
@@ -104,7 +105,7 @@ def test_calculator_rollouts_train_with_tool_tokens_out_of_the_loss(tiny_model_d
     trainer.rollout_func = rollout
     build = trainer.build_batch
     trainer.build_batch = lambda *a, **kw: batches.append(build(*a, **kw)) or batches[-1]
-    policy_loss, logprobs = trainer_module.per_token_policy_loss, trainer_module.completion_logprobs
+    policy_loss, logprobs = micro_batch.per_token_policy_loss, trainer_module.completion_logprobs
 
     def spy_loss(*a, completion_mask=None, **kw):
         loss_masks.append(completion_mask.clone())
@@ -113,7 +114,7 @@ def test_calculator_rollouts_train_with_tool_tokens_out_of_the_loss(tiny_model_d
     def spy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, **kw):
         attended.append(completion_mask.clone())
         return logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, **kw)
-    monkeypatch.setattr(trainer_module, "per_token_policy_loss", spy_loss)
+    monkeypatch.setattr(micro_batch, "per_token_policy_loss", spy_loss)
     monkeypatch.setattr(trainer_module, "completion_logprobs", spy_logprobs)
     trainer.train()
 
@@ -343,10 +344,10 @@ def test_several_environments_are_picked_by_each_rows_environment(tool_model_dir
     script_first_turn(trainer)   # every other completion calls multiply
     scored = []
     score = trainer.score
-    trainer.score = lambda rows, completions: scored.append(rows) or score(rows, completions)
+    trainer.score = lambda rows, completions: scored.append((rows, score(rows, completions))) or scored[-1][1]
     trainer.train()
-    per_function = trainer.rewards_per_function.reshape(-1, 2)
-    environments = [r["environment"] for r in scored[0] for _ in range(4)]
+    per_function = scored[0][1].per_function.reshape(-1, 2)
+    environments = [r["environment"] for r in scored[0][0] for _ in range(4)]
     for i, env in enumerate(environments):
         calc, add = per_function[i].tolist()
         if env == "calc":   # multiply is served: the even completions compute the answer

@@ -68,10 +68,10 @@ def test_the_trainer_runs_every_objective_on_the_kept_completions_only(tiny_mode
                                                                        monkeypatch, options):
     """pruning_rate 0.5: each micro-batch's loss, entropy mask and sequence ratios see the kept
     rows only (8 of 16 scored), and entropies exist for those rows only."""
-    import cppo.trainer as trainer_module
+    import cppo.algorithm.micro_batch as micro_batch
     from helpers import make_trainer
     rows_seen, masked = [], []
-    loss, entropy_mask = trainer_module.per_token_policy_loss, trainer_module.high_entropy_mask
+    loss, entropy_mask = micro_batch.per_token_policy_loss, micro_batch.high_entropy_mask
 
     def spy_loss(logps, *a, **kw):
         rows_seen.append(logps.shape[0])
@@ -81,8 +81,8 @@ def test_the_trainer_runs_every_objective_on_the_kept_completions_only(tiny_mode
     def spy_mask(entropies, mask, q):
         masked.append((entropies.shape[0], int(mask.sum())))
         return entropy_mask(entropies, mask, q)
-    monkeypatch.setattr(trainer_module, "per_token_policy_loss", spy_loss)
-    monkeypatch.setattr(trainer_module, "high_entropy_mask", spy_mask)
+    monkeypatch.setattr(micro_batch, "per_token_policy_loss", spy_loss)
+    monkeypatch.setattr(micro_batch, "high_entropy_mask", spy_mask)
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, save_steps=0,
                            eval_num_questions=1, **options)
     trainer.train()

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import cppo.trainer as trainer_module
+
+import cppo.algorithm.micro_batch as micro_batch
 from helpers import make_trainer
 
 pytestmark = pytest.mark.cpu_paths   # two code paths compared: tests/test_cpu_paths.py
@@ -17,12 +19,12 @@ pytestmark = pytest.mark.cpu_paths   # two code paths compared: tests/test_cpu_p
 def test_bf16_first_iteration_ratio_is_one_and_kl_is_zero(tiny_model_dir, tmp_path, monkeypatch,
                                                            lean_forward, precision):
     calls = []
-    policy_loss = trainer_module.per_token_policy_loss
+    policy_loss = micro_batch.per_token_policy_loss
 
     def spy(logps, old_logps, advantages, **kw):
         calls.append((logps.detach().clone(), old_logps.clone(), kw["ref_logps"].clone()))
         return policy_loss(logps, old_logps, advantages, **kw)
-    monkeypatch.setattr(trainer_module, "per_token_policy_loss", spy)
+    monkeypatch.setattr(micro_batch, "per_token_policy_loss", spy)
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, num_iterations=2, beta=0.04,
                            **precision, lean_forward=lean_forward, per_device_train_batch_size=4,
                            gradient_accumulation_steps=2, eval_num_questions=1, save_steps=0)
@@ -37,7 +39,7 @@ def test_bf16_first_iteration_ratio_is_one_and_kl_is_zero(tiny_model_dir, tmp_pa
 
 def _one_batch(trainer):
     """One step's questions, sampled and kept whole: a batch for the passes to score."""
-    rows = trainer.take_questions()
+    rows, _, _ = trainer.take_questions()
     prompts, completions = trainer.generate(rows)
     keep = torch.ones(len(rows), trainer.args.num_generations, dtype=torch.bool)
     return trainer.build_batch(prompts, completions, torch.ones(keep.shape), keep)
@@ -71,11 +73,11 @@ def test_matmul_dtype_passes_differ_from_fp32_ones_and_reach_every_pass(tiny_mod
     batch = _one_batch(trainer)
     with torch.no_grad():
         bf16 = trainer.logprobs(trainer.policy, batch)
-        trainer.args.matmul_dtype = None
+        trainer.matmul_dtype = None
         fp32 = trainer.logprobs(trainer.policy, batch)
     assert not torch.equal(fp32, bf16)
     torch.testing.assert_close(bf16, fp32, atol=0.05, rtol=0)   # rounding, not another function
-    trainer.args.matmul_dtype = "bfloat16"
+    trainer.matmul_dtype = "bfloat16"
     asked.clear()
     trainer.training_round()
     assert len(asked) >= 2 and set(asked) == {torch.bfloat16}   # reference and policy passes

@@ -103,7 +103,9 @@ def test_cppo_train_on_gsm8k_and_math_files(tiny_dirs, data, tmp_path, arch, dat
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 2
     assert summary["skipped_data_rows"] == (2 if dataset == "gsm8k" else 1)
-    assert summary["accuracy_before"] is not None       # held-out split found and scored
+    before, = [h for h in summary["history"] if h["label"] == "before"]   # held-out split scored
+    assert summary["accuracy_before"] == before["accuracy"] and before["step"] == 0
+    assert 0 <= before["accuracy"] <= 1
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in records if "reward" in r)
     assert f"rewards/{accuracy}/mean" in step and "rewards/odd_length_reward/mean" in step

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import cppo.trainer
+import cppo.algorithm.micro_batch
 from cppo.run import checkpoint as ckpt
 from helpers import load_weights, make_trainer
 
@@ -18,12 +18,12 @@ def inject(trainer, monkeypatch, where: str, bad_steps):
         param = next(trainer.policy.parameters())
         param.register_hook(lambda g: g * math.nan if trainer.run_state.step + 1 in bad_steps else g)
     else:
-        real = cppo.trainer.reduce_loss
+        real = cppo.algorithm.micro_batch.reduce_loss
 
         def reduce_loss(*args, **kwargs):
             loss = real(*args, **kwargs)
             return loss * math.inf if trainer.run_state.step + 1 in bad_steps else loss
-        monkeypatch.setattr(cppo.trainer, "reduce_loss", reduce_loss)
+        monkeypatch.setattr(cppo.algorithm.micro_batch, "reduce_loss", reduce_loss)
 
 
 def finite(tensors) -> bool:

@@ -38,9 +38,9 @@ def _run(tiny_model_dir, path, **overrides):
     take = trainer.take_questions
 
     def recording_take():
-        rows = take()
+        rows, order, skipped = take()
         seen.append([r["prompt"] for r in rows])
-        return rows
+        return rows, order, skipped
     trainer.take_questions = recording_take
     trainer.train()
     records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]

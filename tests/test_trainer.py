@@ -160,6 +160,12 @@ def test_close_ends_the_engine_the_reward_workers_then_the_process_group(tiny_mo
 def test_update_changes_parameters_and_logs_trl_metrics(tiny_model_dir, tmp_path):
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, eval_steps=1)
     before = [p.detach().clone() for p in trainer.policy.parameters()]
+    from cppo.evaluate import evaluate
+    initial = evaluate(trainer.policy, trainer.tokenizer, trainer.task.eval_rows,
+                       trainer.task.scoring_reward(trainer.rewards.funcs[0]), k=0,
+                       max_new_tokens=trainer.args.max_completion_length,
+                       max_prompt_length=trainer.args.max_prompt_length, progress=False,
+                       batch_size=trainer.batch_sizes.evaluation)
     summary = trainer.train()
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
     run = tmp_path / "run"
@@ -174,8 +180,13 @@ def test_update_changes_parameters_and_logs_trl_metrics(tiny_model_dir, tmp_path
         assert key in step, key
     assert step["cppo/mean_abs_advantage_kept"] >= step["cppo/mean_abs_advantage_pruned"]
     assert (run / "reward.png").is_file() and (run / "accuracy.png").is_file()
-    assert (run / "summary.json").is_file() and summary["accuracy_before"] is not None
-    assert len(summary["history"]) == 3   # before, step 1, step 2
+    assert json.loads((run / "summary.json").read_text())["accuracy_before"] == summary["accuracy_before"]
+    # before: the untrained policy's greedy accuracy; after: the last evaluation's (step 2)
+    assert summary["accuracy_before"] == initial.greedy_accuracy
+    assert [(h["label"], h["step"]) for h in summary["history"]] == [("before", 0), ("step 1", 1),
+                                                                     ("step 2", 2)]
+    assert summary["accuracy_before"] == summary["history"][0]["accuracy"]
+    assert summary["accuracy_after"] == summary["history"][-1]["accuracy"]
 
 
 @pytest.mark.parametrize("reward, message", [
@@ -223,7 +234,7 @@ def test_auto_generation_dtype_samples_from_a_bfloat16_copy_only_where_bfloat16_
     monkeypatch.setattr(hardware, "cpu_has_fast_dtype", lambda dtype: fast)
     monkeypatch.setattr(hardware, "BF16_MIN_DECODE_MULTIPLY_ADDS", 0)   # any decode step pays
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", generation_dtype="auto", max_steps=1)
-    assert trainer.args.generation_dtype == ("bfloat16" if fast else None)
+    assert trainer.generation_dtype == ("bfloat16" if fast else None)
     # a bfloat16 sampler records its own log-probs, which the loss corrects with
     assert (trainer.generate(ROWS[:2])[1].logprobs is not None) == fast
     said = capsys.readouterr().out
@@ -240,12 +251,12 @@ def test_auto_generation_dtype_keeps_the_policys_dtype_where_no_copy_can_sample(
     if importlib.util.find_spec("vllm") is not None:   # use_vllm's config check needs vLLM
         assert CPPOConfig(use_vllm=True, vllm_enable_sleep_mode=False).generation_dtype == "auto"
     no_lean = make_trainer(tiny_model_dir, tmp_path / "a", lean_forward=False, max_steps=1)
-    assert no_lean.args.generation_dtype is None
+    assert no_lean.generation_dtype is None
     tools = CPPOTrainer(model=load_model(tiny_model_dir), processing_class=load_tokenizer(tiny_model_dir),
                         reward_funcs=[odd_length_reward], train_dataset=ROWS, tools=[multiply],
                         args=CPPOConfig(output_dir=str(tmp_path / "b"), max_steps=1, num_generations=4,
                                         per_device_train_batch_size=8, max_completion_length=5))
-    assert tools.args.generation_dtype is None   # the tool loop samples with the policy itself
+    assert tools.generation_dtype is None   # the tool loop samples with the policy itself
     assert hardware.auto_generation_dtype(torch.bfloat16, "cpu", True) is None
     assert hardware.auto_generation_dtype(torch.float32, "cpu", True) == "bfloat16"
 
@@ -257,15 +268,15 @@ def test_auto_generation_dtype_keeps_float32_where_a_cpu_decode_step_is_too_smal
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", generation_dtype="auto", max_steps=1)
     # the work of one decode step: 4 questions x G = 4 rows x every Linear's weights (lm_head too)
     linear = sum(m.weight.numel() for m in trainer.policy.modules() if isinstance(m, torch.nn.Linear))
-    assert trainer._decode_multiply_adds() == 16 * linear
-    assert trainer._decode_multiply_adds() < hardware.BF16_MIN_DECODE_MULTIPLY_ADDS
+    assert 16 * linear < hardware.BF16_MIN_DECODE_MULTIPLY_ADDS
     said = capsys.readouterr().out
-    assert trainer.args.generation_dtype is None and "auto -> bfloat16" not in said
+    assert trainer.generation_dtype is None and "auto -> bfloat16" not in said
     assert said.count(f"generation_dtype: auto -> float32: a decode step here ({16 * linear:.1e} "
                       f"multiply-adds) is too small") == 1
-    chunked = make_trainer(tiny_model_dir, tmp_path / "chunked", generation_dtype="auto",
-                           max_steps=1, generation_chunk_size=8)
-    assert chunked._decode_multiply_adds() == 8 * linear   # a chunk is what decodes together
+    make_trainer(tiny_model_dir, tmp_path / "chunked", generation_dtype="auto",
+                 max_steps=1, generation_chunk_size=8)
+    said = capsys.readouterr().out   # a chunk is what decodes together
+    assert said.count(f"a decode step here ({8 * linear:.1e} multiply-adds)") == 1
     limit = hardware.BF16_MIN_DECODE_MULTIPLY_ADDS
     assert hardware.auto_generation_dtype(torch.float32, "cpu", True, limit) == "bfloat16"
     assert hardware.auto_generation_dtype(torch.float32, "cpu", True, limit - 1) is None
@@ -281,26 +292,26 @@ def test_auto_matmul_dtype_is_bfloat16_only_where_fast_and_a_micro_batch_is_larg
     from cppo.parallel import hardware
     monkeypatch.setattr(hardware, "cpu_has_fast_dtype", lambda dtype: fast)
     small = make_trainer(tiny_model_dir, tmp_path / "small", matmul_dtype="auto", max_steps=1)
-    assert small.args.matmul_dtype is None   # 8 completions x 5 tokens: too little work to pay
+    assert small.matmul_dtype is None   # 8 completions x 5 tokens: too little work to pay
     monkeypatch.setattr(hardware, "BF16_MIN_DECODE_MULTIPLY_ADDS", 0)
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", matmul_dtype="auto", max_steps=1)
-    assert trainer.args.matmul_dtype == ("bfloat16" if fast else None)
+    assert trainer.matmul_dtype == ("bfloat16" if fast else None)
     said = capsys.readouterr().out
     assert said.count("matmul_dtype: auto -> bfloat16") == (1 if fast else 0)
     # not with bf16 autocast, nor where the lean forward does not run the passes
     assert make_trainer(tiny_model_dir, tmp_path / "b", matmul_dtype="auto", bf16=True,
-                        max_steps=1).args.matmul_dtype is None
+                        max_steps=1).matmul_dtype is None
     assert make_trainer(tiny_model_dir, tmp_path / "c", matmul_dtype="auto", lean_forward=False,
-                        max_steps=1).args.matmul_dtype is None
+                        max_steps=1).matmul_dtype is None
     linear = sum(m.weight.numel() for m in trainer.policy.modules() if isinstance(m, torch.nn.Linear))
     work = 8 * 5 * linear   # per_device_train_batch_size x max_completion_length x per token
     monkeypatch.setattr(hardware, "cpu_has_fast_dtype", lambda dtype: True)
     monkeypatch.setattr(hardware, "BF16_MIN_DECODE_MULTIPLY_ADDS", work)
     assert make_trainer(tiny_model_dir, tmp_path / "d", matmul_dtype="auto",
-                        max_steps=1).args.matmul_dtype == "bfloat16"
+                        max_steps=1).matmul_dtype == "bfloat16"
     monkeypatch.setattr(hardware, "BF16_MIN_DECODE_MULTIPLY_ADDS", work + 1)
     assert make_trainer(tiny_model_dir, tmp_path / "e", matmul_dtype="auto",
-                        max_steps=1).args.matmul_dtype is None
+                        max_steps=1).matmul_dtype is None
     assert hardware.auto_matmul_dtype(torch.bfloat16, "cpu", True, math.inf) is None
     assert hardware.auto_matmul_dtype(torch.float32, "cpu", False, math.inf) is None
 
@@ -331,14 +342,14 @@ def test_ctrl_c_after_the_last_step_still_completes_cleanly(tiny_model_dir, tmp_
     ends 'completed' with its final checkpoint and summary (CI once caught it mid-import)."""
     import os
     import signal
-    import cppo.trainer as trainer_module
+    import cppo.run.summary as summary_module
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2)
-    original = trainer_module.write_plots
+    original = summary_module.write_plots
 
     def interrupted_plots(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
         return original(*args, **kwargs)
-    monkeypatch.setattr(trainer_module, "write_plots", interrupted_plots)
+    monkeypatch.setattr(summary_module, "write_plots", interrupted_plots)
     # what was there before (Python's default, or SIG_IGN when started in a shell's background)
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     summary = trainer.train()
@@ -441,14 +452,18 @@ def test_num_generations_eval_samples_and_scores_the_held_out_questions(tiny_mod
 
 def test_adaptive_entropy_coefficient_is_logged_and_checkpointed(tiny_model_dir, tmp_path):
     """Every step's entropy is below a target of 100 nats: the coefficient rises by delta per
-    optimizer step (logged as TRL's entropy_coef) and the checkpoint carries it for a resume."""
+    optimizer step (logged as TRL's entropy_coef) and the checkpoint carries it and the last
+    step's entropy (with top_entropy_quantile 1, the logged one) for a resume."""
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, use_adaptive_entropy=True,
                            entropy_coef=0.0, entropy_coef_delta=0.25, entropy_target=100.0)
     trainer.train()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["entropy_coef"] for r in records if "entropy_coef" in r] == [0.25, 0.5]
     state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
-    assert state["entropy_coef"] == 0.5 and 0 < state["last_world_entropy"] <= 100
+    last = [r["entropy"] for r in records if "entropy_coef" in r][-1]
+    assert state["entropy_coef"] == 0.5
+    assert state["last_world_entropy"] == pytest.approx(last, abs=1e-5)
+    assert 0 < state["last_world_entropy"] <= math.log(trainer.policy.config.vocab_size)
 
 
 def test_adaptive_entropy_control_measures_the_whole_step(tiny_model_dir, tmp_path):

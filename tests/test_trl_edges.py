@@ -44,16 +44,16 @@ def test_bnpo_divides_by_the_micro_batch_tokens_and_the_accumulation_steps():
 
 def test_trainer_passes_the_accumulation_steps_to_bnpo(tiny_model_dir, tmp_path, monkeypatch):
     """Two micro-batches per update: each bnpo micro-loss is its own token mean / 2."""
-    import cppo.trainer as trainer_module
+    import cppo.algorithm.micro_batch as micro_batch
     from helpers import make_trainer
     seen = []
-    reduce = trainer_module.reduce_loss
+    reduce = micro_batch.reduce_loss
 
     def spy(per_token, mask, loss_type, **kw):
         seen.append((reduce(per_token, mask, loss_type, **kw).item(),
                      reduce(per_token, mask, "bnpo", max_completion_length=5).item()))
         return reduce(per_token, mask, loss_type, **kw)
-    monkeypatch.setattr(trainer_module, "reduce_loss", spy)
+    monkeypatch.setattr(micro_batch, "reduce_loss", spy)
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=1, loss_type="bnpo",
                            per_device_train_batch_size=4, gradient_accumulation_steps=2,
                            pruning_rate=0.0, eval_num_questions=1, save_steps=0)
@@ -80,10 +80,10 @@ def test_trainer_does_not_weight_the_kl_term(tiny_model_dir, tmp_path, monkeypat
     """With a bfloat16 sampler (importance weights) and beta > 0, the per-token loss the trainer
     reduces is exactly the one per_token_policy_loss returned (weights applied inside, on the
     policy term only), not that loss multiplied by the weights afterwards."""
-    import cppo.trainer as trainer_module
+    import cppo.algorithm.micro_batch as micro_batch
     from helpers import make_trainer
     made, reduced = [], []
-    policy_loss, reduce = trainer_module.per_token_policy_loss, trainer_module.reduce_loss
+    policy_loss, reduce = micro_batch.per_token_policy_loss, micro_batch.reduce_loss
 
     def spy_policy(*args, **kw):
         out = policy_loss(*args, **kw)
@@ -93,8 +93,8 @@ def test_trainer_does_not_weight_the_kl_term(tiny_model_dir, tmp_path, monkeypat
     def spy_reduce(per_token, *args, **kw):
         reduced.append(per_token.detach().clone())
         return reduce(per_token, *args, **kw)
-    monkeypatch.setattr(trainer_module, "per_token_policy_loss", spy_policy)
-    monkeypatch.setattr(trainer_module, "reduce_loss", spy_reduce)
+    monkeypatch.setattr(micro_batch, "per_token_policy_loss", spy_policy)
+    monkeypatch.setattr(micro_batch, "reduce_loss", spy_reduce)
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=1, beta=0.1,
                            generation_dtype="bfloat16", eval_num_questions=1, save_steps=0)
     trainer.train()
@@ -115,7 +115,7 @@ def test_rewards_receive_unpadded_completion_ids(tiny_model_dir, tmp_path):
         return [float(len(c) % 2) for c in completion_ids]
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", reward=length_of_ids, max_steps=1,
                            max_completion_length=6, eval_num_questions=1, save_steps=0)
-    rows = trainer.take_questions()
+    rows, _, _ = trainer.take_questions()
     _, completions = trainer.generate(rows)
     calls.clear()
     trainer.score(rows, completions)

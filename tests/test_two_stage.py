@@ -63,10 +63,10 @@ def test_trainer_drops_questions_after_the_first_stage(tiny_model_dir, tmp_path)
         calls.append((len(prompts), kw.get("num_generations"), out))
         return out
 
-    def spy_score(rows, completions, group_size=None, log=True):
-        out = score(rows, completions, group_size=group_size, log=log)
-        if not log:
-            firsts.append(([r["prompt"] for r in rows], out[0]))
+    def spy_score(rows, completions, group_size=None):
+        out = score(rows, completions, group_size=group_size)
+        if group_size == k:   # the first stage's k completions per question
+            firsts.append(([r["prompt"] for r in rows], out.rewards))
         return out
 
     def spy_two_stage(rows):
@@ -80,7 +80,7 @@ def test_trainer_drops_questions_after_the_first_stage(tiny_model_dir, tmp_path)
     records = [r for r in records if "cppo/two_stage_dropped" in r]
     assert len(results) == 8 and len(calls) == 16
     total_dropped = 0
-    for step, ((prompts, first_rewards), (asked, kept_rows, _, completions)) in enumerate(
+    for step, ((prompts, first_rewards), (asked, kept_rows, _, completions, _)) in enumerate(
             zip(firsts, results)):
         assert calls[2 * step][:2] == (4, k) and calls[2 * step + 1][1] == G - k
         first = calls[2 * step][2]

@@ -477,6 +477,8 @@ def test_environments_with_vllm_sample_each_rollout_on_its_own(tool_engine, tmp_
     trainer = vllm_tool_trainer(tool_engine, tmp_path, monkeypatch, [], 1,
                                 environment_factory=CalculatorEnv)
     calls = script_first_turn(trainer)
+    scored, score = [], trainer.score
+    trainer.score = lambda *a, **kw: scored.append(score(*a, **kw)) or scored[-1]
     with weights_put_back(tool_engine):
         trainer.train()
     assert calls == [16, 8] and len(trainer.pushes) == 1
@@ -485,7 +487,7 @@ def test_environments_with_vllm_sample_each_rollout_on_its_own(tool_engine, tmp_
     assert "(a calculator is available)" in trainer.tokenizer.decode(prompts.ids[0])
     sampled = [tuple(completions.ids[i][completions.mask[i].bool()].tolist()) for i in (1, 3)]
     assert sampled[0] != sampled[1]          # one question's rollouts, each with its own seed
-    env_rewards = trainer.rewards_per_function[..., 0].flatten().tolist()
+    env_rewards = scored[0].per_function[..., 0].flatten().tolist()
     assert env_rewards == [1.0, 0.0] * 8     # the written calls computed the answers
 
 

@@ -34,7 +34,7 @@ def _correct(reward_fn, rows, completions, tokenizer, num_generations: int) -> t
     """(Q, num_generations) bool: reward >= 1 means correct. The reward is called as in training (TRL's
     signature): chat-message completions for chat prompts, unpadded completion_ids."""
     from cppo.rewards.runner import RewardRunner
-    _, scores, _ = RewardRunner([reward_fn]).score(tokenizer, rows, completions, num_generations)
+    scores = RewardRunner([reward_fn]).score(tokenizer, rows, completions, num_generations).per_function
     return (scores[:, 0] >= 1.0).view(len(rows), num_generations)   # NaN (None: does not apply) is wrong
 
 
@@ -99,7 +99,6 @@ def sampled_metrics(policy, tokenizer, rows: list[dict], rewards, prompts, *, nu
             share_prefixes=share_prefixes)
     finally:
         policy.train(was_training)
-    _, per_function, combined = rewards.score(tokenizer, rows, completions, num_generations)
-    return {**reward_stats(combined.view(len(rows), num_generations), scale_rewards),
-            **rewards.means(per_function),
+    scores = rewards.score(tokenizer, rows, completions, num_generations)
+    return {**reward_stats(scores.rewards, scale_rewards), **scores.means,
             **length_metrics(completions.lengths.float(), completions.truncated)}

@@ -18,23 +18,21 @@ import math
 import signal
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 
-from cppo.algorithm import (adapted_entropy_coef, applied_entropy_coef, group_advantages,
-                            mix_into_reference, normalized_reward_sum, recompute_advantages_on_kept,
-                            select_completions, select_global)
+from cppo.algorithm import (adapted_entropy_coef, applied_entropy_coef, mix_into_reference,
+                            recompute_advantages_on_kept)
+from cppo.algorithm.advantages import round_advantages
 from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, add_micro_batch, empty_sums,
                                         entropy_bonus_on, micro_batch_loss, step_metrics)
-from cppo.algorithm.selection import GLOBAL_SCOPE, local_scope, rule_traits
+from cppo.algorithm.selection import GLOBAL_SCOPE, round_keep_mask, rule_traits
 from cppo.algorithm.two_stage import completions_to_keep
 from cppo.config import CPPOConfig
 from cppo.config.checks import check_generation_batch_size
-from cppo.data.questions import SKIP_DRAW_LIMIT, QuestionStream, draw_skipping, next_streaks
+from cppo.data.questions import QuestionStream, draw_skipping, next_streaks
 from cppo.data.sources import TaskData, TaskSource, load_task, user_task
 from cppo.errors import CallbackError, ConfigError
 from cppo.evaluate import evaluate, sampled_metrics
@@ -43,14 +41,15 @@ from cppo.parallel.engines import Engine, check_layout, pad_rows, resolve_strate
 from cppo.parallel.hardware import run_dtypes, warn_slow_precision
 from cppo.parallel.memory import check_batch_settings, device_memory_bytes, plan_for_run
 from cppo.parallel.processes import Distributed, launcher_restarts
-from cppo.rewards.runner import RewardRunner, reward_sources
+from cppo.rewards.runner import RewardRunner, Scores, reward_sources
 from cppo.run import checkpoint as ckpt
 from cppo.run.batch import StepBatch, kept_batch
 from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
-from cppo.run.metrics import round_counts, round_metrics
+from cppo.run.metrics import Round, crossed, round_counts, round_metrics
+from cppo.run.signals import EXIT_CODES, stop_handlers, stop_request
 from cppo.run.saving import checkpoint_to_resume, load_run, save_run
-from cppo.run.summary import format_summary, run_summary, write_summary
+from cppo.run.summary import run_summary, write_summary
 from cppo.run.tracking import MetricsLog, MetricsWindow, PhaseTimer, check_report_to
 from cppo.sampling.backends import make_backend, speculation_slots
 from cppo.sampling.batches import Completions, PromptBatch
@@ -60,36 +59,7 @@ from cppo.sampling.sampler import chunk_seed, prompts_length
 from cppo.sampling.settings import SamplingSettings
 from cppo.sampling.tools import ToolContext, ToolLoop, rollout_function
 from cppo.sampling.vllm import vllm_engine_bytes
-
-__all__ = ["CPPOTrainer", "EXIT_CODES", "QuestionStream", "SKIP_DRAW_LIMIT", "format_summary",
-           "make_adamw", "train"]
-
-
-class Scores(NamedTuple):
-    """A round's rewards (Q, G) (the weighted sum), per function (N, F), the functions' means and
-    the completions' texts."""
-    rewards: torch.Tensor
-    per_function: torch.Tensor
-    means: dict
-    texts: list[str]
-
-
-@dataclass
-class Round:
-    """One round's values, stage by stage: this process's questions (two_stage: the continued
-    ones), their indices in the stream (all processes'), the questions passed over
-    (skip_zero_variance_prompts; None: off), prompts and completions, two_stage_generations'
-    counts (None: off), scores, advantages and keep_mask (Q, G), and the kept batch."""
-    rows: list[dict]
-    order: list[int]
-    skipped_prompts: int | None
-    prompts: PromptBatch
-    completions: Completions
-    two_stage: dict | None
-    scores: Scores
-    advantages: torch.Tensor
-    keep_mask: torch.Tensor
-    batch: StepBatch
+__all__ = ["CPPOTrainer", "EXIT_CODES", "make_adamw", "train"]   # EXIT_CODES: for cppo.cli
 
 
 class CPPOTrainer:
@@ -285,26 +255,18 @@ class CPPOTrainer:
                            self.dist.rank, self.round_index, self.run_state.step)
 
     def score(self, rows: list[dict], completions: Completions, group_size: int | None = None) -> Scores:
-        """Rewards of the weighted reward functions (cppo.rewards.runner): (Q, G) with G =
-        group_size (None: num_generations), per function, their means and the texts."""
-        group = group_size or self.args.num_generations
-        texts, per_function, rewards = self.rewards.score(
-            self.tokenizer, rows, completions, group, extra_columns=completions.columns,
-            messages=getattr(self.rollout_func, "messages", None))
-        return Scores(rewards.view(len(rows), group), per_function, self.rewards.means(per_function),
-                      texts)
+        """Rewards (Q, G) of the weighted reward functions, G = group_size (None: num_generations),
+        per function, their means and the texts (cppo.rewards.runner)."""
+        return self.rewards.score(self.tokenizer, rows, completions,
+                                  group_size or self.args.num_generations,
+                                  extra_columns=completions.columns,
+                                  messages=getattr(self.rollout_func, "messages", None))
 
     def advantages(self, scores: Scores) -> torch.Tensor:
-        """(Q, G): group-relative advantages of the summed rewards, or, with
-        multi_objective_aggregation normalize_then_sum, of the per-function normalised sums
-        (normalised over the whole batch, every process's)."""
-        rewards = scores.rewards
-        if self.args.multi_objective_aggregation == "normalize_then_sum":
-            summed = normalized_reward_sum(scores.per_function.view(*rewards.shape, -1),
-                                           self.rewards.weights)
-            return group_advantages(summed, "batch", batch_rewards=self.dist.gather(summed))
-        return group_advantages(rewards, self.args.scale_rewards,
-                                batch_rewards=self.dist.gather(rewards))
+        """(Q, G) advantages, normalised with every process's rewards (cppo.algorithm)."""
+        return round_advantages(scores.rewards, scores.per_function, self.rewards.weights,
+                                aggregation=self.args.multi_objective_aggregation,
+                                scale_rewards=self.args.scale_rewards, gather=self.dist.gather)
 
     def select(self, advantages: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
         """keep_mask (Q, G): which completions go on to the forward passes. selection_rule
@@ -313,18 +275,12 @@ class CPPOTrainer:
         args = self.args
         if args.pruning_rate == 0:
             return torch.ones_like(advantages, dtype=torch.bool)
-        num_keep = completions_to_keep(self.plan, advantages.shape[0], args.num_generations)
         key = -1 if args.selection_scope == GLOBAL_SCOPE else -1 - self.dist.rank
-        generator = torch.Generator().manual_seed(chunk_seed(args.seed, self.round_index, key))
-        if args.selection_scope == GLOBAL_SCOPE and self.dist.world_size > 1:
-            q, rank = advantages.shape[0], self.dist.rank
-            return select_global(self.dist.gather(advantages), self.dist.gather(rewards),
-                                 num_keep=num_keep * self.dist.world_size,
-                                 rows=slice(rank * q, (rank + 1) * q), rule=args.selection_rule,
-                                 generator=generator)
-        return select_completions(advantages, rewards, num_keep=num_keep,
-                                  scope=local_scope(args.selection_scope), rule=args.selection_rule,
-                                  generator=generator)
+        return round_keep_mask(
+            advantages, rewards, rule=args.selection_rule, scope=args.selection_scope,
+            num_keep=completions_to_keep(self.plan, advantages.shape[0], args.num_generations),
+            generator=torch.Generator().manual_seed(chunk_seed(args.seed, self.round_index, key)),
+            rank=self.dist.rank, world_size=self.dist.world_size, gather=self.dist.gather)
 
     def build_batch(self, prompts: PromptBatch, completions: Completions, advantages: torch.Tensor,
                     keep_mask: torch.Tensor) -> StepBatch:
@@ -336,20 +292,14 @@ class CPPOTrainer:
 
     def step_metrics(self, done: Round) -> dict:
         """The round's metrics (cppo.run.metrics), rewards over every process's."""
-        args = self.args
-        return round_metrics(
-            questions=len(done.rows), all_rewards=self.dist.gather(done.scores.rewards),
-            reward_means=done.scores.means, advantages=done.advantages, keep_mask=done.keep_mask,
-            completions=done.completions, scale_rewards=args.scale_rewards,
-            num_generations=args.num_generations, skipped_prompts=done.skipped_prompts,
-            two_stage=done.two_stage, two_stage_k=args.two_stage_generations)
+        return round_metrics(done, self.dist.gather(done.scores.rewards),
+                             scale_rewards=self.args.scale_rewards,
+                             num_generations=self.args.num_generations,
+                             two_stage_k=self.args.two_stage_generations)
 
     def _count(self, done: Round) -> None:
         """Add the round to the run counters (num_tokens: every process's)."""
-        counts = round_counts(questions=len(done.rows), scored=done.scores.rewards.numel(),
-                              completions=done.completions, prompts=done.prompts,
-                              num_generations=self.args.num_generations,
-                              skipped_prompts=done.skipped_prompts, two_stage=done.two_stage,
+        counts = round_counts(done, num_generations=self.args.num_generations,
                               two_stage_k=self.args.two_stage_generations)
         counts["num_tokens"] = int(self.dist.sum(counts["num_tokens"]))
         for key, value in counts.items():
@@ -505,16 +455,10 @@ class CPPOTrainer:
         if not self.run_state.history:
             with self.engine.gathered():   # fsdp: every process gathers, rank 0 evaluates
                 self._evaluate(log, start_wall, label="before")
-        # Ctrl-C (SIGINT) or a scheduler's SIGTERM from here to the end only asks to stop: the
-        # loop finishes its step, and the final checkpoint, evaluation and summary always
-        # complete (a second signal aborts)
-        previous = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS} \
-            if _in_main_thread() else {}
-        try:
-            return self._train_loop(log, resumed_from, start_wall)
+        try:   # a signal from here to the end only asks to stop (cppo.run.signals)
+            with stop_handlers(self._request_stop):
+                return self._train_loop(log, resumed_from, start_wall)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             if log is not None:
                 log.close()   # also on an error: tracker writers flushed and stopped
 
@@ -573,25 +517,11 @@ class CPPOTrainer:
         return "completed"
 
     def _crossed(self, every: int) -> bool:
-        """True when the last round crossed a multiple of `every` optimizer steps."""
-        before = (self.run_state.step - 1) // self.args.num_iterations * self.args.num_iterations  # round start
-        return self.run_state.step // every > before // every
+        return crossed(self.run_state.step, every, self.args.num_iterations)
 
     def _request_stop(self, signum, frame) -> None:
-        """SIGINT / SIGTERM handler: remember the signal; the loop stops after this step. A
-        second Ctrl-C stops at once, without saving; a repeated SIGTERM changes nothing (SLURM
-        signals every process of a job step, and torchrun passes its own SIGTERM on again)."""
-        if self.stop_requested:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            return
-        self.stop_requested = signum
-        if signum == signal.SIGINT:
-            print("\nCtrl-C: finishing this step, saving a checkpoint and exiting "
-                  "(press again to abort without saving)", flush=True)
-        else:
-            print("\nSIGTERM: finishing this step, saving a checkpoint and exiting with code "
-                  f"{EXIT_CODES['terminated']}", flush=True)
+        """SIGINT / SIGTERM handler: the loop stops after this step (cppo.run.signals)."""
+        self.stop_requested = stop_request(self.stop_requested, signum)
 
     def _postfix(self, metrics: dict) -> dict:
         post = {"reward": f"{metrics.get('reward', 0):.3f}",
@@ -748,19 +678,6 @@ def make_adamw(parameters: list, args: CPPOConfig) -> torch.optim.AdamW:
         except (RuntimeError, ValueError):
             pass
     return torch.optim.AdamW(parameters, **kwargs)
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-# `cppo train`'s exit code for each end of a run (summary["status"]); 143 = 128 + SIGTERM, the
-# shell's code for a terminated process, so a scheduler sees a preempted run as not finished
-EXIT_CODES = {"completed": 0, "interrupted": 0, "stopped_by_callback": 0,
-              "stopped_nonfinite": 1, "terminated": 143}
-
-
-def _in_main_thread() -> bool:
-    import threading
-    return threading.current_thread() is threading.main_thread()
 
 
 def train(cfg: CPPOConfig) -> dict:

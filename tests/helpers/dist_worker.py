@@ -128,9 +128,9 @@ def run(spec: dict) -> dict:
     round_ = trainer.training_round
 
     def record():
-        rows = take()
+        rows, order, skipped = take()
         drawn.append([r["prompt"] for r in rows])
-        return rows
+        return rows, order, skipped
 
     def maybe_raise():
         if spec.get("raise_at_step") == [rank, trainer.run_state.step]:

@@ -184,6 +184,7 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
 def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
              two_rewards=False, tool_mask=False, adam_epsilon=ADAM_EPSILON, **options) -> Record:
     import cppo.trainer as trainer_module
+    import cppo.algorithm.micro_batch as micro_batch
     from cppo.config import CPPOConfig
     from cppo.models import load_model, load_tokenizer
     from cppo.sampling.padding import pad_token_lists
@@ -204,7 +205,8 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
         model=load_model(model_dir, torch_dtype=str(DTYPE).removeprefix("torch.")),
         processing_class=tokenizer, reward_funcs=feed.functions(two_rewards), args=args, train_dataset=[{"prompt": p} for p in PROMPTS])
     order = iter(range(len(PROMPTS)))
-    trainer.take_questions = lambda: [{"prompt": PROMPTS[next(order)]} for _ in range(Q)]
+    trainer.take_questions = lambda: ([{"prompt": PROMPTS[next(order)]} for _ in range(Q)],
+                                      list(range(Q)), None)
 
     def fake_generate(rows):
         rnd = feed.next()
@@ -234,14 +236,14 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
         record.old_logps.append(_clone(batch.old_logps))
         record.ref_logps.append(_clone(batch.ref_logps))
     trainer.build_batch, trainer.fill_old_and_ref_logprobs = spy_build, spy_fill
-    _after_each_call(monkeypatch, trainer_module, "reduce_loss",
+    _after_each_call(monkeypatch, micro_batch, "reduce_loss",
                      lambda loss: record.losses.append(loss.item()))
-    _after_each_call(monkeypatch, trainer_module, "sampler_importance_weights",
+    _after_each_call(monkeypatch, micro_batch, "sampler_importance_weights",
                      lambda weights: record.sampler_weights.append(weights.clone()))
 
     def bonus_out_of_the_loss(value):   # the loss TRL returns includes the entropy bonus
         record.losses[-1] -= trainer.entropy_coef_now() * value.item()   # adaptive: gated
-    _after_each_call(monkeypatch, trainer_module, "entropy_bonus", bonus_out_of_the_loss)
+    _after_each_call(monkeypatch, micro_batch, "entropy_bonus", bonus_out_of_the_loss)
     step = trainer.optimizer.step
 
     def spy_step(*a, **kw):

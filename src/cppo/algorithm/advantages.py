@@ -185,3 +185,14 @@ def normalized_reward_sum(per_function: Tensor, weights: Tensor | None = None,
         weights = torch.ones(per_function.shape[2], dtype=per_function.dtype)
     weighted = torch.where(applies, normalized * weights.to(per_function), torch.zeros_like(values))
     return weighted.sum(2).masked_fill(~applies.any(2), float("nan"))
+
+
+def round_advantages(rewards: Tensor, per_function: Tensor, weights: Tensor | None, *,
+                     aggregation: str, scale_rewards: str, gather) -> Tensor:
+    """(Q, G): group-relative advantages of the summed rewards (Q, G), or, with the
+    normalize_then_sum aggregation, of the per-function (N, F) normalised sums (normalised over
+    the whole batch: `gather` collects every process's (Q, G))."""
+    if aggregation == "normalize_then_sum":
+        summed = normalized_reward_sum(per_function.view(*rewards.shape, -1), weights)
+        return group_advantages(summed, "batch", batch_rewards=gather(summed))
+    return group_advantages(rewards, scale_rewards, batch_rewards=gather(rewards))

@@ -71,24 +71,13 @@ def gamma_weights(advantages: Tensor, log_ratio: Tensor, completion_mask: Tensor
 
 
 def per_token_policy_loss(
-    logps: Tensor,
-    old_logps: Tensor | None,
-    advantages: Tensor,
-    *,
-    epsilon_low: float,
-    epsilon_high: float,
-    beta: float = 0.0,
-    ref_logps: Tensor | None = None,
-    sampling_weights: Tensor | None = None,
-    loss_type: str = "dapo",
-    importance_sampling_level: str = "token",
-    completion_mask: Tensor | None = None,
-    delta: float | None = None,
-    use_bias_correction_kl: bool = True,
-    policy_mask: Tensor | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo: dict | None = None,
+    logps: Tensor, old_logps: Tensor | None, advantages: Tensor, *, epsilon_low: float,
+    epsilon_high: float, beta: float = 0.0, ref_logps: Tensor | None = None,
+    sampling_weights: Tensor | None = None, loss_type: str = "dapo",
+    importance_sampling_level: str = "token", completion_mask: Tensor | None = None,
+    delta: float | None = None, use_bias_correction_kl: bool = True,
+    policy_mask: Tensor | None = None, sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05, vespo: dict | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token loss (N, T) = policy term * policy_mask * sampling_weights + beta * KL_k3 (* rho).
 
@@ -108,6 +97,41 @@ def per_token_policy_loss(
     A < 0), is_high_clipped (rho > 1 + eps_high and A > 0), is_region_clipped (either) -- TRL's
     clip_ratio/low_mean, high_mean, region_mean once masked-averaged (cispo: rho > eps_high, A > 0).
     """
+    advantages, old_logps, completion_mask = _checked_inputs(
+        logps, old_logps, advantages, ref_logps, sampling_weights, completion_mask, beta=beta,
+        loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
+    advantages = advantages.detach().to(logps.dtype).unsqueeze(1)  # (N, 1)
+    ratio = importance_ratio(logps, old_logps, completion_mask, importance_sampling_level)
+    term = POLICY_TERMS[loss_type]
+    per_token_loss = _policy_term(term, ratio, advantages, logps, old_logps, completion_mask,
+                                  sampling_weights, epsilon_low=epsilon_low,
+                                  epsilon_high=epsilon_high, delta=delta,
+                                  sapo_temperatures=(sapo_temperature_pos, sapo_temperature_neg),
+                                  vespo=vespo)
+    per_token_loss = per_token_loss.expand_as(logps)
+    if policy_mask is not None:
+        per_token_loss = per_token_loss * policy_mask.to(logps.dtype)
+    if sampling_weights is not None and term != "vespo":
+        per_token_loss = per_token_loss * sampling_weights.detach()
+
+    if ref_logps is not None:
+        ref_minus_logp = ref_logps.detach() - logps
+        kl = torch.exp(ref_minus_logp) - ref_minus_logp - 1.0
+    else:
+        kl = torch.zeros_like(logps)
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * (kl * ratio if use_bias_correction_kl else kl)
+
+    stats = {"kl": kl.detach(), **_clip_stats(term, ratio, advantages, logps, epsilon_low, epsilon_high)}
+    return per_token_loss, stats
+
+
+def _checked_inputs(logps: Tensor, old_logps: Tensor | None, advantages: Tensor,
+                    ref_logps: Tensor | None, sampling_weights: Tensor | None,
+                    completion_mask: Tensor | None, *, beta: float, loss_type: str,
+                    epsilon_low: float, epsilon_high: float) -> tuple[Tensor, Tensor, Tensor]:
+    """per_token_policy_loss's inputs checked: advantages (N,), old_logps (None: logps
+    detached) and the completion mask (None: all ones)."""
     if logps.dim() != 2:
         raise ValueError(f"logps must be (sequences, tokens), got shape {tuple(logps.shape)}")
     if loss_type not in POLICY_TERMS:
@@ -133,51 +157,41 @@ def per_token_policy_loss(
                          f"logps shape {tuple(logps.shape)}")
     if completion_mask is None:
         completion_mask = torch.ones_like(logps)
+    return advantages, old_logps, completion_mask
 
-    advantages = advantages.detach().to(logps.dtype).unsqueeze(1)  # (N, 1)
-    ratio = importance_ratio(logps, old_logps, completion_mask, importance_sampling_level)
-    term = POLICY_TERMS[loss_type]
+
+def _policy_term(term: str, ratio: Tensor, advantages: Tensor, logps: Tensor, old_logps: Tensor,
+                 completion_mask: Tensor, sampling_weights: Tensor | None, *, epsilon_low: float,
+                 epsilon_high: float, delta: float | None, sapo_temperatures: tuple[float, float],
+                 vespo: dict | None) -> Tensor:
+    """The policy term per token ((N, T), or (N, 1) for sequence-level ratios) of one loss
+    family (POLICY_TERMS), advantages (N, 1)."""
     if term == "clip":
         clipped_ratio = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
         unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
-        per_token_loss = -torch.min(unclipped * advantages, clipped_ratio * advantages)
-    elif term == "cispo":
-        per_token_loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
-    elif term == "sapo":
-        tau = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
-        per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
-    else:  # vespo
-        phi = gamma_weights(advantages, logps.detach() - old_logps.detach(), completion_mask,
-                            sampling_weights, **(vespo or {}))
-        per_token_loss = -phi * advantages * logps
-    per_token_loss = per_token_loss.expand_as(logps)
-    if policy_mask is not None:
-        per_token_loss = per_token_loss * policy_mask.to(logps.dtype)
-    if sampling_weights is not None and term != "vespo":
-        per_token_loss = per_token_loss * sampling_weights.detach()
+        return -torch.min(unclipped * advantages, clipped_ratio * advantages)
+    if term == "cispo":
+        return -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
+    if term == "sapo":
+        tau = torch.where(advantages > 0, *sapo_temperatures)
+        return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+    phi = gamma_weights(advantages, logps.detach() - old_logps.detach(), completion_mask,  # vespo
+                        sampling_weights, **(vespo or {}))
+    return -phi * advantages * logps
 
-    if ref_logps is not None:
-        ref_minus_logp = ref_logps.detach() - logps
-        kl = torch.exp(ref_minus_logp) - ref_minus_logp - 1.0
+
+@torch.no_grad()
+def _clip_stats(term: str, ratio: Tensor, advantages: Tensor, logps: Tensor, epsilon_low: float,
+                epsilon_high: float) -> dict[str, Tensor]:
+    """(N, T) bool: where the ratio was clipped low and high, and either (cispo: high only)."""
+    if term == "cispo":
+        is_low_clipped = torch.zeros_like(logps, dtype=torch.bool)
+        is_high_clipped = ((ratio > epsilon_high) & (advantages > 0)).expand_as(logps)
     else:
-        kl = torch.zeros_like(logps)
-    if beta != 0.0:
-        per_token_loss = per_token_loss + beta * (kl * ratio if use_bias_correction_kl else kl)
-
-    with torch.no_grad():
-        if term == "cispo":
-            is_low_clipped = torch.zeros_like(logps, dtype=torch.bool)
-            is_high_clipped = ((ratio > epsilon_high) & (advantages > 0)).expand_as(logps)
-        else:
-            is_low_clipped = ((ratio < 1.0 - epsilon_low) & (advantages < 0)).expand_as(logps)
-            is_high_clipped = ((ratio > 1.0 + epsilon_high) & (advantages > 0)).expand_as(logps)
-    stats = {
-        "kl": kl.detach(),
-        "is_low_clipped": is_low_clipped,
-        "is_high_clipped": is_high_clipped,
-        "is_region_clipped": is_low_clipped | is_high_clipped,
-    }
-    return per_token_loss, stats
+        is_low_clipped = ((ratio < 1.0 - epsilon_low) & (advantages < 0)).expand_as(logps)
+        is_high_clipped = ((ratio > 1.0 + epsilon_high) & (advantages > 0)).expand_as(logps)
+    return {"is_low_clipped": is_low_clipped, "is_high_clipped": is_high_clipped,
+            "is_region_clipped": is_low_clipped | is_high_clipped}
 
 
 def importance_weights(policy_logps: Tensor, sampler_logps: Tensor, clip_max: float) -> Tensor:

@@ -240,3 +240,17 @@ def select_global(
     keep = select_completions(all_advantages, all_rewards, num_keep=num_keep, scope="step",
                               rule=rule, generator=generator)
     return keep[rows]
+
+
+def round_keep_mask(advantages: Tensor, rewards: Tensor, *, num_keep: int, rule: str, scope: str,
+                    generator: torch.Generator | None, rank: int = 0, world_size: int = 1,
+                    gather: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """keep_mask (Q, G) of this process's completions, num_keep of them (per process): the
+    global scope over several processes ranks every process's completions (`gather` collects
+    a (Q, G) tensor from all of them, rank-major), any other scope this process's own."""
+    if scope == GLOBAL_SCOPE and world_size > 1:
+        q = advantages.shape[0]
+        return select_global(gather(advantages), gather(rewards), num_keep=num_keep * world_size,
+                             rows=slice(rank * q, (rank + 1) * q), rule=rule, generator=generator)
+    return select_completions(advantages, rewards, num_keep=num_keep, scope=local_scope(scope),
+                              rule=rule, generator=generator)

@@ -125,6 +125,15 @@ def validate(cfg) -> None:
     check(cfg.epsilon_high is None or cfg.epsilon_high > 0,
           f"'epsilon_high' is {cfg.epsilon_high}; must be > 0 or None")
     _check_objective(cfg)
+    _check_sampling(cfg)
+    _check_precision(cfg)
+    _check_run(cfg)
+    _check_plan(cfg)
+
+
+def _check_sampling(cfg) -> None:
+    """Iterations, the sampling settings, tool calls, the sampler correction, speculation,
+    skipping, two-stage generation and vLLM's fields."""
     check(cfg.num_iterations >= 1, f"'num_iterations' is {cfg.num_iterations}; must be >= 1")
     check(cfg.max_tool_calling_iterations is None or cfg.max_tool_calling_iterations >= 0,
           f"'max_tool_calling_iterations' is {cfg.max_tool_calling_iterations}; must be >= 0 "
@@ -151,6 +160,10 @@ def validate(cfg) -> None:
     check(cfg.vllm_server_base_url is None or "://" in cfg.vllm_server_base_url,
           f"'vllm_server_base_url' is {cfg.vllm_server_base_url!r}; expected a URL such as "
           f"http://host:8000")
+
+
+def _check_precision(cfg) -> None:
+    """vLLM's settings (with use_vllm) and the dtypes of sampling and of the training matmuls."""
     if cfg.use_vllm:
         validate_vllm(cfg)
     explicit_generation_dtype = cfg.generation_dtype not in (None, "auto")
@@ -166,6 +179,10 @@ def validate(cfg) -> None:
     check(not (cfg.matmul_dtype == "bfloat16" and cfg.bf16),
           f"'matmul_dtype' is {cfg.matmul_dtype!r} with 'bf16' true; bf16 already autocasts the "
           f"forward passes' matmuls (and more): set one of the two")
+
+
+def _check_run(cfg) -> None:
+    """Lengths, steps, data sizes, rewards, logging, checkpoints and trackers."""
     check(cfg.max_completion_length >= 1,
           f"'max_completion_length' is {cfg.max_completion_length}; must be >= 1")
     check(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1,
@@ -191,6 +208,11 @@ def validate(cfg) -> None:
     resolve_report_to(cfg.report_to)   # names only; a missing library is reported by the trainer
     check(cfg.num_completions_to_print is None or cfg.num_completions_to_print >= 1,
           f"'num_completions_to_print' is {cfg.num_completions_to_print}; must be >= 1 or None")
+
+
+def _check_plan(cfg) -> None:
+    """The selection rule's scopes, the step plan, LoRA, generation batches, the seed and the
+    run directory."""
     scopes = rule_traits(cfg.selection_rule).scopes
     check(local_scope(cfg.selection_scope) in scopes,
           f"'selection_rule' {cfg.selection_rule} ranks only with selection_scope in "

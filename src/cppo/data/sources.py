@@ -130,6 +130,27 @@ def _prompt_kind(prompt) -> str | None:
 ACCURACY_REWARDS = {"gsm8k": "gsm8k", "math": "math"}  # data format -> registry name
 
 
+def _held_out(cfg, load, train_source) -> tuple[list[dict], list]:
+    """The held-out rows beside a training source and their skipped rows ([] and a warning when
+    there is no held-out split, or it resolves to the training data)."""
+    eval_source = _eval_source(cfg.dataset_name, cfg.dataset_split, cfg.eval_dataset_split)
+    if eval_source is None:
+        return [], []
+    try:
+        held_out = load(eval_source, cfg.eval_dataset_split, cfg.eval_num_questions)
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        logger.warning("%s: no held-out split %r (%s); training without evaluation",
+                       cfg.dataset_name, cfg.eval_dataset_split, err)
+        return [], []
+    if held_out.source == train_source:
+        logger.warning("%s: the held-out split %r resolves to the training data (%s); "
+                       "training without evaluation", cfg.dataset_name,
+                       cfg.eval_dataset_split, train_source)
+        return [], []
+    return ([dict(r) for r in held_out.dataset],
+            [(f"{cfg.eval_dataset_split}:{i}", why) for i, why in held_out.skipped_rows])
+
+
 def load_task(source: TaskSource, tokenizer=None, *, train_split: bool = True) -> TaskData:
     """TaskData for a TaskSource (or a config, read by `TaskSource.of`).
 
@@ -169,22 +190,7 @@ def load_task(source: TaskSource, tokenizer=None, *, train_split: bool = True) -
     except (ValueError, FileNotFoundError) as err:   # the loader's message names file, row, column
         raise ConfigError(f"dataset_name '{cfg.dataset_name}': {err}") from err
     skipped = list(train.skipped_rows)
-    evaluation, eval_skipped = [], []
-    eval_source = _eval_source(cfg.dataset_name, cfg.dataset_split, cfg.eval_dataset_split)
-    if eval_source is not None:
-        try:
-            held_out = load(eval_source, cfg.eval_dataset_split, cfg.eval_num_questions)
-        except (ValueError, FileNotFoundError, KeyError) as err:
-            logger.warning("%s: no held-out split %r (%s); training without evaluation",
-                           cfg.dataset_name, cfg.eval_dataset_split, err)
-        else:
-            if held_out.source == train.source:
-                logger.warning("%s: the held-out split %r resolves to the training data (%s); "
-                               "training without evaluation", cfg.dataset_name,
-                               cfg.eval_dataset_split, train.source)
-            else:
-                evaluation = [dict(r) for r in held_out.dataset]
-                eval_skipped = [(f"{cfg.eval_dataset_split}:{i}", why) for i, why in held_out.skipped_rows]
+    evaluation, eval_skipped = _held_out(cfg, load, train.source)
     rows = [dict(r) for r in train.dataset]
     check_rows(rows, name=f"{cfg.dataset_name} ({cfg.dataset_split})")
     accuracy = ACCURACY_REWARDS.get(train.format)

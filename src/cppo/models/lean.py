@@ -432,16 +432,9 @@ class LeanForward:
             raise ValueError("completion_logits needs left-padded prompts of at least one token "
                              "(prompt_mask's last column all 1)")
         inputs = completion_mask[:, 1:]    # (N, T-1): token t is an input iff token t+1 is real
-        prompt_slots = prompt_mask.flatten().nonzero().squeeze(1)         # (Mp,) in (Q*Lp)
-        completion_slots = inputs.flatten().nonzero().squeeze(1)          # (Mc,) in (N*(T-1))
+        ids, positions, prompt_slots, completion_slots = _packed_inputs(
+            prompt_ids, prompt_mask, question, completion_ids, inputs)
         num_prompt_tokens = len(prompt_slots)
-        prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
-        completion_positions = (prompt_positions[question, -1:] + 1
-                                + torch.arange(t_len - 1, device=completion_ids.device))
-        ids = torch.cat([prompt_ids.flatten()[prompt_slots],
-                         completion_ids[:, :-1].flatten()[completion_slots]])
-        positions = torch.cat([prompt_positions.flatten()[prompt_slots],
-                               completion_positions.flatten()[completion_slots]])
         h = F.embedding(ids, weights.embed, weights.padding_idx)          # (M_in, d)
         cos, signed_sin = self._rope(positions[None], h.dtype)
         rope = (cos[0], signed_sin[0])                                    # (M_in, 1, D)
@@ -464,13 +457,7 @@ class LeanForward:
                     torch.cat([vp.index_select(0, question), vc], dim=2),
                     allowed).flatten(0, 1).index_select(0, completion_slots))
             h = self._finish(w, h, torch.cat(attended))
-        # the packed row predicting each completion token (N, T): token 0 the prompt's last
-        # position, token t the completion's input t-1
-        prompt_rows = prompt_mask.flatten().long().cumsum(0) - 1
-        completion_rows = num_prompt_tokens + inputs.flatten().long().cumsum(0) - 1
-        source = torch.cat([prompt_rows.view(num_prompts, q_len)[question, -1:],
-                            completion_rows.view(n, t_len - 1)], dim=1)
-        h = h.index_select(0, source[completion_mask])
+        h = h.index_select(0, _predicting_rows(prompt_mask, question, inputs)[completion_mask])
         if not head:
             return self._norm(h, weights.norm), weights.head, weights.head_bias
         return self._logits(weights, h)
@@ -527,3 +514,32 @@ class LeanForward:
         h_prompt, h_completion = h[0, :split].view(num_prompts, q_len, -1), h[0, split:].view(n, t_len, -1)
         # token 0 is predicted at the prompt's last position, token t at completion position t-1
         return self._logits(weights, torch.cat([h_prompt[question, -1:], h_completion[:, :-1]], dim=1))
+
+
+def _packed_inputs(prompt_ids: Tensor, prompt_mask: Tensor, question: Tensor,
+                   completion_ids: Tensor, inputs: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The packed forward's tokens and RoPE positions (M_in,): the prompts' real tokens, then
+    each completion's inputs (inputs (N, T-1): token t is one iff token t+1 is real), and the
+    slots they came from in (Q*Lp) and (N*(T-1))."""
+    t_len = completion_ids.shape[1]
+    prompt_slots = prompt_mask.flatten().nonzero().squeeze(1)         # (Mp,) in (Q*Lp)
+    completion_slots = inputs.flatten().nonzero().squeeze(1)          # (Mc,) in (N*(T-1))
+    prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+    completion_positions = (prompt_positions[question, -1:] + 1
+                            + torch.arange(t_len - 1, device=completion_ids.device))
+    ids = torch.cat([prompt_ids.flatten()[prompt_slots],
+                     completion_ids[:, :-1].flatten()[completion_slots]])
+    positions = torch.cat([prompt_positions.flatten()[prompt_slots],
+                           completion_positions.flatten()[completion_slots]])
+    return ids, positions, prompt_slots, completion_slots
+
+
+def _predicting_rows(prompt_mask: Tensor, question: Tensor, inputs: Tensor) -> Tensor:
+    """(N, T): the packed row predicting each completion token: token 0 its prompt's last
+    position, token t the completion's input t-1."""
+    (num_prompts, q_len), (n, t_in) = prompt_mask.shape, inputs.shape
+    prompt_rows = prompt_mask.flatten().long().cumsum(0) - 1
+    completion_rows = int(prompt_mask.sum()) + inputs.flatten().long().cumsum(0) - 1
+    return torch.cat([prompt_rows.view(num_prompts, q_len)[question, -1:],
+                      completion_rows.view(n, t_in)], dim=1)
+

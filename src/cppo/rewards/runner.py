@@ -12,7 +12,7 @@ with a ConfigError-compatible `RewardPreflightError` naming the row, not deep in
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -20,6 +20,15 @@ from cppo.algorithm import combine_rewards
 from cppo.errors import ConfigError, RewardError, RewardPreflightError, snippet
 
 PREFLIGHT_COMPLETIONS = ("", "0")   # an empty answer and a number: reaches gold parsing too
+
+
+class Scores(NamedTuple):
+    """Completions scored: rewards (Q, G), the weighted sum; per_function (N, F) (N = Q x G,
+    NaN where a function does not apply); each function's mean and std; the decoded texts."""
+    rewards: torch.Tensor
+    per_function: torch.Tensor
+    means: dict
+    texts: list[str]
 
 
 def check_reward_weights(weights, num_funcs: int) -> None:
@@ -162,14 +171,15 @@ class RewardRunner:
 
     def score(self, tokenizer, rows: list[dict], completions, group: int,
               extra_columns: dict[str, list] | None = None,
-              messages: list[list[dict]] | None = None) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-        """Decode, score and combine: the completions' texts, the rewards per function (N, F) and
-        their weighted sum (N,), for `completions` (N = len(rows) x group rows, question-major)."""
+              messages: list[list[dict]] | None = None) -> Scores:
+        """Decode, score and combine `completions` (len(rows) x group rows, question-major):
+        one place for training and evaluation."""
         texts = tokenizer.batch_decode(completions.ids.cpu(), skip_special_tokens=True)
         per_function = self(rows, texts, unpadded_ids(completions.ids, completions.mask), group,
                             conversational=is_conversational(rows), extra_columns=extra_columns,
                             messages=messages)
-        return texts, per_function, combine_rewards(per_function, self.weights)
+        rewards = combine_rewards(per_function, self.weights).view(len(rows), group)
+        return Scores(rewards, per_function, self.means(per_function), texts)
 
     def preflight(self, rows: list[dict], tokenizer=None) -> None:
         """Before training: encode the first rows' prompts (when a tokenizer is given) and call

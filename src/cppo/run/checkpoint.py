@@ -150,6 +150,32 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
+def _into_place(tmp: Path, output_dir: Path, step: int) -> Path:
+    """Rename a written temporary checkpoint to checkpoint-<step> (replacing one saved at the
+    same step, e.g. on --resume of a finished run) and sync the directory."""
+    final = output_dir / f"checkpoint-{step}"
+    if final.exists():
+        old = output_dir / f".checkpoint-{step}.old-{os.getpid()}"
+        final.rename(old)   # a kill between the two renames: clean_stale puts `old` back
+        _test_pause("swapped", step)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync_dir(output_dir)
+    _test_pause("renamed", step)
+    return final
+
+
+def _keep_newest(output_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints."""
+    for stale in list_checkpoints(output_dir)[:-keep]:
+        # hide it first (atomic), so a kill mid-delete leaves a leftover, not a half checkpoint
+        hidden = output_dir / f".{stale.name}.del-{os.getpid()}"
+        stale.rename(hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+
+
 def save_checkpoint(output_dir: str | Path, step: int, *, model=None, tokenizer=None,
                     optimizer=None, scheduler=None, rng_states: dict[str, torch.Tensor] | None = None,
                     trainer_state: dict[str, Any] | None = None, keep: int | None = None,
@@ -196,23 +222,9 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model=None, tokenizer=
     (tmp / COMPLETE_MARKER).write_text(str(step))
     _fsync_tree(tmp)
     _test_pause("written", step)
-    final = output_dir / f"checkpoint-{step}"
-    if final.exists():  # same step saved twice (e.g. --resume of a finished run)
-        old = output_dir / f".checkpoint-{step}.old-{os.getpid()}"
-        final.rename(old)   # a kill between the two renames: clean_stale puts `old` back
-        _test_pause("swapped", step)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
-    _fsync_dir(output_dir)
-    _test_pause("renamed", step)
+    final = _into_place(tmp, output_dir, step)
     if keep is not None:
-        for stale in list_checkpoints(output_dir)[:-keep]:
-            # hide it first (atomic), so a kill mid-delete leaves a leftover, not a half checkpoint
-            hidden = output_dir / f".{stale.name}.del-{os.getpid()}"
-            stale.rename(hidden)
-            shutil.rmtree(hidden, ignore_errors=True)
+        _keep_newest(output_dir, keep)
     if dist is not None:
         dist.barrier()
     return final

@@ -33,10 +33,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                         batch_size: int | None = None, lean: bool = True,
                         entropies: list | None = None, packed: bool = True,
                         entropy_grad: bool = False, matmul_dtype: torch.dtype | None = None) -> Tensor:
-    """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp).
-
-    Logits are divided by the sampling temperature, as TRL does. Runs with grad if enabled.
-    lean: use cppo.models.lean's forward when it supports the model: each distinct prompt of a
+    """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp), of logits
+    divided by the sampling temperature (as TRL), with grad if enabled. lean: use cppo.models.lean's forward when it supports the model: each distinct prompt of a
     micro-batch is run once, and with `packed` (the default) every pass but attention, the head
     and the log-softmax run on real tokens only (log-probs and entropies are 0 where
     completion_mask is 0, which must be 1 on a prefix of each row). packed=False: the padded
@@ -45,13 +43,12 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     gradient (an entropy bonus in the loss); else they are detached. matmul_dtype (lean forward
     only): the dtype of the decoder layers' Linear matmuls (cppo.models.lean)."""
     entropy_of = differentiable_entropy if entropy_grad else (lambda lg: token_entropy(lg.detach()))
-    n, t = completion_ids.shape
+    (n, t), out = completion_ids.shape, []
     step = n if batch_size is None else batch_size
     lean_forward = lean_forward_for(model)[0] if lean else None
     if matmul_dtype is not None and lean_forward is None:
         raise ValueError(f"matmul_dtype {matmul_dtype} needs the lean forward, which does not support "
                          f"this model: {lean_forward_for(model)[1] if lean else 'lean=False'}")
-    out = []
     for s in range(0, n, step):
         rows = slice(s, s + step)
         ids = completion_ids[rows]
@@ -61,15 +58,11 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
             width = prompt_ids.shape[1]
             real = completion_mask[rows].bool()
             if packed and int(real.sum()) * _vocab_size(model) > HEAD_CHUNK_ABOVE:
-                hidden, weight, bias = lean_forward.completion_logits(
-                    prompts[:, :width], prompts[:, width:], question, ids, completion_mask[rows],
-                    packed=True, head=False, matmul_dtype=matmul_dtype)
-                logps, entropy = chunked_logprobs_and_entropy(hidden, weight, bias, ids[real],
-                                                              temperature)
-                out.append(logps.new_zeros(ids.shape).masked_scatter(real, logps))
+                logps, entropy = _chunked_head(lean_forward, prompts, width, question, ids, real,
+                                               temperature, matmul_dtype, entropy_grad)
+                out.append(logps)
                 if entropies is not None:
-                    entropy = entropy if entropy_grad else entropy.detach()
-                    entropies.append(entropy.new_zeros(ids.shape).masked_scatter(real, entropy))
+                    entropies.append(entropy)
                 continue
             logits = lean_forward.completion_logits(prompts[:, :width], prompts[:, width:], question,
                                                     ids, completion_mask[rows], packed=packed,
@@ -95,6 +88,21 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         if entropies is not None:   # TRL's entropy metric: (rows, T) of the same logits
             entropies.append(entropy_of(logits) * real)
     return torch.cat(out)
+
+
+def _chunked_head(lean_forward, prompts: Tensor, width: int, question: Tensor, ids: Tensor,
+                  real: Tensor, temperature: float, matmul_dtype: torch.dtype | None,
+                  entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies (N, T), 0 where `real` is not, through the packed lean forward
+    with the head in chunks of tokens (cppo.models.head): prompts (Q, 2 Lp) the distinct
+    prompts' ids and masks side by side (Lp = width), question (N,) each row's prompt."""
+    hidden, weight, bias = lean_forward.completion_logits(
+        prompts[:, :width], prompts[:, width:], question, ids, real, packed=True,
+        head=False, matmul_dtype=matmul_dtype)
+    logps, entropy = chunked_logprobs_and_entropy(hidden, weight, bias, ids[real], temperature)
+    entropy = entropy if entropy_grad else entropy.detach()
+    return (logps.new_zeros(ids.shape).masked_scatter(real, logps),
+            entropy.new_zeros(ids.shape).masked_scatter(real, entropy))
 
 
 def _vocab_size(model) -> int:

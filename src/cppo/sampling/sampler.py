@@ -237,27 +237,49 @@ SHARE_WHILE = 0.75   # prefixes stay shared while the distinct sequences are at 
                      # of the rows still decoding; then each row becomes its own sequence
 
 
+def _counting(advance, stats: DecodeStats):
+    """advance, counting the sequences each decode step runs into stats."""
+    def counted(tokens: Tensor, rows: Tensor | None) -> Tensor:
+        stats.sequences += len(tokens)
+        return advance(tokens, rows)
+    return counted
+
+
+def _advance_shared(advance, sequence_of: Tensor, tok: Tensor, finished: Tensor, active: Tensor,
+                    seen: Tensor | None, vocab: int, in_batch: int):
+    """One decode step for rows that share sequences: live rows that drew the same token from
+    the same sequence continue one sequence (the next forward runs once for them); once the
+    distinct sequences exceed SHARE_WHILE of the live rows, every live row becomes its own
+    sequence (sequence_of None) and the finished rows leave. Returns the next logits,
+    sequence_of, active, finished and seen."""
+    live = (~finished).nonzero().squeeze(1)
+    # a continued sequence: (the sequence a live row was on, the token it drew)
+    continued, inverse = torch.unique(sequence_of[live] * vocab + tok[live], return_inverse=True)
+    if len(continued) <= SHARE_WHILE * len(live):
+        sequence_of = torch.zeros_like(sequence_of).index_put_((live,), inverse)
+        logits = advance(continued % vocab, continued // vocab)   # finished rows: any
+        return logits, sequence_of, active, finished, seen
+    rows = sequence_of[live]
+    active, tok, finished = active[live], tok[live], finished[live]
+    seen = seen[live] if seen is not None else None
+    same = len(rows) == in_batch and bool((rows == torch.arange(len(rows), device=rows.device)).all())
+    return advance(tok, None if same else rows), None, active, finished, seen
+
+
 def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token_id: int, *,
             record: bool, compact: bool, seen: Tensor | None = None,
             sequence_of: Tensor | None = None, **sampling) -> Completions:
-    """Sample up to max_new_tokens tokens per row from first logits (M, V) of M sequences.
-
-    The model's batch holds sequences, the output rows. sequence_of (N,): the sequence each of
-    the N rows continues (its logits are the sequence's), None: row n is sequence n (M = N).
-    With sequence_of, rows that drew the same token from the same sequence continue one
-    sequence (the next forward runs once for them), each row still drawing its own token, so
-    each row's distribution is unchanged; once the distinct sequences exceed SHARE_WHILE of the
-    rows still decoding, every row becomes its own sequence.
-
-    advance(tokens (m,), rows) runs one decode step and returns the next logits (m, V) of the
-    batch's sequences: rows (m,) is None (the batch as it is) or the positions in the current
-    batch of the sequences to continue (a gather: a position may repeat, and a finished row's
-    sequence may be left out); tokens (m,) the token each continued sequence takes. Without
-    sharing and with `compact`, finished rows leave the batch once they are an eighth of it, so
-    no work is spent on them. Finished rows get padding; with `record`, each token's log-prob
-    under the sampling distribution is kept. seen (N, V): the tokens the repetition penalty
-    looks at (the prompt's), each sampled token added (None: no penalty). With sequence_of, the
-    completions carry DecodeStats (rows decoded, sequences run)."""
+    """Sample up to max_new_tokens tokens per row from first logits (M, V) of M sequences (the
+    model's batch holds sequences, the output rows). sequence_of (N,): the sequence each of
+    the N rows continues (its logits are the sequence's), None: row n is sequence n (M = N);
+    with it, rows that drew the same token from the same sequence continue one sequence
+    (_advance_shared), each still drawing its own token. advance(tokens (m,), rows) runs one
+    decode step and returns the next logits (m, V) of the batch's sequences: rows (m,) is None
+    (the batch as it is) or the positions in the current batch of the sequences to continue (a
+    gather: a position may repeat, a finished row's sequence may be left out). Without sharing
+    and with `compact`, finished rows leave the batch once they are an eighth of it. Finished
+    rows get padding; `record` keeps each token's log-prob under the sampling distribution.
+    seen (N, V): the tokens the repetition penalty looks at (None: no penalty)."""
     n = len(sequence_of) if sequence_of is not None else logits.shape[0]
     device, vocab = logits.device, logits.shape[-1]
     ids = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
@@ -268,11 +290,7 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
     workspace = None if sampling["greedy"] else torch.empty(n, vocab, device=device)
     stats = DecodeStats() if sequence_of is not None else None
     if stats is not None:
-        run_step = advance
-
-        def advance(tokens: Tensor, rows: Tensor | None) -> Tensor:
-            stats.sequences += len(tokens)
-            return run_step(tokens, rows)
+        advance = _counting(advance, stats)
     for step in range(max_new_tokens):
         logprobs = [] if recorded is not None else None
         in_batch = logits.shape[0]   # the sequences of the model's batch
@@ -294,21 +312,8 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
         if stats is not None:
             stats.rows += len(finished) - done
         if sequence_of is not None:
-            live = (~finished).nonzero().squeeze(1)
-            # a continued sequence: (the sequence a live row was on, the token it drew)
-            continued, inverse = torch.unique(sequence_of[live] * vocab + tok[live],
-                                              return_inverse=True)
-            if len(continued) <= SHARE_WHILE * len(live):
-                sequence_of = torch.zeros_like(sequence_of).index_put_((live,), inverse)
-                logits = advance(continued % vocab, continued // vocab)   # finished rows: any
-                continue
-            # every live row its own sequence from now on; the finished rows leave
-            rows = sequence_of[live]
-            active, tok, finished = active[live], tok[live], finished[live]
-            seen = seen[live] if seen is not None else None
-            sequence_of = None
-            same = len(rows) == in_batch and bool((rows == torch.arange(len(rows), device=device)).all())
-            logits = advance(tok, None if same else rows)
+            logits, sequence_of, active, finished, seen = _advance_shared(
+                advance, sequence_of, tok, finished, active, seen, vocab, in_batch)
             continue
         rows = None
         if compact and done and 8 * done >= len(finished):

@@ -49,6 +49,15 @@ class SpeculationStats:
     def __add__(self, other: "SpeculationStats") -> "SpeculationStats":
         return SpeculationStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
+    def add_forward(self, live: Tensor, emitted: Tensor, drafted: Tensor, accepted: Tensor) -> None:
+        """Count one decode forward: the rows still generating (live, bool), each row's tokens
+        emitted, drafts proposed and accepted."""
+        self.forwards += 1
+        self.row_forwards += int(live.sum())
+        self.tokens += int(emitted.sum())
+        self.drafted += int(drafted[live].sum())
+        self.accepted += int(accepted[live].sum())
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
@@ -155,102 +164,52 @@ def pack_cache(cache, keys: Tensor) -> Tensor:
 def speculative_decode(lean, first_logits: Tensor, cache, keys: Tensor, position: Tensor,
                        prompt_ids: Tensor, prompt_mask: Tensor, *, num_generations: int,
                        max_new_tokens: int, eos: Tensor, pad_token_id: int, record: bool,
-                       greedy: bool, transforms: dict,
-                       generator: torch.Generator | None, num_speculative_tokens: int,
-                       prompt_lookup_max: int, prompt_lookup_min: int) -> Completions:
-    """Decode Q*G rows (question-major) with n-gram drafts verified by the policy.
-
-    first_logits (N, V): the prefill's logits for each row's first token; cache: the lean
-    forward's KVCache holding the prompts (repeated G times), of capacity at least
-    Lp + max_new_tokens + num_speculative_tokens + 1; keys (N, C) bool: its visible slots;
-    position (N, 1): each row's next RoPE position; prompt_ids, prompt_mask (N, Lp): each row's
-    prompt. Returns Completions with `speculation` (SpeculationStats) set."""
-    n, device = first_logits.shape[0], first_logits.device
-    k = num_speculative_tokens
+                       greedy: bool, transforms: dict, generator: torch.Generator | None,
+                       num_speculative_tokens: int, prompt_lookup_max: int,
+                       prompt_lookup_min: int) -> Completions:
+    """Decode Q*G rows (question-major) with n-gram drafts verified by the policy. first_logits
+    (N, V): the prefill's logits for each row's first token; cache: the lean forward's KVCache
+    holding the prompts (repeated G times), of capacity at least Lp + max_new_tokens +
+    num_speculative_tokens + 1; keys (N, C) bool: its visible slots; position (N, 1): each row's
+    next RoPE position; prompt_ids, prompt_mask (N, Lp). Returns Completions with `speculation`."""
+    n, device, k = first_logits.shape[0], first_logits.device, num_speculative_tokens
     if transforms.get("repetition_penalty", 1.0) != 1.0:
         raise ValueError("speculative sampling takes no repetition_penalty (a drafted position's "
                          "history would differ from the verified one's); set it to 1.0")
     sampling = {key: value for key, value in transforms.items() if key != "repetition_penalty"}
     lp = prompt_ids.shape[1]
-    context = torch.full((n, lp + max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    context[:, :lp] = prompt_ids
-    real = torch.zeros(n, lp + max_new_tokens, dtype=torch.bool, device=device)
-    real[:, :lp] = prompt_mask.bool()
+    context, real = _contexts(prompt_ids, prompt_mask, max_new_tokens, pad_token_id)
     ids = context[:, lp:]                                   # a view: the completions
     recorded = torch.zeros(n, max_new_tokens, device=device) if record and not greedy else None
     length = torch.zeros(n, dtype=torch.long, device=device)   # tokens generated per row
     stats = SpeculationStats()
 
-    # the first token from the prefill's logits, as plain sampling draws it
-    if greedy:
-        tok = first_logits.argmax(-1)
-    else:
-        tok, logprobs = sample_logits(sampling_logits(first_logits, **sampling), generator,
-                                      logprobs=recorded is not None)
-        if recorded is not None:
-            recorded[:, 0] = logprobs
-    ids[:, 0] = tok
-    real[:, lp] = True
-    length += 1
+    ids[:, 0] = tok = _first_token(first_logits, greedy, sampling, generator, recorded)
+    real[:, lp], length = True, length + 1
     active = torch.arange(n, device=device)               # the row of ids each batch row fills
     finished = torch.isin(tok, eos) | (length >= max_new_tokens)   # per batch row
     while not bool(finished.all()):
         done = int(finished.sum())
         if done and 8 * done >= len(finished):             # finished rows leave the batch
             keep = (~finished).nonzero().squeeze(1)
-            cache = cache.select_rows(keep)
-            active, tok, finished = active[keep], tok[keep], finished[keep]
-            keys, position = keys[keep], position[keep]
-        m = len(active)
+            cache, (active, tok, finished, keys, position) = cache.select_rows(keep), (
+                t[keep] for t in (active, tok, finished, keys, position))
         budget = torch.where(finished, 0, max_new_tokens - length[active] - 1)
         drafts, counts = ngram_drafts(context, real, lp + length, active, num_generations, k,
                                       budget, prompt_lookup_max, prompt_lookup_min)
         width = quorum_width(counts)
-        counts = counts.clamp(max=width)
-        drafts = drafts[:, :width]
+        counts, drafts = counts.clamp(max=width), drafts[:, :width]
         if cache.length + width + 1 > cache.keys[0].shape[2]:
             keys = pack_cache(cache, keys)
         base = cache.length
         block = torch.cat([tok[:, None], drafts], dim=1)                       # (m, width + 1)
         logits, _ = lean(block, position + torch.arange(width + 1, device=device), keys, cache=cache)
-        rows = torch.arange(m, device=device)
-        if greedy:
-            best = logits.argmax(-1)                                           # (m, width + 1)
-            accepted = accepted_drafts_greedy(best[:, :width], drafts, counts)
-            nxt = best[rows, accepted]
-        else:
-            logits = sampling_logits(logits.flatten(0, 1).float(), **sampling).view(m, width + 1, -1)
-            probs = logits.softmax(-1)
-            draft_probs = probs[:, :width].gather(-1, drafts[..., None]).squeeze(-1)
-            uniforms = torch.rand(m, width, generator=generator,
-                                  device=generator.device if generator is not None else device).to(device)
-            accepted = accepted_drafts(draft_probs, counts, uniforms)
-            rejected = accepted < counts
-            at = drafts.gather(1, accepted.clamp(max=max(width - 1, 0))[:, None]).squeeze(1) \
-                if width else torch.zeros_like(accepted)
-            nxt = sample_categorical(residual_weights(probs[rows, accepted], at, rejected), generator)
-        emitted = torch.cat([drafts, drafts.new_full((m, 1), pad_token_id)], dim=1)
-        emitted[rows, accepted] = nxt
+        logits, accepted, nxt = _verify(logits, drafts, counts, greedy, sampling, generator)
+        emitted, count, ended = _emitted(drafts, accepted, nxt, finished, eos, pad_token_id)
         step = torch.arange(width + 1, device=device)
-        emit = step[None] <= accepted[:, None]
-        is_eos = torch.isin(emitted, eos) & emit
-        ended = is_eos.any(1)
-        count = torch.where(ended, is_eos.long().argmax(1) + 1, accepted + 1)   # up to the first EOS
-        count = torch.where(finished, 0, count)
-        emit = step[None] < count[:, None]
         slot = (length[active][:, None] + step[None]).clamp(max=max_new_tokens - 1)
-        target_rows = active[:, None].expand_as(slot)
-        ids[target_rows[emit], slot[emit]] = emitted[emit]
-        real[target_rows[emit], lp + slot[emit]] = True
-        if recorded is not None:
-            logps = torch.log_softmax(logits, -1).gather(-1, emitted[..., None].clamp(min=0)).squeeze(-1)
-            recorded[target_rows[emit], slot[emit]] = logps[emit]
-        live = ~finished
-        stats.forwards += 1
-        stats.row_forwards += int(live.sum())
-        stats.tokens += int(count.sum())
-        stats.drafted += int(counts[live].sum())
-        stats.accepted += int(accepted[live].sum())
+        _write(ids, real, recorded, lp, active, slot, step[None] < count[:, None], emitted, logits)
+        stats.add_forward(~finished, count, counts, accepted)
         length[active] += count
         keys[:, base:base + width + 1] = step[None] <= accepted[:, None]      # rejected: holes
         position = position + accepted[:, None] + 1
@@ -261,6 +220,85 @@ def speculative_decode(lean, first_logits: Tensor, cache, keys: Tensor, position
         out.logprobs = recorded[:, :out.ids.shape[1]] * out.mask
     out.speculation = stats
     return out
+
+
+def _contexts(prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int,
+              pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """Each row's context (N, Lp + max_new_tokens): its prompt, then room for the completion
+    (pad), and which of its tokens are real (the prompt's so far)."""
+    n, lp = prompt_ids.shape
+    context = torch.full((n, lp + max_new_tokens), pad_token_id, dtype=torch.long,
+                         device=prompt_ids.device)
+    context[:, :lp] = prompt_ids
+    real = torch.zeros(n, lp + max_new_tokens, dtype=torch.bool, device=prompt_ids.device)
+    real[:, :lp] = prompt_mask.bool()
+    return context, real
+
+
+def _first_token(first_logits: Tensor, greedy: bool, sampling: dict,
+                 generator: torch.Generator | None, recorded: Tensor | None) -> Tensor:
+    """The first token from the prefill's logits, as plain sampling draws it (its log-prob into
+    recorded[:, 0] when recording)."""
+    if greedy:
+        return first_logits.argmax(-1)
+    tok, logprobs = sample_logits(sampling_logits(first_logits, **sampling), generator,
+                                  logprobs=recorded is not None)
+    if recorded is not None:
+        recorded[:, 0] = logprobs
+    return tok
+
+
+def _emitted(drafts: Tensor, accepted: Tensor, nxt: Tensor, finished: Tensor, eos: Tensor,
+             pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """What each row emits after a verification: its accepted drafts then the next token
+    (m, width + 1), how many of them count (up to the first EOS; 0 for a finished row) and
+    whether it emitted an EOS."""
+    m, width = drafts.shape
+    emitted = torch.cat([drafts, drafts.new_full((m, 1), pad_token_id)], dim=1)
+    emitted[torch.arange(m, device=drafts.device), accepted] = nxt
+    step = torch.arange(width + 1, device=drafts.device)
+    is_eos = torch.isin(emitted, eos) & (step[None] <= accepted[:, None])
+    ended = is_eos.any(1)
+    count = torch.where(ended, is_eos.long().argmax(1) + 1, accepted + 1)   # up to the first EOS
+    return emitted, torch.where(finished, 0, count), ended
+
+
+def _write(ids: Tensor, real: Tensor, recorded: Tensor | None, lp: int, active: Tensor,
+           slot: Tensor, emit: Tensor, emitted: Tensor, logits: Tensor) -> None:
+    """Write the emitted tokens (m, width + 1; where `emit`) into rows `active` of the
+    completions at their slots, mark them real in the contexts (after the Lp prompt tokens) and,
+    when recording, their log-probs under the sampled-from logits."""
+    target_rows = active[:, None].expand_as(slot)
+    ids[target_rows[emit], slot[emit]] = emitted[emit]
+    real[target_rows[emit], lp + slot[emit]] = True
+    if recorded is not None:
+        logps = torch.log_softmax(logits, -1).gather(-1, emitted[..., None].clamp(min=0)).squeeze(-1)
+        recorded[target_rows[emit], slot[emit]] = logps[emit]
+
+
+def _verify(logits: Tensor, drafts: Tensor, counts: Tensor, greedy: bool, sampling: dict,
+            generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The policy's verdict on each row's drafts (m, width) from its logits (m, width + 1, V):
+    the logits as sampled from (transformed unless greedy), the drafts accepted per row and the
+    token after them (the policy's, or drawn from the residual distribution)."""
+    m, width = drafts.shape
+    rows = torch.arange(m, device=logits.device)
+    if greedy:
+        best = logits.argmax(-1)                                           # (m, width + 1)
+        accepted = accepted_drafts_greedy(best[:, :width], drafts, counts)
+        return logits, accepted, best[rows, accepted]
+    logits = sampling_logits(logits.flatten(0, 1).float(), **sampling).view(m, width + 1, -1)
+    probs = logits.softmax(-1)
+    draft_probs = probs[:, :width].gather(-1, drafts[..., None]).squeeze(-1)
+    uniforms = torch.rand(m, width, generator=generator,
+                          device=generator.device if generator is not None else logits.device
+                          ).to(logits.device)
+    accepted = accepted_drafts(draft_probs, counts, uniforms)
+    rejected = accepted < counts
+    at = drafts.gather(1, accepted.clamp(max=max(width - 1, 0))[:, None]).squeeze(1) \
+        if width else torch.zeros_like(accepted)
+    return logits, accepted, sample_categorical(residual_weights(probs[rows, accepted], at, rejected),
+                                                generator)
 
 
 @dataclass(frozen=True)
