@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import signal
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -46,6 +45,7 @@ from cppo.run import checkpoint as ckpt
 from cppo.run.batch import StepBatch, kept_batch
 from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
+from cppo.run.optimizer import advance_schedule, make_adamw, make_scheduler
 from cppo.run.metrics import Round, crossed, round_counts, round_metrics
 from cppo.run.signals import EXIT_CODES, stop_handlers, stop_request
 from cppo.run.saving import checkpoint_to_resume, load_run, save_run
@@ -100,10 +100,7 @@ class CPPOTrainer:
         self._check_batches()
         self.total_steps = self._total_steps()
         self.optimizer = make_adamw([p for p in self.policy.parameters() if p.requires_grad], args)
-        from transformers import get_scheduler
-        self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer,
-                                       num_warmup_steps=int(args.warmup_ratio * self.total_steps),
-                                       num_training_steps=self.total_steps)
+        self.scheduler = make_scheduler(self.optimizer, args, self.total_steps)
         self.questions = QuestionStream(len(self.task.train_rows), args.seed)
         self.output_dir = Path(args.output_dir)
         self.timer = PhaseTimer()
@@ -314,7 +311,7 @@ class CPPOTrainer:
         if args.beta == 0 and self.dist.all_zero(batch.advantages):   # the policy gradient is 0
             self.run_state.counters["skipped_steps"] += iterations
             self.run_state.step += iterations
-            self.advance_schedule(iterations)
+            advance_schedule(self.scheduler, iterations)
             return {"cppo/skipped": 1}
         batch = pad_rows(batch, self.dist)  # as many forward passes on every process
         with self.timer("logprobs"):
@@ -422,18 +419,11 @@ class CPPOTrainer:
                                sampler_corrected=batch.sampler_logps is not None)
         if self.dist.any(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))):
             self.optimizer.zero_grad(set_to_none=True)   # never apply a NaN/inf update
-            self.advance_schedule(1)                      # the schedule follows the step count
+            advance_schedule(self.scheduler, 1)                      # the schedule follows the step count
             return {**metrics, "nonfinite": True}
         self.optimizer.step()
         self.scheduler.step()
         return metrics
-
-    def advance_schedule(self, steps: int) -> None:
-        """Move the LR schedule on for steps that made no update (skipped or non-finite)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            for _ in range(steps):
-                self.scheduler.step()
 
     # ---------------------------------------------------------------- the loop --------------
     def train(self) -> dict:
@@ -664,20 +654,6 @@ class CPPOTrainer:
         if self.dist.is_main:
             write_summary(summary, self.output_dir, log.read() if log else [])
         return summary
-
-
-def make_adamw(parameters: list, args: CPPOConfig) -> torch.optim.AdamW:
-    """AdamW with the fused kernel where torch has one for these tensors (CPU and CUDA floats:
-    one kernel instead of a dozen ops per tensor), else the default implementation."""
-    kwargs = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                  eps=args.adam_epsilon, weight_decay=args.weight_decay)
-    fusable = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in parameters)
-    if fusable:
-        try:
-            return torch.optim.AdamW(parameters, fused=True, **kwargs)
-        except (RuntimeError, ValueError):
-            pass
-    return torch.optim.AdamW(parameters, **kwargs)
 
 
 def train(cfg: CPPOConfig) -> dict:
