@@ -28,11 +28,12 @@ from cppo.algorithm.advantages import round_advantages
 from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, add_micro_batch, empty_sums,
                                         entropy_bonus_on, micro_batch_loss, step_metrics)
 from cppo.algorithm.selection import GLOBAL_SCOPE, round_keep_mask, rule_traits
+from cppo.algorithm.allocation import total_steps
 from cppo.algorithm.two_stage import completions_to_keep
 from cppo.config import CPPOConfig
 from cppo.config.checks import check_generation_batch_size
 from cppo.data.questions import QuestionStream, draw_skipping, next_streaks
-from cppo.data.sources import TaskData, TaskSource, load_task, user_task
+from cppo.data.sources import run_task
 from cppo.errors import CallbackError, ConfigError
 from cppo.evaluate import evaluate, sampled_metrics
 from cppo.models.loading import frozen_copy, load_policy, torch_dtype
@@ -59,6 +60,7 @@ from cppo.sampling.sampler import chunk_seed, prompts_length
 from cppo.sampling.settings import SamplingSettings
 from cppo.sampling.tools import ToolContext, ToolLoop, rollout_function
 from cppo.sampling.vllm import vllm_engine_bytes
+
 __all__ = ["CPPOTrainer", "EXIT_CODES", "make_adamw", "train"]   # EXIT_CODES: for cppo.cli
 
 
@@ -85,7 +87,7 @@ class CPPOTrainer:
             built_in=args.lean_forward and not args.use_vllm and self.rollout_func is None,
             questions_per_step=self.plan.questions_per_step)
         warn_slow_precision(args, self.device)   # bf16 on a CPU without native bf16
-        self.task = self._load_data(train_dataset, eval_dataset)
+        self.task = run_task(args, self.tokenizer, train_dataset, eval_dataset)
         self.batch_sizes = self._plan_memory()   # how many completions fit at once, in each pass
         self.sampling = SamplingSettings.of(args)
         self.backend = make_backend(self.policy, self.tokenizer, args, sampling=self.sampling,
@@ -98,7 +100,9 @@ class CPPOTrainer:
                                     processing_classes=reward_processing_classes, device=self.device)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
         self._check_batches()
-        self.total_steps = self._total_steps()
+        self.total_steps = total_steps(args.max_steps, len(self.task.train_rows),
+                                       self.plan.questions_per_step * self.dist.world_size,
+                                       args.num_train_epochs, args.num_iterations)
         self.optimizer = make_adamw([p for p in self.policy.parameters() if p.requires_grad], args)
         self.scheduler = make_scheduler(self.optimizer, args, self.total_steps)
         self.questions = QuestionStream(len(self.task.train_rows), args.seed)
@@ -135,12 +139,6 @@ class CPPOTrainer:
         self.reference = self.engine.shard_reference(reference)   # copied before sharding
         torch.manual_seed(args.seed + self.dist.rank)  # dropout differs per process
 
-    def _load_data(self, train_dataset, eval_dataset) -> TaskData:
-        if train_dataset is None:
-            return load_task(TaskSource.of(self.args), tokenizer=self.tokenizer)
-        return user_task(train_dataset, eval_dataset, num_train_questions=self.args.num_train_questions,
-                         eval_num_questions=self.args.eval_num_questions)
-
     def _plan_memory(self):
         args, rows = self.args, self.task.train_rows
         prompt_length = args.max_prompt_length if args.max_prompt_length is not None else \
@@ -167,13 +165,6 @@ class CPPOTrainer:
         check_layout(generation_chunk_size=args.generation_chunk_size,
                      num_generations=args.num_generations,
                      questions_per_step=self.plan.questions_per_step, world_size=world)
-
-    def _total_steps(self) -> int:
-        if self.args.max_steps > 0:
-            return self.args.max_steps
-        questions_per_round = self.plan.questions_per_step * self.dist.world_size
-        per_epoch = math.ceil(len(self.task.train_rows) / questions_per_round)
-        return max(1, int(per_epoch * self.args.num_train_epochs) * self.args.num_iterations)
 
     # ---------------------------------------------------------------- one round -------------
     @property
@@ -419,7 +410,7 @@ class CPPOTrainer:
                                sampler_corrected=batch.sampler_logps is not None)
         if self.dist.any(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))):
             self.optimizer.zero_grad(set_to_none=True)   # never apply a NaN/inf update
-            advance_schedule(self.scheduler, 1)                      # the schedule follows the step count
+            advance_schedule(self.scheduler, 1)   # the schedule follows the step count
             return {**metrics, "nonfinite": True}
         self.optimizer.step()
         self.scheduler.step()

@@ -120,3 +120,13 @@ def plan_step(
 
     questions = _ceil(batch / (group_size * keep_fraction))
     return StepShape(questions, questions * group_size, batch, None)
+
+
+def total_steps(max_steps: int, num_rows: int, questions_per_round: int, num_train_epochs: float,
+                num_iterations: int) -> int:
+    """Optimizer steps of a run: max_steps when > 0, else num_train_epochs passes over num_rows
+    questions, questions_per_round a round (all processes'), num_iterations steps a round."""
+    if max_steps > 0:
+        return max_steps
+    per_epoch = math.ceil(num_rows / questions_per_round)
+    return max(1, int(per_epoch * num_train_epochs) * num_iterations)

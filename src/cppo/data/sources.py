@@ -214,3 +214,11 @@ def _eval_source(name: str, train_split: str, eval_split: str) -> str | None:
                    path.name.replace(train_split, eval_split) if train_split in path.name
                    else f"file named with {eval_split!r}")
     return None
+
+
+def run_task(args, tokenizer=None, train_dataset=None, eval_dataset=None) -> TaskData:
+    """A run's data: the trainer's train_dataset (and eval_dataset), else the config's dataset."""
+    if train_dataset is None:
+        return load_task(TaskSource.of(args), tokenizer=tokenizer)
+    return user_task(train_dataset, eval_dataset, num_train_questions=args.num_train_questions,
+                     eval_num_questions=args.eval_num_questions)
