@@ -157,7 +157,7 @@ def test_close_ends_the_engine_the_reward_workers_then_the_process_group(tiny_mo
     assert order == ["generation engine", "reward workers", "process group"]
 
 
-def test_update_changes_parameters_and_logs_trl_metrics(tiny_model_dir, tmp_path):
+def test_update_changes_parameters_and_logs_trl_metrics(tiny_model_dir, tmp_path, monkeypatch):
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, eval_steps=1)
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     from cppo.evaluate import evaluate
@@ -166,6 +166,14 @@ def test_update_changes_parameters_and_logs_trl_metrics(tiny_model_dir, tmp_path
                        max_new_tokens=trainer.args.max_completion_length,
                        max_prompt_length=trainer.args.max_prompt_length, progress=False,
                        batch_size=trainer.batch_sizes.evaluation)
+    import dataclasses
+    import cppo.trainer as trainer_module
+    measured, evaluate_now = [], trainer_module.evaluate
+
+    def numbered(*args, **kwargs):   # each evaluation's own accuracy: 0.1, 0.2, 0.3
+        measured.append(evaluate_now(*args, **kwargs))
+        return dataclasses.replace(measured[-1], greedy_accuracy=len(measured) / 10)
+    monkeypatch.setattr(trainer_module, "evaluate", numbered)
     summary = trainer.train()
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
     run = tmp_path / "run"
@@ -181,12 +189,11 @@ def test_update_changes_parameters_and_logs_trl_metrics(tiny_model_dir, tmp_path
     assert step["cppo/mean_abs_advantage_kept"] >= step["cppo/mean_abs_advantage_pruned"]
     assert (run / "reward.png").is_file() and (run / "accuracy.png").is_file()
     assert json.loads((run / "summary.json").read_text())["accuracy_before"] == summary["accuracy_before"]
-    # before: the untrained policy's greedy accuracy; after: the last evaluation's (step 2)
-    assert summary["accuracy_before"] == initial.greedy_accuracy
-    assert [(h["label"], h["step"]) for h in summary["history"]] == [("before", 0), ("step 1", 1),
-                                                                     ("step 2", 2)]
-    assert summary["accuracy_before"] == summary["history"][0]["accuracy"]
-    assert summary["accuracy_after"] == summary["history"][-1]["accuracy"]
+    # before: the first evaluation's, of the untrained policy; after: the last one's (step 2)
+    assert measured[0].greedy_accuracy == initial.greedy_accuracy
+    assert (summary["accuracy_before"], summary["accuracy_after"]) == (0.1, 0.3)
+    assert [(h["label"], h["step"], h["accuracy"]) for h in summary["history"]] == [
+        ("before", 0, 0.1), ("step 1", 1, 0.2), ("step 2", 2, 0.3)]
 
 
 @pytest.mark.parametrize("reward, message", [
