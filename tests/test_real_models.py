@@ -130,7 +130,7 @@ def test_accuracy_rewards_score_through_the_trainer(tiny_dirs, data, tmp_path, a
     width = max(map(len, ids))
     padded = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in ids])
     completions = Completions(padded, (padded != tok.pad_token_id).long(), torch.zeros(4, dtype=torch.bool))
-    rewards, means = trainer.score([row], completions)
+    rewards, _, means, _ = trainer.score([row], completions)
     assert rewards.tolist() == [[1.0, 0.0, 0.0, 0.0]]
     assert means[f"rewards/{accuracy}/mean"] == 0.25
 

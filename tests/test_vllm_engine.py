@@ -270,7 +270,7 @@ def test_cppo_train_with_vllm_three_steps_then_resume(tmp_path):
     assert "Traceback" not in first.stderr
     # generation_dtype 'auto' leaves vLLM's sampling alone (no bfloat16 copy of the policy)
     assert "generation_dtype: auto" not in first.stdout
-    assert yaml.safe_load((out / "config.yaml").read_text())["generation_dtype"] is None
+    assert yaml.safe_load((out / "config.yaml").read_text())["generation_dtype"] == "auto"   # as given
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
@@ -313,14 +313,14 @@ def test_min_p_and_repetition_penalty_sample_as_cppos_sampler(untied):
     must apply it the same way (cppo.sampling.logits follows transformers; vLLM its own code).
     A penalty below 1 rewards repeats: this random model then writes more than EOS."""
     from cppo.sampling.sampler import sample_completions
-    args = untied.backend.args
+    import dataclasses
+    args, before = untied.backend.args, untied.backend.sampling
     prompts = untied.prompts()
-    before = (args.min_p, args.repetition_penalty)
-    args.min_p, args.repetition_penalty = 1.0, 0.2
+    untied.backend.sampling = dataclasses.replace(before, min_p=1.0, repetition_penalty=0.2)
     try:
         out = untied.backend.generate(prompts, round_index=0)
     finally:
-        args.min_p, args.repetition_penalty = before
+        untied.backend.sampling = before
     ours = sample_completions(untied.model, prompts, num_generations=G, greedy=True,
                               repetition_penalty=0.2, max_new_tokens=args.max_completion_length,
                               eos_token_id=untied.tokenizer.eos_token_id,
@@ -379,9 +379,9 @@ def vllm_tool_trainer(engine, tmp_path, monkeypatch, reward_funcs, max_steps, **
     import cppo.trainer as trainer_module
     from cppo.trainer import CPPOTrainer
 
-    def engine_backend(model, tokenizer, args, chunk_size=None):
+    def engine_backend(model, tokenizer, args, chunk_size=None, sampling=None, generation_dtype=None):
         assert model is engine.model and args.use_vllm
-        engine.backend.args = args
+        engine.backend.args, engine.backend.sampling = args, sampling
         return engine.backend
     monkeypatch.setattr(trainer_module, "make_backend", engine_backend)
     args = CPPOConfig(use_vllm=True, output_dir=str(tmp_path / "run"), max_steps=max_steps,

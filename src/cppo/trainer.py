@@ -93,9 +93,6 @@ class CPPOTrainer:
         self.backend = make_backend(self.policy, self.tokenizer, args, sampling=self.sampling,
                                     chunk_size=args.generation_chunk_size or self.batch_sizes.generation,
                                     generation_dtype=self.generation_dtype)
-        self.generation = Generation(self.backend, self.tokenizer, self.engine, self.device,
-                                     self.dist.rank, args.num_generations, args.max_prompt_length,
-                                     args.seed)
         self.rewards = RewardRunner(funcs, weights,
                                     processing_classes=reward_processing_classes, device=self.device)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
@@ -167,6 +164,13 @@ class CPPOTrainer:
                      questions_per_step=self.plan.questions_per_step, world_size=world)
 
     # ---------------------------------------------------------------- one round -------------
+    @property
+    def generation(self) -> Generation:
+        """The generation stage on this run's backend (cppo.sampling.generation)."""
+        args = self.args
+        return Generation(self.backend, self.tokenizer, self.engine, self.device, self.dist.rank,
+                          args.num_generations, args.max_prompt_length, args.seed)
+
     @property
     def round_index(self) -> int:
         """Generation rounds done (each runs num_iterations optimizer steps); seeds sampling."""
