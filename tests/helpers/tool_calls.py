@@ -79,9 +79,9 @@ def script_first_turn(trainer) -> list[int]:
     loop, tok = trainer.rollout_func, trainer.tokenizer
     sample, calls = loop.sample, []
 
-    def scripted(trainer, contexts, num_generations, max_new_tokens, **kw):
+    def scripted(run, contexts, num_generations, max_new_tokens, **kw):   # run: a ToolContext
         calls.append(len(contexts))
-        turns, logprobs = sample(trainer, contexts, num_generations, max_new_tokens, **kw)
+        turns, logprobs = sample(run, contexts, num_generations, max_new_tokens, **kw)
         if len(calls) > 1:
             return turns, logprobs
         for i in range(0, len(turns), 2):
@@ -90,16 +90,17 @@ def script_first_turn(trainer) -> list[int]:
             call = f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
             turns[i] = tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             if logprobs is not None:
-                logprobs[i] = policy_logprobs(trainer, context, turns[i])
+                logprobs[i] = policy_logprobs(run, context, turns[i])
         return turns, logprobs
     loop.sample = scripted
     return calls
 
 
-def policy_logprobs(trainer, context: list[int], turn: list[int]) -> list[float]:
-    """The policy's log-prob of each token of `turn` after `context`, at the run's temperature."""
+def policy_logprobs(run, context: list[int], turn: list[int]) -> list[float]:
+    """The policy's log-prob of each token of `turn` after `context`, at the run's temperature
+    (run: the tool loop's ToolContext)."""
     from cppo.sampling.logprobs import completion_logprobs
     prompt, ids = torch.tensor([context]), torch.tensor([turn])
     with torch.no_grad():
-        return completion_logprobs(trainer.policy, prompt, torch.ones_like(prompt), ids,
-                                   torch.ones_like(ids), temperature=trainer.args.temperature)[0].tolist()
+        return completion_logprobs(run.policy, prompt, torch.ones_like(prompt), ids,
+                                   torch.ones_like(ids), temperature=run.sampling.temperature)[0].tolist()
