@@ -15,12 +15,10 @@ to a model, an optimizer, data, checkpoints and logs, and keeps the run's state 
 from __future__ import annotations
 
 import math
-import signal
 import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from cppo.algorithm import (adapted_entropy_coef, applied_entropy_coef, mix_into_reference,
                             recompute_advantages_on_kept)
@@ -37,9 +35,9 @@ from cppo.data.sources import run_task
 from cppo.errors import CallbackError, ConfigError
 from cppo.evaluate import evaluate, sampled_metrics
 from cppo.models.loading import frozen_copy, load_policy, torch_dtype
-from cppo.parallel.engines import Engine, check_layout, pad_rows, resolve_strategy
+from cppo.parallel.engines import Engine, pad_rows, resolve_strategy
 from cppo.parallel.hardware import run_dtypes, warn_slow_precision
-from cppo.parallel.memory import check_batch_settings, device_memory_bytes, plan_for_run
+from cppo.parallel.memory import check_run_batches, device_memory_bytes, plan_for_run
 from cppo.parallel.processes import Distributed, launcher_restarts
 from cppo.rewards.runner import RewardRunner, Scores, reward_sources
 from cppo.run import checkpoint as ckpt
@@ -47,9 +45,10 @@ from cppo.run.batch import StepBatch, kept_batch
 from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
 from cppo.run.optimizer import advance_schedule, make_adamw, make_scheduler
-from cppo.run.metrics import Round, crossed, round_counts, round_metrics
+from cppo.run.loop import record_evaluation, run_rounds
+from cppo.run.metrics import Round, round_counts, round_metrics
 from cppo.run.signals import EXIT_CODES, stop_handlers, stop_request
-from cppo.run.saving import checkpoint_to_resume, load_run, save_run
+from cppo.run.saving import checkpoint_to_resume, resume_run, save_run
 from cppo.run.summary import run_summary, write_summary
 from cppo.run.tracking import MetricsLog, MetricsWindow, PhaseTimer, check_report_to
 from cppo.sampling.backends import make_backend, speculation_slots
@@ -96,7 +95,8 @@ class CPPOTrainer:
         self.rewards = RewardRunner(funcs, weights,
                                     processing_classes=reward_processing_classes, device=self.device)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
-        self._check_batches()
+        check_run_batches(self.batch_sizes, args, self.plan.questions_per_step, self.dist.world_size,
+                          check_generation_batch_size)
         self.total_steps = total_steps(args.max_steps, len(self.task.train_rows),
                                        self.plan.questions_per_step * self.dist.world_size,
                                        args.num_train_epochs, args.num_iterations)
@@ -150,23 +150,9 @@ class CPPOTrainer:
             engine_bytes=vllm_engine_bytes(args, self.policy, self.device,
                                            device_memory_bytes(self.device)))
 
-    def _check_batches(self) -> None:
-        args, world = self.args, self.dist.world_size
-        check_batch_settings(self.batch_sizes,
-                             per_device_train_batch_size=args.per_device_train_batch_size,
-                             max_completion_length=args.max_completion_length,
-                             gradient_checkpointing=args.gradient_checkpointing,
-                             generation_chunk_size=None if args.use_vllm else args.generation_chunk_size)
-        check_generation_batch_size(args, completions_per_round=(
-            self.plan.questions_per_step * args.num_generations * world))
-        check_layout(generation_chunk_size=args.generation_chunk_size,
-                     num_generations=args.num_generations,
-                     questions_per_step=self.plan.questions_per_step, world_size=world)
-
     # ---------------------------------------------------------------- one round -------------
     @property
     def generation(self) -> Generation:
-        """The generation stage on this run's backend (cppo.sampling.generation)."""
         args = self.args
         return Generation(self.backend, self.tokenizer, self.engine, self.device, self.dist.rank,
                           args.num_generations, args.max_prompt_length, args.seed)
@@ -231,15 +217,13 @@ class CPPOTrainer:
         return self.generation.rollout(self.rollout_func, rows, self.round_index, caller)
 
     def generate_two_stage(self, rows: list[dict]) -> tuple[list[dict], PromptBatch, Completions, dict]:
-        """two_stage_generations (cppo.sampling.generation): the continued rows, their prompts,
-        G completions each, and the stage's counts."""
+        """The continued rows, their prompts, G completions each, and the stage's counts."""
         return self.generation.two_stage(
             rows, self.round_index, k=self.args.two_stage_generations,
             exploration=self.args.two_stage_exploration, dist=self.dist,
             score=lambda rows, completions, k: self.score(rows, completions, group_size=k).rewards)
 
     def tool_context(self) -> ToolContext:
-        """What the tool loop reads of this run, for this round."""
         args = self.args
         return ToolContext(self.tokenizer, self.policy, self.backend, self.device, self.sampling,
                            args.seed, args.num_generations, args.max_prompt_length,
@@ -276,21 +260,18 @@ class CPPOTrainer:
 
     def build_batch(self, prompts: PromptBatch, completions: Completions, advantages: torch.Tensor,
                     keep_mask: torch.Tensor) -> StepBatch:
-        """The kept completions' batch (cppo.run.batch.kept_batch)."""
         return kept_batch(prompts, completions, advantages, keep_mask,
                           num_generations=self.args.num_generations,
                           mask_truncated=self.args.mask_truncated_completions,
                           sampler_logprobs=self.args.importance_sampling_correction)
 
     def step_metrics(self, done: Round) -> dict:
-        """The round's metrics (cppo.run.metrics), rewards over every process's."""
         return round_metrics(done, self.dist.gather(done.scores.rewards),
                              scale_rewards=self.args.scale_rewards,
                              num_generations=self.args.num_generations,
                              two_stage_k=self.args.two_stage_generations)
 
     def _count(self, done: Round) -> None:
-        """Add the round to the run counters (num_tokens: every process's)."""
         counts = round_counts(done, num_generations=self.args.num_generations,
                               two_stage_k=self.args.two_stage_generations)
         counts["num_tokens"] = int(self.dist.sum(counts["num_tokens"]))
@@ -448,27 +429,7 @@ class CPPOTrainer:
                 log.close()   # also on an error: tracker writers flushed and stopped
 
     def _train_loop(self, log, resumed_from, start_wall: float) -> dict:
-        status = "completed"
-        bar = tqdm(total=self.total_steps, initial=self.run_state.step, desc="cppo train", unit="step",
-                   disable=not (self.args.progress_bar and self.dist.is_main), dynamic_ncols=True)
-        try:
-            while self.run_state.step < self.total_steps and status == "completed":
-                self.callbacks.event("on_step_begin")
-                round_start = time.perf_counter()
-                metrics = self.training_round()
-                self.run_state.train_seconds += time.perf_counter() - round_start
-                phases = self.timer.pop_last()
-                self._sync_callbacks()
-                self._log_step(log, metrics, phases, start_wall)
-                self.callbacks.event("on_step_end")
-                bar.update(self.run_state.step - bar.n)
-                bar.set_postfix(self._postfix(metrics), refresh=False)
-                status = self._after_step(log, start_wall)
-        except CallbackError:   # a callback raised: keep this step's parameters, then report it
-            self.save(start_wall)
-            raise
-        finally:
-            bar.close()
+        status = run_rounds(self, log, start_wall)   # cppo.run.loop
         self.save(start_wall, final=True)  # finite parameters: a NaN/inf update is never applied
         history = self.run_state.history
         if status == "completed" and (not history or history[-1]["step"] != self.run_state.step):
@@ -477,65 +438,13 @@ class CPPOTrainer:
         self.callbacks.event("on_train_end")
         return self._summary(status, start_wall, resumed_from, log)
 
-    def _after_step(self, log, start_wall: float) -> str:
-        """Stop, evaluate or save after a step: the run's status ("completed": go on)."""
-        args, state = self.args, self.run_state
-        if state.consecutive_nonfinite >= args.max_consecutive_nonfinite:
-            print(f"\nstopping: {state.consecutive_nonfinite} steps in a row had NaN/inf "
-                  f"loss or gradients (max_consecutive_nonfinite={args.max_consecutive_nonfinite}); "
-                  f"no NaN/inf update was applied, so the checkpoint written now (step "
-                  f"{state.step}) holds the last good parameters")
-            return "stopped_nonfinite"
-        asked_eval, asked_save = (self.dist.any(self.callbacks.take(flag))
-                                  for flag in ("should_evaluate", "should_save"))
-        if (args.eval_steps and self._crossed(args.eval_steps)) or asked_eval:
-            with self.engine.gathered():
-                self._evaluate(log, start_wall, label=f"step {state.step}")
-        stop = self.dist.max(int(self.stop_requested))   # all processes stop together
-        if stop:
-            return "terminated" if stop == signal.SIGTERM else "interrupted"
-        if self.dist.any(self.callbacks.control.should_training_stop):
-            return "stopped_by_callback"
-        if ((args.save_steps and self._crossed(args.save_steps)) or asked_save) \
-                and state.step < self.total_steps:   # the last step is saved below
-            self.save(start_wall)
-        return "completed"
-
-    def _crossed(self, every: int) -> bool:
-        return crossed(self.run_state.step, every, self.args.num_iterations)
-
     def _request_stop(self, signum, frame) -> None:
         """SIGINT / SIGTERM handler: the loop stops after this step (cppo.run.signals)."""
         self.stop_requested = stop_request(self.stop_requested, signum)
 
-    def _postfix(self, metrics: dict) -> dict:
-        post = {"reward": f"{metrics.get('reward', 0):.3f}",
-                "kept": metrics.get("cppo/completions_kept", 0)}
-        if self.run_state.history:
-            post["acc"] = f"{100 * self.run_state.history[-1]['accuracy']:.1f}%"
-        return post
-
     def _sync_callbacks(self) -> None:
         epoch = self.questions.epoch + self.questions.position / max(1, self.questions.num_rows)
         self.callbacks.sync(step=self.run_state.step, epoch=epoch, num_tokens=self.run_state.counters["num_tokens"])
-
-    def _log_step(self, log, metrics: dict, phases: dict, start_wall: float) -> None:
-        """Add the round's metrics to the window; at a logging step write the window's means."""
-        took = sum(phases.values()) or 1e-9
-        self.window.add({**metrics, **{f"timing/{k}": v for k, v in phases.items()},
-                         "throughput/tokens_per_s": metrics["completions/mean_length"]
-                         * metrics["cppo/completions_scored"] / took})
-        if not self.args.logging_steps or not self._crossed(self.args.logging_steps):
-            return
-        record = {"step": self.run_state.step, "wall_time": round(time.perf_counter() - start_wall, 3),
-                  **{k: round(v, 6) for k, v in self.window.flush().items()},
-                  "num_tokens": self.run_state.counters["num_tokens"],
-                  "cppo/skipped_steps": self.run_state.counters["skipped_steps"]}
-        if log is not None:
-            log.log(record)
-        if self.completions_log is not None:
-            self.completions_log.emit(self.run_state.step, log, print_table=True)
-        self.callbacks.log(record)
 
     # ---------------------------------------------------------------- evaluation ------------
     def _evaluate(self, log, start_wall: float, label: str) -> None:
@@ -550,15 +459,7 @@ class CPPOTrainer:
                               batch_size=self.batch_sizes.evaluation)
             sampled = self.sampled_eval_metrics(rows)
         self.timer.pop_last()
-        entry = {"step": self.run_state.step, "accuracy": result.greedy_accuracy,
-                 "wall_time": round(time.perf_counter() - start_wall, 3),
-                 "train_seconds": round(self.run_state.train_seconds, 3), "label": label}
-        self.run_state.history.append(entry)
-        if log is not None:
-            log.log({"step": self.run_state.step, "wall_time": entry["wall_time"],
-                     "train_seconds": entry["train_seconds"], "eval/accuracy": result.greedy_accuracy,
-                     **sampled})
-        self.callbacks.event("on_evaluate", metrics={"eval_accuracy": result.greedy_accuracy, **sampled})
+        record_evaluation(self, log, start_wall, label, result.greedy_accuracy, sampled)
 
     def sampled_eval_metrics(self, rows: list[dict]) -> dict:
         """TRL's evaluation: num_generations_eval completions per held-out question (None:
@@ -627,18 +528,9 @@ class CPPOTrainer:
         newest complete checkpoint in output_dir, if there is one (cppo.run.saving)."""
         latest = checkpoint_to_resume(self.output_dir, self.dist, resume=self.args.resume,
                                       restarts=launcher_restarts())
-        if latest is None:
-            return None
-        self.run_state = load_run(latest, model=self.policy, optimizer=self.optimizer,
-                                  scheduler=self.scheduler, engine=self.engine,
-                                  rank=self.dist.rank, device=self.device)
-        self.questions.load_state(self.run_state.questions)
-        if log is not None:
-            log.truncate_after(self.run_state.step)
-        if self.completions_log is not None:
-            self.completions_log.truncate_after(self.run_state.step)
-        print(f"resumed from {latest} at step {self.run_state.step}")
-        return str(latest)
+        if latest is not None:
+            self.run_state = resume_run(self, latest, log)
+        return None if latest is None else str(latest)
 
     def _summary(self, status: str, start_wall: float, resumed_from, log) -> dict:
         summary = run_summary(status, run_state=self.run_state,

@@ -246,6 +246,23 @@ def check_batch_settings(sizes: BatchSizes, *, per_device_train_batch_size: int,
             f"{sizes.generation}, or None to use the largest that fits")
 
 
+def check_run_batches(sizes: BatchSizes, args, questions_per_step: int, world_size: int,
+                      check_generation_batch_size) -> None:
+    """A run's batch settings against what fits (check_batch_settings), the config's generation
+    batch against the round's completions (`check_generation_batch_size`, the config's check) and
+    the chunks against the processes' questions (cppo.parallel.engines.check_layout)."""
+    from cppo.parallel.engines import check_layout
+    check_batch_settings(sizes, per_device_train_batch_size=args.per_device_train_batch_size,
+                         max_completion_length=args.max_completion_length,
+                         gradient_checkpointing=args.gradient_checkpointing,
+                         generation_chunk_size=None if args.use_vllm else args.generation_chunk_size)
+    check_generation_batch_size(args, completions_per_round=(
+        questions_per_step * args.num_generations * world_size))
+    check_layout(generation_chunk_size=args.generation_chunk_size,
+                 num_generations=args.num_generations, questions_per_step=questions_per_step,
+                 world_size=world_size)
+
+
 def plan_for_run(policy, reference, device, *, prompt_length: int,
                  max_completion_length: int, num_generations: int, generation_dtype: str | None,
                  bf16: bool, gradient_checkpointing: bool, memory_budget_gib: float | None,

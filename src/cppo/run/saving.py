@@ -68,3 +68,18 @@ def load_run(latest: Path, *, model, optimizer, scheduler, engine, rank: int,
     if "cuda" in rng and device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"], device)
     return ckpt.RunState.from_dict(ckpt.load_trainer_state(latest))
+
+
+def resume_run(trainer, latest: Path, log):
+    """Load checkpoint `latest` into the trainer's model, optimizer, schedule, RNG and question
+    stream; cut the metrics log and the completions table back to its step. Returns its run state."""
+    state = load_run(latest, model=trainer.policy, optimizer=trainer.optimizer,
+                     scheduler=trainer.scheduler, engine=trainer.engine, rank=trainer.dist.rank,
+                     device=trainer.device)
+    trainer.questions.load_state(state.questions)
+    if log is not None:
+        log.truncate_after(state.step)
+    if trainer.completions_log is not None:
+        trainer.completions_log.truncate_after(state.step)
+    print(f"resumed from {latest} at step {state.step}")
+    return state
