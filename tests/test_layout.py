@@ -185,13 +185,23 @@ def named_files(text: str) -> set[str]:
     return set(re.findall(r"(?<![/\w])([\w-]+\.(?:py|sh))\b", text))
 
 
+def git_ignored(path: Path) -> bool:
+    """True when git ignores `path` in this checkout (False outside a git checkout)."""
+    import subprocess
+    try:
+        return subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=ROOT).returncode == 0
+    except OSError:
+        return False
+
+
 def test_readme_layout_names_every_folder_benchmark_doc_and_script():
     """After the package tree the layout lists the repository's folders, and for benchmarks/,
     docs/ and scripts/ exactly the programs, pages and scripts there: no name missing, none
     extra."""
     entries = layout_folders(layout_block())
     folders = {f"{p.name}/" for p in ROOT.iterdir()
-               if p.is_dir() and not p.name.startswith(".") and p.name != "src"}
+               if p.is_dir() and not p.name.startswith(".") and p.name != "src"
+               and not git_ignored(p)}   # runs/, gpu_wheels/: a user's, not the layout's
     assert set(entries) == folders
     bench = ROOT / "benchmarks"
     assert named_files(entries["benchmarks/"]) == {p.name for p in bench.iterdir()
