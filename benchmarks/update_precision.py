@@ -73,7 +73,7 @@ def measure(name: str, model: str | None, rows, batch: int, repeats: int) -> dic
         return out
     trainer.update = timed_update
     for i in range(2 * repeats + 2):                    # rounds 0 and 1 warm up, one of each
-        current["dtype"] = trainer.matmul_dtype = (None, "bfloat16")[i % 2]
+        current["dtype"] = trainer.learner.matmul_dtype = (None, "bfloat16")[i % 2]
         with contextlib.redirect_stdout(io.StringIO()):
             trainer.training_round()
     for dtype in seconds:

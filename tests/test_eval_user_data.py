@@ -16,7 +16,7 @@ def test_trainer_evaluates_with_the_reward_passed_in(tiny_model_dir, tmp_path):
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", reward=always_right, eval_num_questions=3)
     assert trainer.args.reward_funcs == ["arithmetic"]
     seen.clear()
-    trainer._evaluate(None, 0.0, label="before")
+    trainer.held_out_evaluation(None, 0.0, label="before")
     assert seen == [3]
     assert trainer.run_state.history[-1]["accuracy"] == 1.0
 

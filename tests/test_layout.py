@@ -92,7 +92,7 @@ def test_the_circle_finder_finds_one(tmp_path):
 # The floors, bottom up: a room imports only rooms on lower floors (and itself), so no import
 # runs back up. errors imports nothing; algorithm and eca are pure; the user's modules on top.
 FLOORS = [{"errors"}, {"algorithm", "eca"}, {"models"}, {"run"}, {"parallel"}, {"sampling"},
-          {"rewards"}, {"data"}, {"config"}, {"evaluate"}, {"pretrain", "trainer"}, {"cli"},
+          {"rewards"}, {"data"}, {"config"}, {"learning"}, {"evaluate"}, {"pretrain", "trainer"}, {"cli"},
           {"cppo"}]
 
 

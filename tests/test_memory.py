@@ -118,7 +118,7 @@ def test_trainer_uses_the_budget_for_generation_and_evaluation(tiny_model_dir, t
         seen.update(kw)
         return evaluate(*args, **kw)
     monkeypatch.setattr(trainer_module, "evaluate", spy_eval)
-    trainer._evaluate(None, 0.0, label="before")
+    trainer.held_out_evaluation(None, 0.0, label="before")
     assert seen["batch_size"] == trainer.batch_sizes.evaluation < 4096
 
 

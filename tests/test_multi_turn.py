@@ -87,7 +87,7 @@ def calculator_rollout(prompts, trainer):
 @pytest.mark.parametrize("lean", [True, False])
 def test_calculator_rollouts_train_with_tool_tokens_out_of_the_loss(tiny_model_dir, tmp_path,
                                                                     monkeypatch, lean):
-    import cppo.trainer as trainer_module
+    import cppo.learning.update as update_module
     import cppo.algorithm.micro_batch as micro_batch
     seen_columns, rollouts, batches, loss_masks, attended = [], [], [], [], []
 
@@ -105,7 +105,7 @@ def test_calculator_rollouts_train_with_tool_tokens_out_of_the_loss(tiny_model_d
     trainer.rollout_func = rollout
     build = trainer.build_batch
     trainer.build_batch = lambda *a, **kw: batches.append(build(*a, **kw)) or batches[-1]
-    policy_loss, logprobs = micro_batch.per_token_policy_loss, trainer_module.completion_logprobs
+    policy_loss, logprobs = micro_batch.per_token_policy_loss, update_module.completion_logprobs
 
     def spy_loss(*a, completion_mask=None, **kw):
         loss_masks.append(completion_mask.clone())
@@ -115,7 +115,7 @@ def test_calculator_rollouts_train_with_tool_tokens_out_of_the_loss(tiny_model_d
         attended.append(completion_mask.clone())
         return logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, **kw)
     monkeypatch.setattr(micro_batch, "per_token_policy_loss", spy_loss)
-    monkeypatch.setattr(trainer_module, "completion_logprobs", spy_logprobs)
+    monkeypatch.setattr(update_module, "completion_logprobs", spy_logprobs)
     trainer.train()
 
     assert len(rollouts) == 2 and all(len(r["prompt_ids"]) == 16 for r in rollouts)  # 4 q x G 4

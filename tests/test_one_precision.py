@@ -6,7 +6,7 @@ policy is exactly 0."""
 import pytest
 import torch
 
-import cppo.trainer as trainer_module
+import cppo.learning.update as update_module
 
 import cppo.algorithm.micro_batch as micro_batch
 from helpers import make_trainer
@@ -51,9 +51,9 @@ def test_bf16_passes_differ_from_fp32_ones(tiny_model_dir, tmp_path):
                            eval_num_questions=1, save_steps=0)
     batch = _one_batch(trainer)
     with torch.no_grad():
-        fp32 = trainer.logprobs(trainer.policy, batch)
-        with trainer.autocast():
-            bf16 = trainer.logprobs(trainer.policy, batch)
+        fp32 = trainer.learner.logprobs(trainer.policy, batch)
+        with trainer.learner.autocast():
+            bf16 = trainer.learner.logprobs(trainer.policy, batch)
     assert not torch.equal(fp32, bf16)
 
 
@@ -62,22 +62,22 @@ def test_matmul_dtype_passes_differ_from_fp32_ones_and_reach_every_pass(tiny_mod
     """matmul_dtype bfloat16 changes the policy's log-probs (so the check above is not empty), and
     the trainer asks for it in the policy's and the reference's passes alike."""
     asked = []
-    logprobs_of = trainer_module.completion_logprobs
+    logprobs_of = update_module.completion_logprobs
 
     def spy(model, *args, **kw):
         asked.append(kw.get("matmul_dtype"))
         return logprobs_of(model, *args, **kw)
-    monkeypatch.setattr(trainer_module, "completion_logprobs", spy)
+    monkeypatch.setattr(update_module, "completion_logprobs", spy)
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=1, beta=0.04,
                            matmul_dtype="bfloat16", eval_num_questions=1, save_steps=0)
     batch = _one_batch(trainer)
     with torch.no_grad():
-        bf16 = trainer.logprobs(trainer.policy, batch)
-        trainer.matmul_dtype = None
-        fp32 = trainer.logprobs(trainer.policy, batch)
+        bf16 = trainer.learner.logprobs(trainer.policy, batch)
+        trainer.learner.matmul_dtype = None
+        fp32 = trainer.learner.logprobs(trainer.policy, batch)
     assert not torch.equal(fp32, bf16)
     torch.testing.assert_close(bf16, fp32, atol=0.05, rtol=0)   # rounding, not another function
-    trainer.matmul_dtype = "bfloat16"
+    trainer.learner.matmul_dtype = "bfloat16"
     asked.clear()
     trainer.training_round()
     assert len(asked) >= 2 and set(asked) == {torch.bfloat16}   # reference and policy passes

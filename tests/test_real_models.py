@@ -186,8 +186,8 @@ def test_lora_reference_is_the_base_and_only_adapters_train(tiny_dirs, data, tmp
     base = load_model(tiny_dirs[arch]).eval()
     batch = seen[-1]
     with torch.no_grad():
-        expected = trainer.logprobs(base, batch)
-        policy_now = trainer.logprobs(trainer.policy.eval(), batch)
+        expected = trainer.learner.logprobs(base, batch)
+        policy_now = trainer.learner.logprobs(trainer.policy.eval(), batch)
     torch.testing.assert_close(batch.ref_logps, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(policy_now, expected, atol=1e-4)
 

@@ -222,7 +222,7 @@ def test_bfloat16_sampling_records_logprobs_and_reweights_the_loss(tiny_model_di
     assert (completions.logprobs[completions.mask == 0] == 0).all()
     assert (completions.logprobs[completions.mask == 1] < 0).all()
     # the bfloat16 sampler's log-probs are close to, but not exactly, the float32 policy's
-    policy = trainer.logprobs(trainer.policy, trainer.build_batch(
+    policy = trainer.learner.logprobs(trainer.policy, trainer.build_batch(
         prompts, completions, torch.ones(2, 4), torch.ones(2, 4, dtype=torch.bool)))
     valid = completions.mask.bool()
     difference = (policy - completions.logprobs).abs()[valid]
@@ -376,7 +376,7 @@ def test_importance_weights_scale_the_loss_and_its_gradient(tiny_model_dir, tmp_
     advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.25, -0.25, 1.0, -1.0]])
     batch = trainer.build_batch(prompts, completions, advantages, torch.ones(2, 4, dtype=torch.bool))
     with torch.no_grad():
-        policy_logps = trainer.logprobs(trainer.policy, batch)
+        policy_logps = trainer.learner.logprobs(trainer.policy, batch)
     reweighted = dataclasses.replace(batch, sampler_logps=policy_logps - math.log(2.0))
     start = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
     plain = trainer.update(batch)

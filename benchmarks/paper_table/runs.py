@@ -68,7 +68,7 @@ def probe_seconds(args, rows: list[Row], seeds: list[int], runs_dir: Path
             per_round = (time.perf_counter() - start) / timed_rounds
             if eval_seconds is None:
                 start = time.perf_counter()
-                trainer._evaluate(None, start, label="probe")
+                trainer.held_out_evaluation(None, start, label="probe")
                 eval_seconds = time.perf_counter() - start
         steps = math.ceil(args.train_questions / trainer.plan.questions_per_step)
         row_training = steps * per_round * len(seeds)

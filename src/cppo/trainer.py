@@ -8,13 +8,13 @@ One round reads top to bottom (`training_round`), each stage a function of the v
 
 Pruning happens right after scoring, before any policy, old-policy or reference forward pass, so
 those passes see only the kept rows. The stages live in their rooms (cppo.data.questions,
-cppo.sampling.generation, cppo.rewards.runner, cppo.algorithm, cppo.run); this file wires them
-to a model, an optimizer, data, checkpoints and logs, and keeps the run's state in one place.
+cppo.sampling.generation, cppo.rewards.runner, cppo.algorithm, cppo.learning, cppo.run); this
+file wires them to a model, an optimizer, data, checkpoints and logs, and keeps the run's state
+in one place.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -23,8 +23,6 @@ import torch
 from cppo.algorithm import (adapted_entropy_coef, applied_entropy_coef, mix_into_reference,
                             recompute_advantages_on_kept)
 from cppo.algorithm.advantages import round_advantages
-from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, add_micro_batch, empty_sums,
-                                        entropy_bonus_on, micro_batch_loss, step_metrics)
 from cppo.algorithm.selection import GLOBAL_SCOPE, round_keep_mask, rule_traits
 from cppo.algorithm.allocation import total_steps
 from cppo.algorithm.two_stage import completions_to_keep
@@ -34,7 +32,7 @@ from cppo.data.questions import QuestionStream, draw_skipping, next_streaks
 from cppo.data.sources import run_task
 from cppo.errors import CallbackError, ConfigError
 from cppo.evaluate import evaluate, sampled_metrics
-from cppo.models.loading import frozen_copy, load_policy, torch_dtype
+from cppo.models.loading import frozen_copy, load_policy
 from cppo.parallel.engines import Engine, pad_rows, resolve_strategy
 from cppo.parallel.hardware import run_dtypes, warn_slow_precision
 from cppo.parallel.memory import check_run_batches, device_memory_bytes, plan_for_run
@@ -54,11 +52,11 @@ from cppo.run.tracking import MetricsLog, MetricsWindow, PhaseTimer, check_repor
 from cppo.sampling.backends import make_backend, speculation_slots
 from cppo.sampling.batches import Completions, PromptBatch
 from cppo.sampling.generation import Generation
-from cppo.sampling.logprobs import completion_logprobs
 from cppo.sampling.sampler import chunk_seed, prompts_length
 from cppo.sampling.settings import SamplingSettings
 from cppo.sampling.tools import ToolContext, ToolLoop, rollout_function
 from cppo.sampling.vllm import vllm_engine_bytes
+from cppo.learning.update import Learner
 
 __all__ = ["CPPOTrainer", "EXIT_CODES", "make_adamw", "train"]   # EXIT_CODES: for cppo.cli
 
@@ -102,6 +100,8 @@ class CPPOTrainer:
                                        args.num_train_epochs, args.num_iterations)
         self.optimizer = make_adamw([p for p in self.policy.parameters() if p.requires_grad], args)
         self.scheduler = make_scheduler(self.optimizer, args, self.total_steps)
+        self.learner = Learner(self.policy, self.reference, self.engine, self.dist, self.optimizer,
+                               self.scheduler, args, self.device, self.matmul_dtype)
         self.questions = QuestionStream(len(self.task.train_rows), args.seed)
         self.output_dir = Path(args.output_dir)
         self.timer = PhaseTimer()
@@ -311,35 +311,14 @@ class CPPOTrainer:
         return metrics
 
     # ---------------------------------------------------------------- the update ------------
-    def logprobs(self, model, batch: StepBatch, entropies: list | None = None) -> torch.Tensor:
-        if len(batch) == 0:  # global selection can leave a process nothing to train on
-            return batch.completion_ids.new_zeros(batch.completion_ids.shape, dtype=torch.float32)
-        return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                   batch.completion_mask, temperature=self.args.temperature,
-                                   batch_size=self.args.per_device_train_batch_size,
-                                   lean=self.args.lean_forward, entropies=entropies,
-                                   entropy_grad=entropies is not None and entropy_bonus_on(self.args),
-                                   matmul_dtype=torch_dtype(self.matmul_dtype))
-
-    def autocast(self):
-        """The one precision of every pass of a step (old policy, reference, policy): bf16
-        autocast when `bf16` is on, so the first iteration's ratio is exactly 1."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16)
-
     @torch.no_grad()
     def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
-        """Old-policy log-probs (once per generation batch, when mu > 1) and reference ones."""
-        with self.autocast():
-            if self.args.num_iterations > 1:
-                self.policy.eval()
-                batch.old_logps = self.logprobs(self.policy, batch)
-                self.policy.train()
-            if self.args.beta > 0:
-                if self.reference is not None:
-                    batch.ref_logps = self.logprobs(self.reference, batch)
-                else:  # LoRA: the base model with adapters disabled is the reference
-                    with self.policy.disable_adapter():
-                        batch.ref_logps = self.logprobs(self.policy, batch)
+        """Old-policy (num_iterations > 1) and reference (beta > 0) log-probs (cppo.learning)."""
+        self.learner.fill_old_and_ref_logprobs(batch)
+
+    def update(self, batch: StepBatch) -> dict:
+        """One optimizer step over the kept batch (cppo.learning.update.Learner.step)."""
+        return self.learner.step(batch, self.entropy_coef_now(), self.adapt_entropy_coef)
 
     def entropy_coef_now(self) -> float:
         """The coefficient this step applies (adaptive: gated by the last step's entropy)."""
@@ -359,48 +338,6 @@ class CPPOTrainer:
         state.last_world_entropy = entropy
         return state.entropy_coef
 
-    def update(self, batch: StepBatch) -> dict:
-        """One optimizer step over the kept batch: the micro-batches' losses
-        (cppo.algorithm.micro_batch) backward in turn (gradient accumulation), then the step."""
-        args, world = self.args, self.dist.world_size
-        total_sequences = self.dist.sum(len(batch) - batch.filler_rows)
-        total_tokens = self.dist.sum(int(batch.loss_mask.sum()))
-        self.optimizer.zero_grad(set_to_none=True)
-        totals = empty_sums()
-        coef = self.entropy_coef_now() if entropy_bonus_on(args) else 0.0
-        num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
-        # gradients are reduced by the engine once per step, in the last micro-batch's backward
-        for micro in self.engine.accumulate(batch.micro_batches(args.per_device_train_batch_size)):
-            entropies = []
-            with self.autocast():
-                logps = self.engine.forward(self.logprobs, micro, entropies)
-            loss, part = micro_batch_loss(logps, entropies, micro, args, entropy_coef=coef,
-                                          total_sequences=total_sequences,
-                                          total_tokens=total_tokens, num_micro=num_micro)
-            loss = loss * world   # the engines average gradients over processes
-            loss.backward()
-            add_micro_batch(totals, {**part, "loss": loss.item() / world})
-        with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
-                     if p.grad is not None]
-        grad_norm = self.engine.clip_grad_norm(  # max_norm inf: measure, don't clip
-            with_grad, args.max_grad_norm if args.max_grad_norm > 0 else math.inf) if with_grad else 0.0
-        totals = {**self.dist.sum_values({k: totals[k] for k in SUM_KEYS}),   # the global batch's
-                  **(self.dist.max_values({k: totals[k] for k in MAX_KEYS})
-                     if batch.sampler_logps is not None else {})}
-        if args.use_adaptive_entropy:   # the whole step's tokens, every process's (TRL)
-            coef = self.adapt_entropy_coef(totals["bonus_entropy"] / max(totals["bonus_tokens"], 1.0))
-        metrics = step_metrics(totals, args, grad_norm=grad_norm,
-                               learning_rate=self.scheduler.get_last_lr()[0],
-                               entropy_coef=coef if entropy_bonus_on(args) else None,
-                               sampler_corrected=batch.sampler_logps is not None)
-        if self.dist.any(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))):
-            self.optimizer.zero_grad(set_to_none=True)   # never apply a NaN/inf update
-            advance_schedule(self.scheduler, 1)   # the schedule follows the step count
-            return {**metrics, "nonfinite": True}
-        self.optimizer.step()
-        self.scheduler.step()
-        return metrics
-
     # ---------------------------------------------------------------- the loop --------------
     def train(self) -> dict:
         args = self.args
@@ -412,7 +349,7 @@ class CPPOTrainer:
         if self.dist.is_main:
             args.to_yaml(self.output_dir / "config.yaml")
         start_wall = time.perf_counter() - self.run_state.wall_offset
-        self._sync_callbacks()
+        self.sync_callbacks()
         try:
             self.callbacks.event("on_train_begin")
         except CallbackError:
@@ -420,7 +357,7 @@ class CPPOTrainer:
             raise
         if not self.run_state.history:
             with self.engine.gathered():   # fsdp: every process gathers, rank 0 evaluates
-                self._evaluate(log, start_wall, label="before")
+                self.held_out_evaluation(log, start_wall, label="before")
         try:   # a signal from here to the end only asks to stop (cppo.run.signals)
             with stop_handlers(self._request_stop):
                 return self._train_loop(log, resumed_from, start_wall)
@@ -434,7 +371,7 @@ class CPPOTrainer:
         history = self.run_state.history
         if status == "completed" and (not history or history[-1]["step"] != self.run_state.step):
             with self.engine.gathered():
-                self._evaluate(log, start_wall, label="after")
+                self.held_out_evaluation(log, start_wall, label="after")
         self.callbacks.event("on_train_end")
         return self._summary(status, start_wall, resumed_from, log)
 
@@ -442,12 +379,12 @@ class CPPOTrainer:
         """SIGINT / SIGTERM handler: the loop stops after this step (cppo.run.signals)."""
         self.stop_requested = stop_request(self.stop_requested, signum)
 
-    def _sync_callbacks(self) -> None:
+    def sync_callbacks(self) -> None:
         epoch = self.questions.epoch + self.questions.position / max(1, self.questions.num_rows)
         self.callbacks.sync(step=self.run_state.step, epoch=epoch, num_tokens=self.run_state.counters["num_tokens"])
 
     # ---------------------------------------------------------------- evaluation ------------
-    def _evaluate(self, log, start_wall: float, label: str) -> None:
+    def held_out_evaluation(self, log, start_wall: float, label: str) -> None:
         rows = self.task.eval_rows
         if not rows or not self.dist.is_main:
             return

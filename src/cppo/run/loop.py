@@ -28,7 +28,7 @@ def run_rounds(trainer, log, start_wall: float) -> str:
             metrics = trainer.training_round()
             trainer.run_state.train_seconds += time.perf_counter() - round_start
             phases = trainer.timer.pop_last()
-            trainer._sync_callbacks()
+            trainer.sync_callbacks()
             log_round(trainer, log, metrics, phases, start_wall)
             trainer.callbacks.event("on_step_end")
             bar.update(trainer.run_state.step - bar.n)
@@ -55,7 +55,7 @@ def after_round(trainer, log, start_wall: float) -> str:
                               for flag in ("should_evaluate", "should_save"))
     if (args.eval_steps and crossed(state.step, args.eval_steps, args.num_iterations)) or asked_eval:
         with trainer.engine.gathered():
-            trainer._evaluate(log, start_wall, label=f"step {state.step}")
+            trainer.held_out_evaluation(log, start_wall, label=f"step {state.step}")
     stop = dist.max(int(trainer.stop_requested))   # all processes stop together
     if stop:
         return "terminated" if stop == signal.SIGTERM else "interrupted"

@@ -1,0 +1,1 @@
+"""The update stage: log-probs of the kept completions and the optimizer step."""

@@ -1,0 +1,115 @@
+"""The update stage of a round: log-probs of the kept completions and one optimizer step.
+
+`Learner` holds what a step touches (policy, reference, engine, optimizer, schedule) and nothing
+that changes between steps: the run's counters stay with the trainer, and the step's entropy
+coefficient comes in as a value. The loss of a micro-batch and its statistics are pure tensor code
+in cppo.algorithm.micro_batch; here they meet the model, the engine and the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, add_micro_batch, empty_sums,
+                                        entropy_bonus_on, micro_batch_loss, step_metrics)
+from cppo.models.loading import torch_dtype
+from cppo.run.batch import StepBatch
+from cppo.run.optimizer import advance_schedule
+from cppo.sampling.logprobs import completion_logprobs
+
+
+class Learner:
+    """Log-probs under the policy, old policy and reference, and the optimizer step."""
+
+    def __init__(self, policy, reference, engine, dist, optimizer, scheduler, args,
+                 device: torch.device, matmul_dtype: str | None) -> None:
+        self.policy, self.reference, self.engine, self.dist = policy, reference, engine, dist
+        self.optimizer, self.scheduler, self.args = optimizer, scheduler, args
+        self.device, self.matmul_dtype = device, matmul_dtype   # a dtype name or None
+
+    def logprobs(self, model, batch: StepBatch, entropies: list | None = None) -> torch.Tensor:
+        """(B, C) log-probs of the completion tokens under `model`; with `entropies`, each
+        micro-batch's (B_micro, C) entropies are appended to it."""
+        if len(batch) == 0:  # global selection can leave a process nothing to train on
+            return batch.completion_ids.new_zeros(batch.completion_ids.shape, dtype=torch.float32)
+        args = self.args
+        return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                   batch.completion_mask, temperature=args.temperature,
+                                   batch_size=args.per_device_train_batch_size,
+                                   lean=args.lean_forward, entropies=entropies,
+                                   entropy_grad=entropies is not None and entropy_bonus_on(args),
+                                   matmul_dtype=torch_dtype(self.matmul_dtype))
+
+    def autocast(self):
+        """The one precision of every pass of a step (old policy, reference, policy): bf16
+        autocast when `bf16` is on, so the first iteration's ratio is exactly 1."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16)
+
+    @torch.no_grad()
+    def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
+        """Old-policy log-probs (once per generation batch, when mu > 1) and reference ones."""
+        with self.autocast():
+            if self.args.num_iterations > 1:
+                self.policy.eval()
+                batch.old_logps = self.logprobs(self.policy, batch)
+                self.policy.train()
+            if self.args.beta > 0:
+                if self.reference is not None:
+                    batch.ref_logps = self.logprobs(self.reference, batch)
+                else:  # LoRA: the base model with adapters disabled is the reference
+                    with self.policy.disable_adapter():
+                        batch.ref_logps = self.logprobs(self.policy, batch)
+
+    def step(self, batch: StepBatch, entropy_coef: float,
+             adapt_entropy_coef: Callable[[float], float]) -> dict:
+        """One optimizer step over the kept batch: the micro-batches' losses backward in turn
+        (gradient accumulation), then the step; never a NaN/inf one ("nonfinite": True then).
+        `adapt_entropy_coef(step entropy)` returns the next coefficient (adaptive control)."""
+        args = self.args
+        self.optimizer.zero_grad(set_to_none=True)
+        coef = entropy_coef if entropy_bonus_on(args) else 0.0
+        totals = self.backward(batch, coef)
+        with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
+                     if p.grad is not None]
+        grad_norm = self.engine.clip_grad_norm(  # max_norm inf: measure, don't clip
+            with_grad, args.max_grad_norm if args.max_grad_norm > 0 else math.inf) if with_grad else 0.0
+        totals = {**self.dist.sum_values({k: totals[k] for k in SUM_KEYS}),   # the global batch's
+                  **(self.dist.max_values({k: totals[k] for k in MAX_KEYS})
+                     if batch.sampler_logps is not None else {})}
+        if args.use_adaptive_entropy:   # the whole step's tokens, every process's (TRL)
+            coef = adapt_entropy_coef(totals["bonus_entropy"] / max(totals["bonus_tokens"], 1.0))
+        metrics = step_metrics(totals, args, grad_norm=grad_norm,
+                               learning_rate=self.scheduler.get_last_lr()[0],
+                               entropy_coef=coef if entropy_bonus_on(args) else None,
+                               sampler_corrected=batch.sampler_logps is not None)
+        if self.dist.any(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))):
+            self.optimizer.zero_grad(set_to_none=True)   # never apply a NaN/inf update
+            advance_schedule(self.scheduler, 1)   # the schedule follows the step count
+            return {**metrics, "nonfinite": True}
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics
+
+    def backward(self, batch: StepBatch, entropy_coef: float) -> dict:
+        """Each micro-batch's loss backward (cppo.algorithm.micro_batch); the step's sums of
+        this process (SUM_KEYS, MAX_KEYS)."""
+        args, world = self.args, self.dist.world_size
+        total_sequences = self.dist.sum(len(batch) - batch.filler_rows)
+        total_tokens = self.dist.sum(int(batch.loss_mask.sum()))
+        totals = empty_sums()
+        num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
+        # gradients are reduced by the engine once per step, in the last micro-batch's backward
+        for micro in self.engine.accumulate(batch.micro_batches(args.per_device_train_batch_size)):
+            entropies = []
+            with self.autocast():
+                logps = self.engine.forward(self.logprobs, micro, entropies)
+            loss, part = micro_batch_loss(logps, entropies, micro, args, entropy_coef=entropy_coef,
+                                          total_sequences=total_sequences,
+                                          total_tokens=total_tokens, num_micro=num_micro)
+            loss = loss * world   # the engines average gradients over processes
+            loss.backward()
+            add_micro_batch(totals, {**part, "loss": loss.item() / world})
+        return totals
