@@ -49,6 +49,7 @@ from cppo.run.signals import EXIT_CODES, stop_handlers, stop_request
 from cppo.run.saving import checkpoint_to_resume, resume_run, save_run
 from cppo.run.summary import run_summary, write_summary
 from cppo.run.tracking import MetricsLog, MetricsWindow, PhaseTimer, check_report_to
+from cppo.sampling.async_rollout import RolloutScheduler, start_rollouts
 from cppo.sampling.backends import make_backend, speculation_slots
 from cppo.sampling.batches import Completions, PromptBatch
 from cppo.sampling.generation import Generation
@@ -107,6 +108,7 @@ class CPPOTrainer:
         self.timer = PhaseTimer()
         self.run_state = ckpt.RunState()   # step, counters, history, ...: what a checkpoint resumes
         self.stop_requested = False
+        self.rollouts = None   # async_rollout: the generator process, from train() on
         self.window = MetricsWindow()     # each metric's values since the last logging step
         self.completions_log = CompletionsLog(self.output_dir, self.rewards.names,
                                               args.num_completions_to_print) \
@@ -165,12 +167,8 @@ class CPPOTrainer:
     def training_round(self) -> dict:
         """Generate for a batch of questions, score, prune, and run num_iterations updates."""
         args, timer = self.args, self.timer
-        rows, order, skipped = self.take_questions()
         with timer("generate"):
-            if args.two_stage_generations:   # rows: the questions that get all G completions
-                rows, prompts, completions, two_stage = self.generate_two_stage(rows)
-            else:
-                (prompts, completions), two_stage = self.generate(rows), None
+            rows, order, skipped, prompts, completions, two_stage, rollout = self.rollout_round()
         with timer("score"):
             scores = self.score(rows, completions)
             if args.skip_zero_variance_prompts:
@@ -189,7 +187,32 @@ class CPPOTrainer:
         metrics = self.step_metrics(done)
         self._count(done)
         metrics.update(getattr(self.rollout_func, "metrics", {}))   # tools/*: the tool loop's
-        return {**metrics, **self.learn(batch)}
+        metrics.update(self.learn(batch), **rollout)
+        if self.rollouts is not None:   # the new weights to the generator process
+            pushed = self.rollouts.sync(self.policy, self.run_state.step, args.weight_sync_steps)
+            metrics.update({} if pushed is None else {"perf/weight_sync_s": pushed})
+        return metrics
+
+    def rollout_round(self) -> tuple:
+        """This round's rows, question order, skipped count, prompts, completions, two-stage
+        counts and rollout metrics: sampled now, or (async_rollout) arrived from the generator."""
+        if self.rollouts is not None:
+            return self.arrived_round()
+        rows, order, skipped = self.take_questions()
+        if self.args.two_stage_generations:   # rows: the questions that get all G completions
+            rows, prompts, completions, two_stage = self.generate_two_stage(rows)
+            return rows, order, skipped, prompts, completions, two_stage, {}
+        return rows, order, skipped, *self.generate(rows), None, {}
+
+    def arrived_round(self) -> tuple:
+        """async_rollout: submit the rounds ahead that keep within max_staleness, then take this
+        round's arrival (cppo.sampling.async_rollout); a stale one is sampled again."""
+        scheduler, args = self.rollouts, self.args
+        scheduler.fill(self.round_index, (self.total_steps - 1) // args.num_iterations,
+                       lambda: self.take_questions()[:2], self.questions.state)
+        head, arrival, stale, waited = scheduler.take(self.run_state.step)
+        metrics = scheduler.metrics(stale, waited, self.plan.questions_per_step)
+        return head.task.rows, head.order, None, arrival.prompts, arrival.completions, None, metrics
 
     def take_questions(self) -> tuple[list[dict], list[int], int | None]:
         """This process's slice of the round's questions, the round's question indices (all
@@ -260,10 +283,11 @@ class CPPOTrainer:
 
     def build_batch(self, prompts: PromptBatch, completions: Completions, advantages: torch.Tensor,
                     keep_mask: torch.Tensor) -> StepBatch:
+        stale = self.rollouts is not None and self.args.max_staleness > 0   # behaviour != policy
         return kept_batch(prompts, completions, advantages, keep_mask,
                           num_generations=self.args.num_generations,
                           mask_truncated=self.args.mask_truncated_completions,
-                          sampler_logprobs=self.args.importance_sampling_correction)
+                          sampler_logprobs=self.args.importance_sampling_correction or stale)
 
     def step_metrics(self, done: Round) -> dict:
         return round_metrics(done, self.dist.gather(done.scores.rewards),
@@ -349,6 +373,8 @@ class CPPOTrainer:
         if self.dist.is_main:
             args.to_yaml(self.output_dir / "config.yaml")
         start_wall = time.perf_counter() - self.run_state.wall_offset
+        if args.async_rollout:
+            self.rollouts = self.start_generator()
         self.sync_callbacks()
         try:
             self.callbacks.event("on_train_begin")
@@ -374,6 +400,19 @@ class CPPOTrainer:
                 self.held_out_evaluation(log, start_wall, label="after")
         self.callbacks.event("on_train_end")
         return self._summary(status, start_wall, resumed_from, log)
+
+    def start_generator(self) -> RolloutScheduler:
+        """async_rollout: the generator process on this policy's weights (version: the step)."""
+        args = self.args
+        if self.dist.world_size > 1 or self.rollout_func is not None:
+            raise ConfigError("'async_rollout' runs one training process with cppo's own sampler: "
+                              f"got {self.dist.world_size} processes and rollout_func/tools "
+                              f"{'set' if self.rollout_func is not None else 'unset'}; launch one "
+                              "process without rollout_func, or set async_rollout: false")
+        return start_rollouts(self.policy, self.tokenizer, args, version=self.run_state.step,
+                              chunk_size=args.generation_chunk_size or self.batch_sizes.generation,
+                              generation_dtype=self.generation_dtype,
+                              questions_per_round=self.plan.questions_per_step)
 
     def _request_stop(self, signum, frame) -> None:
         """SIGINT / SIGTERM handler: the loop stops after this step (cppo.run.signals)."""
@@ -420,7 +459,8 @@ class CPPOTrainer:
         """Every process takes part (cppo.run.saving.save_run): the model or LoRA adapters,
         optimizer, every rank's RNG and the run state."""
         self.run_state.wall_offset = time.perf_counter() - start_wall
-        self.run_state.questions = self.questions.state()
+        self.run_state.questions = self.questions.state() if self.rollouts is None else \
+            self.rollouts.questions_state(self.questions.state())   # in-flight rounds replay
         state = self.run_state.to_dict(config=self.args.to_dict(), world_size=self.dist.world_size,
                                        distributed=self.engine.strategy)
         with self.timer("checkpoint"):
@@ -448,7 +488,7 @@ class CPPOTrainer:
         then the process group (no collective runs after this). `cppo train` calls it; a
         script may too, or use `with CPPOTrainer(...) as trainer:` (an exit handler ends the
         process group anyway)."""
-        for part in (self.backend, self.rewards):
+        for part in (self.rollouts, self.backend, self.rewards):
             close = getattr(part, "close", None)
             if close is not None:
                 close()

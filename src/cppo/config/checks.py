@@ -129,6 +129,7 @@ def validate(cfg) -> None:
     _check_precision(cfg)
     _check_run(cfg)
     _check_plan(cfg)
+    _check_async(cfg)
 
 
 def _check_sampling(cfg) -> None:
@@ -339,3 +340,28 @@ def validate_vllm(cfg) -> None:
               f"'vllm_max_model_length' is {cfg.vllm_max_model_length}, below max_prompt_length + "
               f"max_completion_length = {need}: raise it to >= {need}, lower max_prompt_length, "
               f"or set it to None (derived)")
+
+
+def _check_async(cfg) -> None:
+    """async_rollout's fields, and what it cannot run with (yet)."""
+    check(cfg.max_inflight_tasks == -1 or cfg.max_inflight_tasks >= 1,
+          f"'max_inflight_tasks' is {cfg.max_inflight_tasks}; must be >= 1, or -1 (auto)")
+    check(cfg.queue_maxsize >= cfg.num_generations,
+          f"'queue_maxsize' is {cfg.queue_maxsize}, smaller than one group (num_generations "
+          f"{cfg.num_generations}): set queue_maxsize >= {cfg.num_generations}")
+    if not cfg.async_rollout:
+        return
+    check(cfg.weight_sync_steps <= cfg.max_staleness + 1,
+          f"'weight_sync_steps' is {cfg.weight_sync_steps} with max_staleness "
+          f"{cfg.max_staleness}: between two pushes the generator's weights lag up to "
+          f"{cfg.weight_sync_steps - 1} versions, so a resampled round would be dropped again; "
+          f"set weight_sync_steps <= {cfg.max_staleness + 1} or raise max_staleness")
+    for name, value, why in (
+            ("use_vllm", cfg.use_vllm, "the generator process runs cppo's own sampler; vLLM "
+             "cannot take weight pushes from it here"),
+            ("two_stage_generations", cfg.two_stage_generations, "its second stage waits for the "
+             "first stage's rewards"),
+            ("skip_zero_variance_prompts", cfg.skip_zero_variance_prompts, "it picks a round's "
+             "questions from the rewards of the round before")):
+        check(not value, f"'async_rollout' is true with '{name}' {value!r}: {why}; set "
+              f"{name} off or async_rollout: false")

@@ -203,6 +203,32 @@ class CPPOConfig:
         "max_prompt_length + max_completion_length, capped at the model's "
         "max_position_embeddings.")
 
+    # --- asynchronous rollouts (TRL's AsyncGRPOConfig names) --------------------------------
+    async_rollout: bool = option(
+        False, "Generate in a separate process that never waits for training: it samples the "
+        "next rounds under the newest weights it was pushed while the trainer trains; each "
+        "round carries its policy version and behaviour log-probs, a round staler than "
+        "max_staleness is dropped and sampled again, and the rest are corrected by importance "
+        "sampling (importance_sampling_mode and its clips). cppo's own sampler only.")
+    max_staleness: int = option(4, "async_rollout: optimizer steps a round may lag behind the "
+                                "policy that trains on it (TRL name). 0: each round is sampled "
+                                "by the policy that trains on it (the synchronous run, with the "
+                                "generator in its own process).", at_least=0)
+    weight_sync_steps: int = option(1, "async_rollout: optimizer steps between two pushes of the "
+                                    "weights to the generator (TRL name).", at_least=1)
+    max_inflight_tasks: int = option(
+        -1, "async_rollout: questions (groups) submitted to the generator and not yet trained "
+        "on, at most, as TRL counts tasks (TRL name); whole rounds, at least one. -1: the "
+        "round trained next and max_staleness rounds ahead.")
+    queue_maxsize: int = option(1024, "async_rollout: completions sampled and waiting for the "
+                                "trainer, at most (TRL name); at least one group.", at_least=1)
+    heartbeat_stale_after_s: float = option(
+        300.0, "async_rollout: seconds without a heartbeat from the generator process after "
+        "which the run stops with an error naming it (TRL name).", above=0)
+    generator_threads: Optional[int] = option(
+        None, "async_rollout: torch threads of the generator process (None: the trainer's).",
+        at_least=1)
+
     # --- GRPO loss -------------------------------------------------------------------------
     beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.")
     epsilon: float = option(0.2, "Lower clip range of the ratio.")

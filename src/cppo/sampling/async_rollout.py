@@ -1,0 +1,308 @@
+"""Asynchronous rollouts (`async_rollout: true`): generation in its own process, never waiting
+for training.
+
+A generator process holds its own copy of the policy and samples whole rounds (G completions for
+each of a round's questions, seeded by the round exactly as the synchronous backend seeds them)
+under the newest weights it has. The trainer pushes its weights through shared memory every
+weight_sync_steps optimizer steps; the generator takes them between two rounds. Each round comes
+back tagged with the policy version that sampled it (optimizer steps taken) and every token's
+behaviour log-prob, so the trainer can drop a round that is too stale
+(cppo.algorithm.staleness) and correct the rest by importance sampling.
+
+`RolloutScheduler` is the trainer's side: it submits rounds ahead (as many as keep them within
+max_staleness), takes each round's arrival in order, and keeps what a checkpoint needs (the
+question stream's state before the oldest round not yet trained on, so a resumed run replays
+the in-flight rounds: the same questions, the same seeds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.multiprocessing as mp
+
+from cppo.algorithm.staleness import (is_stale, lookahead_rounds, push_due, rounds_in_flight,
+                                      staleness)
+from cppo.errors import GeneratorError
+from cppo.sampling.backends import make_backend
+from cppo.sampling.batches import Completions, PromptBatch
+from cppo.sampling.generation import Generation
+
+HEARTBEAT_EVERY_S = 0.5   # how often the generator process says it is alive
+POLL_S = 0.2              # how often a waiting trainer checks the generator
+
+
+@dataclass
+class RolloutTask:
+    """One round to sample: its rows (this process's questions) and the round index that seeds it."""
+
+    task_id: int
+    round_index: int
+    rows: list[dict]
+
+
+@dataclass
+class Arrival:
+    """A sampled round: the policy version that sampled it and the seconds the sampling took."""
+
+    task_id: int
+    version: int
+    prompts: PromptBatch
+    completions: Completions
+    seconds: float
+
+
+@dataclass
+class _Failure:
+    text: str
+
+
+class _WholeModel:
+    """The generator's model is never sharded: `gathered()` is a no-op (cppo.parallel.engines)."""
+
+    gathered = staticmethod(contextlib.nullcontext)
+
+
+def generator_sampling(tokenizer, args, chunk_size: int, generation_dtype: str | None, model,
+                       engine) -> Generation:
+    """The generator process's Generation: the run's backend on its own model, recording every
+    token's behaviour log-prob (functools.partial of the first four is GeneratorProcess's build)."""
+    backend = make_backend(model, tokenizer, args, chunk_size=chunk_size,
+                           generation_dtype=generation_dtype)
+    backend.record_logprobs = True
+    return Generation(backend, tokenizer, engine, next(model.parameters()).device, 0,
+                      args.num_generations, args.max_prompt_length, args.seed)
+
+
+def trainable_names(model) -> list[str]:
+    """The parameters an optimizer step changes: the ones a push copies."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _copy_parameters(target, source, names: list[str]) -> None:
+    dst, src = dict(target.named_parameters()), dict(source.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            dst[name].copy_(src[name].detach())
+
+
+def generator_main(staging, names, lock, version, heartbeat, tasks, results, build, threads) -> None:
+    """The generator process: a private copy of the staging model, refreshed from it whenever the
+    trainer has pushed a newer version; one round sampled per task until a None task."""
+    torch.set_num_threads(threads)
+    model = copy.deepcopy(staging)   # private: a push never lands mid-round
+    beating = threading.Event()
+
+    def beat() -> None:
+        while not beating.wait(HEARTBEAT_EVERY_S):
+            heartbeat.value = time.time()
+    heartbeat.value = time.time()
+    threading.Thread(target=beat, daemon=True).start()
+    generation, mine = build(model, _WholeModel()), -1
+    try:
+        while (task := tasks.get()) is not None:
+            with lock:
+                if version.value != mine:
+                    _copy_parameters(model, staging, names)
+                    mine = version.value
+            start = time.perf_counter()
+            prompts, completions = generation.sample(task.rows, task.round_index)
+            results.put(Arrival(task.task_id, mine, prompts, completions,
+                                time.perf_counter() - start))
+    except Exception:   # the trainer raises it, with the generator's traceback
+        results.put(_Failure(traceback.format_exc()))
+    finally:
+        beating.set()
+
+
+class GeneratorProcess:
+    """The generator process and what the trainer shares with it: the staging copy of the
+    weights (shared memory), its version, a heartbeat, and the task and result queues."""
+
+    def __init__(self, policy, build, *, threads: int, heartbeat_stale_after_s: float) -> None:
+        """build(model, engine) -> a cppo.sampling.generation.Generation sampling with `model`;
+        it is pickled to the process (a functools.partial of module-level functions)."""
+        ctx = mp.get_context("spawn")
+        self.staging = copy.deepcopy(policy).requires_grad_(False).share_memory()
+        self.names = trainable_names(policy)
+        self.lock, self.version = ctx.Lock(), ctx.Value("q", -1)
+        self.heartbeat = ctx.Value("d", time.time())
+        self.tasks, self.results = ctx.Queue(), ctx.Queue()
+        self.stale_after = heartbeat_stale_after_s
+        self.process = ctx.Process(
+            target=generator_main, daemon=True, name="cppo-generator",
+            args=(self.staging, self.names, self.lock, self.version, self.heartbeat, self.tasks,
+                  self.results, build, threads))
+        self.process.start()
+
+    def push(self, policy, version: int) -> float:
+        """Copy the policy's trainable weights to the staging copy as `version`; the seconds it took."""
+        start = time.perf_counter()
+        with self.lock:
+            _copy_parameters(self.staging, policy, self.names)
+            self.version.value = version
+        return time.perf_counter() - start
+
+    def submit(self, task: RolloutTask) -> None:
+        self.tasks.put(task)
+
+    def receive(self) -> Arrival:
+        """The next sampled round. A generator that ended, failed or went heartbeat_stale_after_s
+        without a heartbeat raises GeneratorError (never a hang)."""
+        while True:
+            try:
+                got = self.results.get(timeout=POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if isinstance(got, _Failure):
+                self.close()
+                raise GeneratorError(f"the generator process failed:\n{got.text}")
+            return got
+
+    def _check_alive(self) -> None:
+        code = self.process.exitcode
+        if code is not None:
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            raise GeneratorError(f"the generator process (pid {self.process.pid}) ended with "
+                                 f"{how} while the trainer waited for a round; the last checkpoint "
+                                 f"is intact: `cppo train --resume true` continues the run")
+        silent = time.time() - self.heartbeat.value
+        if silent > self.stale_after:
+            self.close()
+            raise GeneratorError(f"the generator process (pid {self.process.pid}) sent no "
+                                 f"heartbeat for {silent:.1f} s (heartbeat_stale_after_s = "
+                                 f"{self.stale_after:g}): it hangs, so it was stopped; the last "
+                                 f"checkpoint is intact: `cppo train --resume true` continues")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the process to end after its round; stop it if it does not."""
+        if self.process.exitcode is None:
+            with contextlib.suppress(Exception):
+                self.tasks.put(None)
+            self.process.join(timeout)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join(timeout)
+        for q in (self.tasks, self.results):
+            q.cancel_join_thread()
+            q.close()
+
+
+@dataclass
+class _Pending:
+    task: RolloutTask
+    order: list[int]
+    questions_before: dict   # the question stream's state before this round's questions
+
+
+@dataclass
+class RolloutScheduler:
+    """The trainer's side of asynchronous rollouts: rounds submitted ahead, their arrivals, the
+    dropped stale ones and the counts the metrics report."""
+
+    generator: GeneratorProcess
+    lookahead: int            # rounds submitted beyond the one trained next
+    max_staleness: int
+    pending: deque = field(default_factory=deque)   # _Pending, in round order
+    arrived: dict = field(default_factory=dict)     # task_id -> Arrival
+    next_task: int = 0
+    last_push: int | None = None   # the version last pushed
+    dropped_stale: int = 0
+    wait_seconds: float = 0.0
+    generator_seconds: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    def sync(self, policy, version: int, weight_sync_steps: int) -> float | None:
+        """Push the weights if weight_sync_steps optimizer steps have passed since the last push
+        (or none was made); the seconds the push took, None when none was due."""
+        if self.last_push is not None and not push_due(version, self.last_push, weight_sync_steps):
+            return None
+        self.last_push = version
+        return self.generator.push(policy, version)
+
+    def fill(self, round_index: int, last_round: int, take_questions, questions_state) -> None:
+        """Submit rounds round_index .. round_index + lookahead (never past last_round) not yet
+        submitted. take_questions() -> (rows, order) draws the next round's questions;
+        questions_state() is the stream's state before it."""
+        submitted = self.pending[-1].task.round_index if self.pending else round_index - 1
+        for r in range(submitted + 1, min(round_index + self.lookahead, last_round) + 1):
+            before = questions_state()
+            rows, order = take_questions()
+            task = RolloutTask(self.next_task, r, rows)
+            self.next_task += 1
+            self.pending.append(_Pending(task, order, before))
+            self.generator.submit(task)
+
+    def take(self, version: int) -> tuple[_Pending, Arrival, int, float]:
+        """The oldest pending round's arrival within max_staleness of `version`, its staleness
+        and the seconds waited for it; a staler arrival is dropped (counted) and the round
+        sampled again."""
+        head, waited = self.pending[0], self.wait_seconds
+        while True:
+            arrival = self._wait_for(head.task.task_id)
+            if not is_stale(version, arrival.version, self.max_staleness):
+                self.pending.popleft()
+                return (head, arrival, staleness(version, arrival.version),
+                        self.wait_seconds - waited)
+            self.dropped_stale += 1
+            head.task = RolloutTask(self.next_task, head.task.round_index, head.task.rows)
+            self.next_task += 1
+            self.generator.submit(head.task)
+
+    def _wait_for(self, task_id: int) -> Arrival:
+        start = time.perf_counter()
+        while task_id not in self.arrived:
+            got = self.generator.receive()
+            self.arrived[got.task_id] = got
+            self.generator_seconds += got.seconds
+        self.wait_seconds += time.perf_counter() - start
+        return self.arrived.pop(task_id)
+
+    def questions_state(self, current: dict) -> dict:
+        """What a checkpoint stores: the stream's state before the oldest round not trained on
+        (`current` when none is pending), so a resumed run replays the in-flight rounds."""
+        return self.pending[0].questions_before if self.pending else current
+
+    def metrics(self, stale: int, waited: float, questions_per_round: int) -> dict:
+        """TRL's AsyncGRPOTrainer keys for a round that `stale` versions old arrived after the
+        trainer waited `waited` s, and the run's busy fractions so far (cppo/)."""
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        return {"sample/staleness_mean": float(stale), "sample/staleness_max": float(stale),
+                "sample/dropped_stale_total": float(self.dropped_stale),
+                "sample/rollout_queue_size": float(sum(len(a.completions.ids)
+                                                       for a in self.arrived.values())),
+                "rollout/inflight": float(len(self.pending) * questions_per_round),
+                "perf/rollout_wait_s": waited,
+                "cppo/generator_busy": min(1.0, self.generator_seconds / elapsed),
+                "cppo/trainer_busy": max(0.0, 1.0 - self.wait_seconds / elapsed)}
+
+    def close(self) -> None:
+        self.generator.close()
+
+
+def start_rollouts(policy, tokenizer, args, *, version: int, chunk_size: int,
+                   generation_dtype: str | None, questions_per_round: int) -> RolloutScheduler:
+    """The generator process on the policy's weights as `version`, and the trainer's scheduler:
+    rounds ahead as max_staleness, max_inflight_tasks and queue_maxsize allow."""
+    build = functools.partial(generator_sampling, tokenizer, args, chunk_size, generation_dtype)
+    generator = GeneratorProcess(policy, build,
+                                 threads=args.generator_threads or torch.get_num_threads(),
+                                 heartbeat_stale_after_s=args.heartbeat_stale_after_s)
+    waiting = args.queue_maxsize // (questions_per_round * args.num_generations)
+    in_flight = min(rounds_in_flight(args.max_inflight_tasks, args.max_staleness,
+                                     questions_per_round), 1 + waiting)   # + the one trained next
+    scheduler = RolloutScheduler(generator, lookahead_rounds(args.max_staleness,
+                                                             args.num_iterations, in_flight),
+                                 args.max_staleness)
+    scheduler.sync(policy, version, args.weight_sync_steps)
+    return scheduler
