@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import multiprocessing.connection
+
 import torch.multiprocessing as mp
 
 from cppo.algorithm.staleness import (is_stale, lookahead_rounds, push_due, rounds_in_flight,
@@ -38,6 +40,7 @@ from cppo.sampling.batches import Completions, PromptBatch
 from cppo.sampling.generation import Generation
 
 HEARTBEAT_EVERY_S = 0.5   # how often the generator process says it is alive
+START_S = 600.0           # the longest a generator process may take to start (imports, its model)
 POLL_S = 0.2              # how often a waiting trainer checks the generator
 
 
@@ -75,10 +78,12 @@ class _WholeModel:
 def generator_sampling(tokenizer, args, chunk_size: int, generation_dtype: str | None, model,
                        engine) -> Generation:
     """The generator process's Generation: the run's backend on its own model, recording every
-    token's behaviour log-prob (functools.partial of the first four is GeneratorProcess's build)."""
+    token's behaviour log-prob when a round may be stale (max_staleness > 0; at 0 the policy that
+    trains on a round sampled it, as in a synchronous run). functools.partial of the first four
+    is GeneratorProcess's build."""
     backend = make_backend(model, tokenizer, args, chunk_size=chunk_size,
                            generation_dtype=generation_dtype)
-    backend.record_logprobs = True
+    backend.record_logprobs = args.max_staleness > 0
     return Generation(backend, tokenizer, engine, next(model.parameters()).device, 0,
                       args.num_generations, args.max_prompt_length, args.seed)
 
@@ -135,7 +140,8 @@ class GeneratorProcess:
         self.staging = copy.deepcopy(policy).requires_grad_(False).share_memory()
         self.names = trainable_names(policy)
         self.lock, self.version = ctx.Lock(), ctx.Value("q", -1)
-        self.heartbeat = ctx.Value("d", time.time())
+        self.heartbeat = ctx.Value("d", 0.0)   # 0: not started yet
+        self.started = time.time()
         self.tasks, self.results = ctx.Queue(), ctx.Queue()
         self.stale_after = heartbeat_stale_after_s
         self.process = ctx.Process(
@@ -170,29 +176,35 @@ class GeneratorProcess:
             return got
 
     def _check_alive(self) -> None:
-        code = self.process.exitcode
-        if code is not None:
-            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        if multiprocessing.connection.wait([self.process.sentinel], timeout=0):   # ended, reaped or not
+            code = self.process.exitcode
+            how = "an unknown status" if code is None else \
+                f"signal {-code}" if code < 0 else f"exit code {code}"
             raise GeneratorError(f"the generator process (pid {self.process.pid}) ended with "
                                  f"{how} while the trainer waited for a round; the last checkpoint "
                                  f"is intact: `cppo train --resume true` continues the run")
-        silent = time.time() - self.heartbeat.value
+        last = self.heartbeat.value
+        if not last and time.time() - self.started > START_S:
+            self.close(timeout=0)
+            raise GeneratorError(f"the generator process (pid {self.process.pid}) did not start "
+                                 f"within {START_S:g} s; it was stopped")
+        silent = time.time() - last if last else 0.0
         if silent > self.stale_after:
-            self.close()
+            self.close(timeout=0)   # a hung process is not asked; it is stopped
             raise GeneratorError(f"the generator process (pid {self.process.pid}) sent no "
                                  f"heartbeat for {silent:.1f} s (heartbeat_stale_after_s = "
                                  f"{self.stale_after:g}): it hangs, so it was stopped; the last "
                                  f"checkpoint is intact: `cppo train --resume true` continues")
 
     def close(self, timeout: float = 10.0) -> None:
-        """Ask the process to end after its round; stop it if it does not."""
-        if self.process.exitcode is None:
+        """Ask the process to end after its round (waiting `timeout` s); stop it if it does not."""
+        if self.process.exitcode is None and timeout > 0:
             with contextlib.suppress(Exception):
                 self.tasks.put(None)
             self.process.join(timeout)
         if self.process.exitcode is None:
             self.process.kill()
-            self.process.join(timeout)
+            self.process.join(10.0)
         for q in (self.tasks, self.results):
             q.cancel_join_thread()
             q.close()
