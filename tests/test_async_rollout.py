@@ -4,7 +4,11 @@ log-probs, a generator that dies or hangs, and the config's checks."""
 import copy
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
+import time
 from collections import deque
 
 import pytest
@@ -17,7 +21,8 @@ from cppo.sampling import async_rollout
 from cppo.sampling.async_rollout import Arrival, RolloutScheduler, RolloutTask
 from cppo.sampling.batches import Completions, PromptBatch
 from cppo.sampling.logprobs import completion_logprobs
-from helpers import make_trainer
+from helpers import (PARK_ENV, child_env, make_trainer, step_records, train_args, wait_until,
+                     write_jsonl)
 
 FLOAT32 = dict(generation_dtype=None, matmul_dtype=None)   # every pass in float32
 ASYNC = dict(async_rollout=True, **FLOAT32)
@@ -209,9 +214,76 @@ def test_a_generator_that_dies_or_hangs_is_an_error_within_the_heartbeat(tiny_mo
     (dict(async_rollout=True, use_vllm=True), ["use_vllm", "async_rollout: false"]),
     (dict(async_rollout=True, two_stage_generations=2), ["two_stage_generations"]),
     (dict(async_rollout=True, skip_zero_variance_prompts=True), ["skip_zero_variance_prompts"]),
+    (dict(async_rollout=True, generator_cpus=[4096]), ["generator_cpus", "[4096]", "cores"]),
 ])
 def test_bad_async_settings_name_the_field_and_the_fix(values, names):
     with pytest.raises(ConfigError) as err:
         CPPOConfig(**values)
     for name in names:
         assert name in str(err.value)
+
+
+@pytest.mark.parametrize("stop", ["ctrl_c", "sigterm"])
+def test_ctrl_c_and_sigterm_stop_both_sides_with_a_checkpoint(tiny_model_dir, tmp_path, stop):
+    """`cppo train` with async_rollout parked in step 4 of 6: Ctrl-C (SIGINT to the whole process
+    group, as a terminal sends it) or SIGTERM twice to the trainer. The step finishes and is saved,
+    the generator process is ended (it ignores the signals; the trainer stops it), and --resume
+    runs steps 5 and 6."""
+    rows, out, log = write_jsonl(tmp_path / "rows.jsonl"), tmp_path / "run", tmp_path / "run.log"
+    args = train_args(tiny_model_dir, rows, out, async_rollout="true", max_staleness=2)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "cppo.cli", *args], stdout=fh,
+                                stderr=subprocess.STDOUT, env=child_env(**{PARK_ENV: str(out)}),
+                                start_new_session=True)
+    try:
+        wait_until(lambda: os.path.exists(f"{out}.parked"), proc, log)
+        generator = int(re.search(r"generator process pid (\d+)", log.read_text()).group(1))
+        for _ in range(1 if stop == "ctrl_c" else 2):
+            if stop == "ctrl_c":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                os.kill(proc.pid, signal.SIGTERM)
+            time.sleep(0.2)
+        open(f"{out}.go", "w").close()
+        assert proc.wait(timeout=120) == (0 if stop == "ctrl_c" else 143), log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not os.path.exists(f"/proc/{generator}"), "the generator process outlived the run"
+    assert "Traceback" not in log.read_text()   # the generator left the signal to the trainer
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["status"] == ("interrupted" if stop == "ctrl_c"
+                                                           else "terminated")
+    assert (out / "checkpoint-4" / "COMPLETE").exists()
+    resumed = subprocess.run([sys.executable, "-m", "cppo.cli", *args, "--resume", "true"],
+                             env=child_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert [r["step"] for r in step_records(out)] == list(range(1, 7))
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's end is reaped by whoever adopts it)."""
+    try:
+        return "\nState:\tZ" not in open(f"/proc/{pid}/status").read()
+    except FileNotFoundError:
+        return False
+
+
+def test_a_generator_whose_trainer_was_killed_ends_itself(tiny_model_dir, tmp_path):
+    """SIGKILL to the trainer (no handler runs): the orphaned generator notices and exits."""
+    rows, out, log = write_jsonl(tmp_path / "rows.jsonl"), tmp_path / "run", tmp_path / "run.log"
+    args = train_args(tiny_model_dir, rows, out, async_rollout="true", max_staleness=2)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "cppo.cli", *args], stdout=fh,
+                                stderr=subprocess.STDOUT, env=child_env(**{PARK_ENV: str(out)}))
+    try:
+        wait_until(lambda: os.path.exists(f"{out}.parked"), proc, log)
+        generator = int(re.search(r"generator process pid (\d+)", log.read_text()).group(1))
+        assert _running(generator)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 60
+    while _running(generator) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(generator)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 from cppo.algorithm import (SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, check_pruning, local_scope,
@@ -349,6 +350,10 @@ def _check_async(cfg) -> None:
     check(cfg.queue_maxsize >= cfg.num_generations,
           f"'queue_maxsize' is {cfg.queue_maxsize}, smaller than one group (num_generations "
           f"{cfg.num_generations}): set queue_maxsize >= {cfg.num_generations}")
+    cores = sorted(os.sched_getaffinity(0))
+    check(not cfg.generator_cpus or set(cfg.generator_cpus) <= set(cores),
+          f"'generator_cpus' is {cfg.generator_cpus}; this process may run on cores {cores}: "
+          f"pick from those")
     if not cfg.async_rollout:
         return
     check(cfg.weight_sync_steps <= cfg.max_staleness + 1,

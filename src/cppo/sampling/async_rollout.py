@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -100,15 +102,23 @@ def _copy_parameters(target, source, names: list[str]) -> None:
             dst[name].copy_(src[name].detach())
 
 
-def generator_main(staging, names, lock, version, heartbeat, tasks, results, build, threads) -> None:
+def generator_main(staging, names, lock, version, heartbeat, tasks, results, build, threads,
+                   cpus) -> None:
     """The generator process: a private copy of the staging model, refreshed from it whenever the
-    trainer has pushed a newer version; one round sampled per task until a None task."""
+    trainer has pushed a newer version; one round sampled per task until a None task. Signals
+    are the trainer's to act on (it stops this process); an orphaned generator ends itself."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)
     model = copy.deepcopy(staging)   # private: a push never lands mid-round
-    beating = threading.Event()
+    beating, parent = threading.Event(), os.getppid()
 
     def beat() -> None:
         while not beating.wait(HEARTBEAT_EVERY_S):
+            if os.getppid() != parent:   # the trainer was killed
+                os._exit(0)
             heartbeat.value = time.time()
     heartbeat.value = time.time()
     threading.Thread(target=beat, daemon=True).start()
@@ -133,9 +143,11 @@ class GeneratorProcess:
     """The generator process and what the trainer shares with it: the staging copy of the
     weights (shared memory), its version, a heartbeat, and the task and result queues."""
 
-    def __init__(self, policy, build, *, threads: int, heartbeat_stale_after_s: float) -> None:
+    def __init__(self, policy, build, *, threads: int, heartbeat_stale_after_s: float,
+                 cpus: list[int] | None = None) -> None:
         """build(model, engine) -> a cppo.sampling.generation.Generation sampling with `model`;
-        it is pickled to the process (a functools.partial of module-level functions)."""
+        it is pickled to the process (a functools.partial of module-level functions). cpus: the
+        cores the process runs on (None: the trainer's)."""
         ctx = mp.get_context("spawn")
         self.staging = copy.deepcopy(policy).requires_grad_(False).share_memory()
         self.names = trainable_names(policy)
@@ -147,7 +159,7 @@ class GeneratorProcess:
         self.process = ctx.Process(
             target=generator_main, daemon=True, name="cppo-generator",
             args=(self.staging, self.names, self.lock, self.version, self.heartbeat, self.tasks,
-                  self.results, build, threads))
+                  self.results, build, threads, cpus))
         self.process.start()
 
     def push(self, policy, version: int) -> float:
@@ -309,7 +321,8 @@ def start_rollouts(policy, tokenizer, args, *, version: int, chunk_size: int,
     build = functools.partial(generator_sampling, tokenizer, args, chunk_size, generation_dtype)
     generator = GeneratorProcess(policy, build,
                                  threads=args.generator_threads or torch.get_num_threads(),
-                                 heartbeat_stale_after_s=args.heartbeat_stale_after_s)
+                                 heartbeat_stale_after_s=args.heartbeat_stale_after_s,
+                                 cpus=args.generator_cpus)
     waiting = args.queue_maxsize // (questions_per_round * args.num_generations)
     in_flight = min(rounds_in_flight(args.max_inflight_tasks, args.max_staleness,
                                      questions_per_round), 1 + waiting)   # + the one trained next
@@ -317,4 +330,8 @@ def start_rollouts(policy, tokenizer, args, *, version: int, chunk_size: int,
                                                              args.num_iterations, in_flight),
                                  args.max_staleness)
     scheduler.sync(policy, version, args.weight_sync_steps)
+    print(f"async_rollout: generator process pid {generator.process.pid} (cores "
+          f"{args.generator_cpus or 'shared'}), {scheduler.lookahead} round(s) sampled ahead, "
+          f"max_staleness {args.max_staleness}, weights pushed every {args.weight_sync_steps} "
+          f"step(s)", flush=True)
     return scheduler
