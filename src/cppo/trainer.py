@@ -211,7 +211,7 @@ class CPPOTrainer:
         scheduler.fill(self.round_index, (self.total_steps - 1) // args.num_iterations,
                        lambda: self.take_questions()[:2], self.questions.state)
         head, arrival, stale, waited = scheduler.take(self.run_state.step)
-        metrics = scheduler.metrics(stale, waited, self.plan.questions_per_step)
+        metrics = scheduler.metrics(arrival, stale, waited, self.plan.questions_per_step)
         return head.task.rows, head.order, None, arrival.prompts, arrival.completions, None, metrics
 
     def take_questions(self) -> tuple[list[dict], list[int], int | None]:

@@ -297,11 +297,12 @@ class RolloutScheduler:
         (`current` when none is pending), so a resumed run replays the in-flight rounds."""
         return self.pending[0].questions_before if self.pending else current
 
-    def metrics(self, stale: int, waited: float, questions_per_round: int) -> dict:
-        """TRL's AsyncGRPOTrainer keys for a round that `stale` versions old arrived after the
+    def metrics(self, arrival: Arrival, stale: int, waited: float, questions_per_round: int) -> dict:
+        """TRL's AsyncGRPOTrainer keys for a round that arrived `stale` versions old after the
         trainer waited `waited` s, and the run's busy fractions so far (cppo/)."""
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         return {"sample/staleness_mean": float(stale), "sample/staleness_max": float(stale),
+                "rollout/duration_s": arrival.seconds,
                 "sample/dropped_stale_total": float(self.dropped_stale),
                 "sample/rollout_queue_size": float(sum(len(a.completions.ids)
                                                        for a in self.arrived.values())),
