@@ -211,7 +211,7 @@ def test_a_generator_that_dies_or_hangs_is_an_error_within_the_heartbeat(tiny_mo
     (dict(heartbeat_stale_after_s=0), ["heartbeat_stale_after_s", "> 0"]),
     (dict(async_rollout=True, max_staleness=1, weight_sync_steps=3),
      ["weight_sync_steps", "max_staleness", "<= 2"]),
-    (dict(async_rollout=True, use_vllm=True), ["use_vllm", "async_rollout: false"]),
+    (dict(async_rollout=True, use_vllm=True), ["vllm_mode", "'colocate'", "vllm_mode: server"]),
     (dict(async_rollout=True, two_stage_generations=2), ["two_stage_generations"]),
     (dict(async_rollout=True, skip_zero_variance_prompts=True), ["skip_zero_variance_prompts"]),
     (dict(async_rollout=True, generator_cpus=[4096]), ["generator_cpus", "[4096]", "cores"]),

@@ -405,14 +405,15 @@ class CPPOTrainer:
         """async_rollout: the generator process on this policy's weights (version: the step)."""
         args = self.args
         if self.dist.world_size > 1 or self.rollout_func is not None:
-            raise ConfigError("'async_rollout' runs one training process with cppo's own sampler: "
+            raise ConfigError("'async_rollout' runs one training process with its generator: "
                               f"got {self.dist.world_size} processes and rollout_func/tools "
                               f"{'set' if self.rollout_func is not None else 'unset'}; launch one "
                               "process without rollout_func, or set async_rollout: false")
         return start_rollouts(self.policy, self.tokenizer, args, version=self.run_state.step,
                               chunk_size=args.generation_chunk_size or self.batch_sizes.generation,
                               generation_dtype=self.generation_dtype,
-                              questions_per_round=self.plan.questions_per_step)
+                              questions_per_round=self.plan.questions_per_step,
+                              backend=self.backend, weights_dir=self.output_dir / ".async_weights")
 
     def _request_stop(self, signum, frame) -> None:
         """SIGINT / SIGTERM handler: the loop stops after this step (cppo.run.signals)."""

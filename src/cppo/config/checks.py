@@ -362,11 +362,12 @@ def _check_async(cfg) -> None:
           f"{cfg.weight_sync_steps - 1} versions, so a resampled round would be dropped again; "
           f"set weight_sync_steps <= {cfg.max_staleness + 1} or raise max_staleness")
     for name, value, why in (
-            ("use_vllm", cfg.use_vllm, "the generator process runs cppo's own sampler; vLLM "
-             "cannot take weight pushes from it here"),
+            ("vllm_mode", cfg.use_vllm and cfg.vllm_mode == "colocate", "a colocated vLLM engine "
+             "lives in the trainer's process and would wait for it; use vllm_mode: server (a "
+             "vLLM server generates while the trainer trains) or use_vllm: false"),
             ("two_stage_generations", cfg.two_stage_generations, "its second stage waits for the "
              "first stage's rewards"),
             ("skip_zero_variance_prompts", cfg.skip_zero_variance_prompts, "it picks a round's "
              "questions from the rewards of the round before")):
-        check(not value, f"'async_rollout' is true with '{name}' {value!r}: {why}; set "
-              f"{name} off or async_rollout: false")
+        check(not value, f"'async_rollout' is true with '{name}' {getattr(cfg, name)!r}: "
+              f"{why}; set {name} off or async_rollout: false")

@@ -20,26 +20,31 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import multiprocessing.connection
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import requests
 import torch
-import multiprocessing.connection
-
 import torch.multiprocessing as mp
+from safetensors.torch import save_file
 
 from cppo.algorithm.staleness import (is_stale, lookahead_rounds, push_due, rounds_in_flight,
                                       staleness)
-from cppo.errors import GeneratorError
+from cppo.errors import ConfigError, GeneratorError, VLLMServerError
 from cppo.sampling.backends import make_backend
 from cppo.sampling.batches import Completions, PromptBatch
 from cppo.sampling.generation import Generation
+from cppo.sampling.sampler import encode_prompts
+from cppo.sampling.vllm import server_url, vllm_weights
 
 HEARTBEAT_EVERY_S = 0.5   # how often the generator process says it is alive
 START_S = 600.0           # the longest a generator process may take to start (imports, its model)
@@ -139,7 +144,46 @@ def generator_main(staging, names, lock, version, heartbeat, tasks, results, bui
         beating.set()
 
 
-class GeneratorProcess:
+class _Generator:
+    """What the trainer waits on: a queue of results and a side that may end or fall silent.
+    Subclasses set self.results, self.stale_after, self.heartbeat (a Value: 0 until started),
+    self.started, and define _ended() -> str | None, _stop() and `name`."""
+
+    def receive(self) -> Arrival:
+        """The next sampled round. A generator that ended, failed or went heartbeat_stale_after_s
+        without a heartbeat raises GeneratorError (never a hang)."""
+        while True:
+            try:
+                got = self.results.get(timeout=POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if isinstance(got, _Failure):
+                self.close()
+                raise GeneratorError(f"the {self.name} failed:\n{got.text}")
+            return got
+
+    def _check_alive(self) -> None:
+        how = self._ended()
+        if how is not None:
+            raise GeneratorError(f"the {self.name} ended with {how} while the trainer waited for "
+                                 f"a round; the last checkpoint is intact: `cppo train --resume "
+                                 f"true` continues the run")
+        last = self.heartbeat.value
+        if not last and time.time() - self.started > START_S:
+            self._stop()
+            raise GeneratorError(f"the {self.name} did not start within {START_S:g} s; it was "
+                                 f"stopped")
+        silent = time.time() - last if last else 0.0
+        if silent > self.stale_after:
+            self._stop()
+            raise GeneratorError(f"the {self.name} sent no heartbeat for {silent:.1f} s "
+                                 f"(heartbeat_stale_after_s = {self.stale_after:g}): it hangs, so "
+                                 f"it was stopped; the last checkpoint is intact: `cppo train "
+                                 f"--resume true` continues")
+
+
+class GeneratorProcess(_Generator):
     """The generator process and what the trainer shares with it: the staging copy of the
     weights (shared memory), its version, a heartbeat, and the task and result queues."""
 
@@ -161,6 +205,7 @@ class GeneratorProcess:
             args=(self.staging, self.names, self.lock, self.version, self.heartbeat, self.tasks,
                   self.results, build, threads, cpus))
         self.process.start()
+        self.name = f"generator process (pid {self.process.pid})"
 
     def push(self, policy, version: int) -> float:
         """Copy the policy's trainable weights to the staging copy as `version`; the seconds it took."""
@@ -173,40 +218,15 @@ class GeneratorProcess:
     def submit(self, task: RolloutTask) -> None:
         self.tasks.put(task)
 
-    def receive(self) -> Arrival:
-        """The next sampled round. A generator that ended, failed or went heartbeat_stale_after_s
-        without a heartbeat raises GeneratorError (never a hang)."""
-        while True:
-            try:
-                got = self.results.get(timeout=POLL_S)
-            except queue.Empty:
-                self._check_alive()
-                continue
-            if isinstance(got, _Failure):
-                self.close()
-                raise GeneratorError(f"the generator process failed:\n{got.text}")
-            return got
+    def _ended(self) -> str | None:
+        if not multiprocessing.connection.wait([self.process.sentinel], timeout=0):
+            return None
+        code = self.process.exitcode   # None when someone else reaped it
+        return "an unknown status" if code is None else \
+            f"signal {-code}" if code < 0 else f"exit code {code}"
 
-    def _check_alive(self) -> None:
-        if multiprocessing.connection.wait([self.process.sentinel], timeout=0):   # ended, reaped or not
-            code = self.process.exitcode
-            how = "an unknown status" if code is None else \
-                f"signal {-code}" if code < 0 else f"exit code {code}"
-            raise GeneratorError(f"the generator process (pid {self.process.pid}) ended with "
-                                 f"{how} while the trainer waited for a round; the last checkpoint "
-                                 f"is intact: `cppo train --resume true` continues the run")
-        last = self.heartbeat.value
-        if not last and time.time() - self.started > START_S:
-            self.close(timeout=0)
-            raise GeneratorError(f"the generator process (pid {self.process.pid}) did not start "
-                                 f"within {START_S:g} s; it was stopped")
-        silent = time.time() - last if last else 0.0
-        if silent > self.stale_after:
-            self.close(timeout=0)   # a hung process is not asked; it is stopped
-            raise GeneratorError(f"the generator process (pid {self.process.pid}) sent no "
-                                 f"heartbeat for {silent:.1f} s (heartbeat_stale_after_s = "
-                                 f"{self.stale_after:g}): it hangs, so it was stopped; the last "
-                                 f"checkpoint is intact: `cppo train --resume true` continues")
+    def _stop(self) -> None:
+        self.close(timeout=0)   # a hung process is not asked; it is stopped
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask the process to end after its round (waiting `timeout` s); stop it if it does not."""
@@ -220,6 +240,98 @@ class GeneratorProcess:
         for q in (self.tasks, self.results):
             q.cancel_join_thread()
             q.close()
+
+
+class _Beat:
+    """A heartbeat in this process (the server generator's thread), read as mp.Value's .value."""
+
+    value = 0.0
+
+
+class ServerGenerator(_Generator):
+    """async_rollout with a vLLM server (`use_vllm`, `vllm_mode: server`): a thread of the
+    trainer process sends each round to the server (cppo.sampling.vllm's server backend, no NCCL)
+    and the server generates while the trainer trains. A push writes the policy's weights (LoRA
+    merged, vLLM's names) as safetensors to a new folder under `weights_dir`; before its next
+    round the thread has the server reload them in place (vLLM's `reload_weights` with a
+    `weights_path`, through its `/collective_rpc` route: the server runs with
+    VLLM_SERVER_DEV_MODE=1) and reset its prefix cache. A round is never sampled across a push."""
+
+    def __init__(self, backend, tokenizer, args, weights_dir, *, heartbeat_stale_after_s: float) -> None:
+        if getattr(backend.model.config, "tie_word_embeddings", False):
+            raise ConfigError("'async_rollout' with a vLLM server reloads the weights from files, "
+                              "which does not refresh a tied LM head (tie_word_embeddings: true "
+                              "in the model's config); use use_vllm: false (cppo's generator "
+                              "process) for this model")
+        self.backend, self.tokenizer, self.args = backend, tokenizer, args
+        self.weights_dir = Path(weights_dir)
+        self.url = server_url(args)
+        self.lock, self.latest, self.loaded = threading.Lock(), None, None   # (version, folder)
+        # the heartbeat: when the round being sampled started (0: idle); no start-up to allow for
+        self.heartbeat, self.started, self.stale_after = _Beat(), float("inf"), heartbeat_stale_after_s
+        self.tasks, self.results = queue.Queue(), queue.Queue()
+        self.name = f"vLLM server generator ({self.url})"
+        self.thread = threading.Thread(target=self._run, daemon=True, name="cppo-server-generator")
+        self.thread.start()
+
+    def push(self, policy, version: int) -> float:
+        """Write the policy's weights for the server as `version`; the seconds it took."""
+        start = time.perf_counter()
+        folder = self.weights_dir / f"version-{version}"
+        folder.mkdir(parents=True, exist_ok=True)
+        with vllm_weights(policy) as weights:
+            save_file({name: t.detach().contiguous().cpu() for name, t in weights},
+                      str(folder / "model.safetensors"))
+        with self.lock:
+            self.latest = (version, folder)
+        return time.perf_counter() - start
+
+    def submit(self, task: RolloutTask) -> None:
+        self.tasks.put(task)
+
+    def _reload(self) -> int:
+        """Have the server take the newest pushed weights (if newer than its own); their version."""
+        with self.lock:
+            latest = self.latest
+        if latest is not None and latest != self.loaded:
+            reply = requests.post(f"{self.url}/collective_rpc", timeout=self.stale_after, json={
+                "method": "reload_weights",
+                "kwargs": {"weights_path": str(latest[1]), "is_checkpoint_format": True}})
+            if reply.status_code != 200:
+                raise VLLMServerError(f"the vLLM server at {self.url} refused the weights "
+                                      f"({reply.status_code}: {reply.text[:300]}); start it with "
+                                      f"VLLM_SERVER_DEV_MODE=1 so that /collective_rpc exists")
+            self.backend.client.reset_prefix_cache()
+            if self.loaded is not None:
+                shutil.rmtree(self.loaded[1], ignore_errors=True)
+            self.loaded = latest
+        return self.loaded[0] if self.loaded is not None else -1
+
+    def _run(self) -> None:
+        try:
+            while (task := self.tasks.get()) is not None:
+                self.heartbeat.value = time.time()
+                version = self._reload()
+                start = time.perf_counter()
+                prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in task.rows],
+                                         self.args.max_prompt_length)
+                completions = self.backend.generate(prompts, round_index=task.round_index)
+                self.results.put(Arrival(task.task_id, version, prompts, completions,
+                                         time.perf_counter() - start))
+                self.heartbeat.value = 0.0
+        except Exception:
+            self.results.put(_Failure(traceback.format_exc()))
+
+    def _ended(self) -> str | None:
+        return None if self.thread.is_alive() else "its thread ended"
+
+    def _stop(self) -> None:
+        """A thread cannot be stopped: it is left to end with the process (a daemon)."""
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.tasks.put(None)
+        self.thread.join(timeout)
+        shutil.rmtree(self.weights_dir, ignore_errors=True)
 
 
 @dataclass
@@ -316,14 +428,20 @@ class RolloutScheduler:
 
 
 def start_rollouts(policy, tokenizer, args, *, version: int, chunk_size: int,
-                   generation_dtype: str | None, questions_per_round: int) -> RolloutScheduler:
-    """The generator process on the policy's weights as `version`, and the trainer's scheduler:
-    rounds ahead as max_staleness, max_inflight_tasks and queue_maxsize allow."""
-    build = functools.partial(generator_sampling, tokenizer, args, chunk_size, generation_dtype)
-    generator = GeneratorProcess(policy, build,
-                                 threads=args.generator_threads or torch.get_num_threads(),
-                                 heartbeat_stale_after_s=args.heartbeat_stale_after_s,
-                                 cpus=args.generator_cpus)
+                   generation_dtype: str | None, questions_per_round: int, backend,
+                   weights_dir: Path) -> RolloutScheduler:
+    """The generator (cppo's sampler in its own process; with use_vllm, the vLLM server that
+    `backend` talks to) on the policy's weights as `version`, and the trainer's scheduler: rounds
+    ahead as max_staleness, max_inflight_tasks and queue_maxsize allow."""
+    if args.use_vllm:
+        generator = ServerGenerator(backend, tokenizer, args, weights_dir,
+                                    heartbeat_stale_after_s=args.heartbeat_stale_after_s)
+    else:
+        build = functools.partial(generator_sampling, tokenizer, args, chunk_size, generation_dtype)
+        generator = GeneratorProcess(policy, build,
+                                     threads=args.generator_threads or torch.get_num_threads(),
+                                     heartbeat_stale_after_s=args.heartbeat_stale_after_s,
+                                     cpus=args.generator_cpus)
     waiting = args.queue_maxsize // (questions_per_round * args.num_generations)
     in_flight = min(rounds_in_flight(args.max_inflight_tasks, args.max_staleness,
                                      questions_per_round), 1 + waiting)   # + the one trained next
@@ -331,8 +449,8 @@ def start_rollouts(policy, tokenizer, args, *, version: int, chunk_size: int,
                                                              args.num_iterations, in_flight),
                                  args.max_staleness)
     scheduler.sync(policy, version, args.weight_sync_steps)
-    print(f"async_rollout: generator process pid {generator.process.pid} (cores "
-          f"{args.generator_cpus or 'shared'}), {scheduler.lookahead} round(s) sampled ahead, "
-          f"max_staleness {args.max_staleness}, weights pushed every {args.weight_sync_steps} "
-          f"step(s)", flush=True)
+    where = "" if args.use_vllm else f" (cores {args.generator_cpus or 'shared'})"
+    print(f"async_rollout: {generator.name}{where}, {scheduler.lookahead} round(s) sampled "
+          f"ahead, max_staleness {args.max_staleness}, weights pushed every "
+          f"{args.weight_sync_steps} step(s)", flush=True)
     return scheduler
