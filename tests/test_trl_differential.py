@@ -90,6 +90,13 @@ OPTIONS = {
                               entropy_coef=0.05),
     "bnpo_accumulation": dict(loss_type="bnpo", accumulation=2),
     "grpo_accumulation": dict(loss_type="grpo", accumulation=2),
+    # TRL's steps_per_generation: one generation round, slices of it as optimizer steps (x mu);
+    # the token-sum losses normalised by the round's tokens / slices, as TRL does
+    "steps_per_generation_dapo": dict(loss_type="dapo", steps_per_generation=2),
+    "steps_per_generation_grpo_accumulation": dict(loss_type="grpo", steps_per_generation=4,
+                                                   accumulation=2),
+    "steps_per_generation_bnpo": dict(loss_type="bnpo", steps_per_generation=4, accumulation=2),
+    "adam_epsilon": dict(loss_type="dapo", adam_epsilon=1e-6),
 }
 
 
@@ -98,10 +105,23 @@ def test_objectives_match_trl(tiny_model_dir, tmp_path, monkeypatch, name):
     """Each of TRL's other objectives and options, with beta = 0.04 and mu = 2 (one round: the
     second step has ratios != 1, so clipping, gating and masking all act)."""
     options = {"rounds": 1, **OPTIONS[name]}
-    steps = 2 * options["rounds"]
+    slices = (options.get("steps_per_generation") or 1) // options.get("accumulation", 1)
+    steps = 2 * options["rounds"] * slices
     trl, cppo = run_both(tiny_model_dir, tmp_path, monkeypatch, steps=steps, beta=0.04,
                          num_iterations=2, **options)
     assert_same(trl, cppo, steps)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_steps_per_generation_with_one_iteration_matches_trl(tiny_model_dir, tmp_path,
+                                                             monkeypatch, loss_type):
+    """mu = 1, steps_per_generation 2: one generation round, two optimizer steps on its two
+    slices; the second slice's ratios are against the old policy's log-probs of the round
+    (TRL computes them at generation when a round spans several steps)."""
+    trl, cppo = run_both(tiny_model_dir, tmp_path, monkeypatch, steps=4, rounds=2,
+                         loss_type=loss_type, beta=0.04, num_iterations=1, steps_per_generation=2)
+    assert all(t is not None for t in cppo.old_logps)
+    assert_same(trl, cppo, 4)
 
 
 # ---------------------------------------------------------------- differences on purpose ----

@@ -109,6 +109,12 @@ class _Feed:
         return [float(len(ids)) for ids in completion_ids]
 
 
+def micro_batch_size(accumulation: int, options: dict) -> int:
+    """A round's COMPLETIONS in steps_per_generation micro-batches (TRL's default: one optimizer
+    step of gradient_accumulation_steps micro-batches)."""
+    return COMPLETIONS // (options.get("steps_per_generation") or accumulation)
+
+
 def _grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -147,7 +153,7 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
             record.grads.append(_grads(model))
 
     args = GRPOConfig(output_dir=str(tmp_path / "trl"),
-                      per_device_train_batch_size=COMPLETIONS // accumulation,
+                      per_device_train_batch_size=micro_batch_size(accumulation, options),
                       gradient_accumulation_steps=accumulation,
                       num_generations=G, max_completion_length=MAX_LEN, max_steps=max_steps,
                       learning_rate=options.pop("learning_rate"), lr_scheduler_type="constant",
@@ -195,7 +201,7 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
     G = feed.group_size
     Q = COMPLETIONS // G
     args = CPPOConfig(model=model_dir, output_dir=str(tmp_path / "cppo"), max_steps=max_steps,
-                      per_device_train_batch_size=COMPLETIONS // accumulation,
+                      per_device_train_batch_size=micro_batch_size(accumulation, options),
                       gradient_accumulation_steps=accumulation, num_generations=G, pruning_rate=0.0,
                       max_completion_length=MAX_LEN, lr_scheduler_type="constant",
                       adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=adam_epsilon, weight_decay=0.0,

@@ -52,7 +52,7 @@ class Learner:
     def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
         """Old-policy log-probs (once per generation batch, when mu > 1) and reference ones."""
         with self.autocast():
-            if self.args.num_iterations > 1:
+            if self.args.steps_per_round > 1:   # the policy moves before the last slice
                 self.policy.eval()
                 batch.old_logps = self.logprobs(self.policy, batch)
                 self.policy.train()
@@ -64,14 +64,15 @@ class Learner:
                         batch.ref_logps = self.logprobs(self.policy, batch)
 
     def step(self, batch: StepBatch, entropy_coef: float,
-             adapt_entropy_coef: Callable[[float], float]) -> dict:
+             adapt_entropy_coef: Callable[[float], float], tokens: float | None = None) -> dict:
         """One optimizer step over the kept batch: the micro-batches' losses backward in turn
         (gradient accumulation), then the step; never a NaN/inf one ("nonfinite": True then).
-        `adapt_entropy_coef(step entropy)` returns the next coefficient (adaptive control)."""
+        `adapt_entropy_coef(step entropy)` returns the next coefficient (adaptive control).
+        `tokens`: the token-sum losses' normaliser (None: this batch's tokens, all processes')."""
         args = self.args
         self.optimizer.zero_grad(set_to_none=True)
         coef = entropy_coef if entropy_bonus_on(args) else 0.0
-        totals = self.backward(batch, coef)
+        totals = self.backward(batch, coef, tokens)
         with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
                      if p.grad is not None]
         grad_norm = self.engine.clip_grad_norm(  # max_norm inf: measure, don't clip
@@ -93,12 +94,12 @@ class Learner:
         self.scheduler.step()
         return metrics
 
-    def backward(self, batch: StepBatch, entropy_coef: float) -> dict:
+    def backward(self, batch: StepBatch, entropy_coef: float, tokens: float | None = None) -> dict:
         """Each micro-batch's loss backward (cppo.algorithm.micro_batch); the step's sums of
         this process (SUM_KEYS, MAX_KEYS)."""
         args, world = self.args, self.dist.world_size
         total_sequences = self.dist.sum(len(batch) - batch.filler_rows)
-        total_tokens = self.dist.sum(int(batch.loss_mask.sum()))
+        total_tokens = self.dist.sum(int(batch.loss_mask.sum())) if tokens is None else tokens
         totals = empty_sums()
         num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
         # gradients are reduced by the engine once per step, in the last micro-batch's backward
