@@ -32,7 +32,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                         completion_mask: Tensor, *, temperature: float = 1.0,
                         batch_size: int | None = None, lean: bool = True,
                         entropies: list | None = None, packed: bool = True,
-                        entropy_grad: bool = False, matmul_dtype: torch.dtype | None = None) -> Tensor:
+                        entropy_grad: bool = False, matmul_dtype: torch.dtype | None = None,
+                        aux_losses: list | None = None) -> Tensor:
     """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp), of logits
     divided by the sampling temperature (as TRL), with grad if enabled. lean: use cppo.models.lean's forward when it supports the model: each distinct prompt of a
     micro-batch is run once, and with `packed` (the default) every pass but attention, the head
@@ -41,11 +42,13 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     layout (for comparison). Without the lean forward, the model's own forward on padded rows
     (log-probs and entropies are 0 at padding there too). entropy_grad: the entropies carry the
     gradient (an entropy bonus in the loss); else they are detached. matmul_dtype (lean forward
-    only): the dtype of the decoder layers' Linear matmuls (cppo.models.lean)."""
+    only): the dtype of the decoder layers' Linear matmuls (cppo.models.lean). aux_losses:
+    mixture-of-experts models (the model's own forward) are asked for their router logits and
+    each chunk's load-balancing aux_loss (a scalar) is appended to it."""
     entropy_of = differentiable_entropy if entropy_grad else (lambda lg: token_entropy(lg.detach()))
     (n, t), out = completion_ids.shape, []
     step = n if batch_size is None else batch_size
-    lean_forward = lean_forward_for(model)[0] if lean else None
+    lean_forward = lean_forward_for(model)[0] if lean and aux_losses is None else None
     if matmul_dtype is not None and lean_forward is None:
         raise ValueError(f"matmul_dtype {matmul_dtype} needs the lean forward, which does not support "
                          f"this model: {lean_forward_for(model)[1] if lean else 'lean=False'}")
@@ -71,8 +74,12 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
             ids_full = torch.cat([prompt_ids[rows], ids], dim=1)
             mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=ids_full, attention_mask=mask, position_ids=positions,
-                           use_cache=False, logits_to_keep=t + 1).logits[:, :-1]
+            router = {} if aux_losses is None else {"output_router_logits": True}
+            output = model(input_ids=ids_full, attention_mask=mask, position_ids=positions,
+                           use_cache=False, logits_to_keep=t + 1, **router)
+            if aux_losses is not None:
+                aux_losses.append(output.aux_loss)
+            logits = output.logits[:, :-1]
         if temperature != 1.0:
             logits = logits / temperature
         if lean_forward is not None and packed:   # logits (M, V) of the real tokens
