@@ -72,13 +72,11 @@ def check_schedule_kwargs(name: str, kwargs: dict | None) -> None:
         raise ConfigError(f"'lr_scheduler_kwargs' has {', '.join(map(repr, unknown))}, which "
                           f"lr_scheduler_type {name!r} does not take (it takes: {takes}): "
                           f"remove it or pick the schedule that takes it")
-    if not kwargs:
-        return
     from transformers import get_scheduler
     trial = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     try:   # a value the schedule refuses (e.g. cosine_with_min_lr without min_lr), before training
         get_scheduler(name, trial, num_warmup_steps=1, num_training_steps=10,
-                      scheduler_specific_kwargs=dict(kwargs))
+                      scheduler_specific_kwargs=dict(kwargs or {}))
     except (TypeError, ValueError) as err:
         raise ConfigError(f"'lr_scheduler_kwargs' is {kwargs!r} for lr_scheduler_type {name!r}, "
                           f"which refuses it: {err}") from None
