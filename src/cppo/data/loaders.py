@@ -157,8 +157,9 @@ def _load_dataset(source: str, repo: str, config: str | None, split: str, stream
     except Exception as e:
         raise ValueError(
             f"loading {repo!r} (config {config!r}, split {split!r}"
-            f"{', streaming' if streaming else ''}) with datasets failed "
-            f"({source!r} is not a local file): {type(e).__name__}: {e}") from e
+            f"{', streaming' if streaming else ''}) with datasets.load_dataset failed"
+            f"{'' if Path(source).expanduser().is_dir() else ' (not a local file or directory)'}: "
+            f"{type(e).__name__}: {e}") from e
     where = f"{repo}[{config + ':' if config else ''}{split}]"
     return dataset, list(columns), where, fmt
 
