@@ -105,7 +105,8 @@ def test_objectives_match_trl(tiny_model_dir, tmp_path, monkeypatch, name):
     """Each of TRL's other objectives and options, with beta = 0.04 and mu = 2 (one round: the
     second step has ratios != 1, so clipping, gating and masking all act)."""
     options = {"rounds": 1, **OPTIONS[name]}
-    slices = (options.get("steps_per_generation") or 1) // options.get("accumulation", 1)
+    accumulation = options.get("accumulation", 1)   # optimizer steps on a round's slices:
+    slices = (options.get("steps_per_generation") or accumulation) // accumulation
     steps = 2 * options["rounds"] * slices
     trl, cppo = run_both(tiny_model_dir, tmp_path, monkeypatch, steps=steps, beta=0.04,
                          num_iterations=2, **options)

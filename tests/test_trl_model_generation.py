@@ -192,9 +192,18 @@ def test_a_key_the_template_does_not_read_is_an_error_before_training(thinking_m
         make_trainer(tiny_model_dir, tmp_path / "r", chat_template_kwargs={"enable_thinking": False})
 
 
-def test_chat_template_kwargs_take_json_on_the_command_line():
-    cfg = CPPOConfig.load(overrides={"chat_template_kwargs": '{"enable_thinking": false}'})
+def test_the_fields_take_trls_command_line_forms():
+    from cppo import cli
+    args = cli.build_parser().parse_args([
+        "train", "--chat_template_kwargs", '{"enable_thinking": false}', "--lr_scheduler_type",
+        "cosine_with_restarts", "--lr_scheduler_kwargs", '{"num_cycles": 2}', "--optim_args",
+        "amsgrad=true,eps=1e-6", "--steps_per_generation", "2", "--data_seed", "9",
+        "--dataset_streaming", "--router_aux_loss_coef", "0.01"])
+    cfg = cli.train_config(args)
     assert cfg.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.lr_scheduler_kwargs == {"num_cycles": 2} and cfg.optim_args == "amsgrad=true,eps=1e-6"
+    assert (cfg.steps_per_generation, cfg.data_seed, cfg.dataset_streaming,
+            cfg.router_aux_loss_coef) == (2, 9, True, 0.01)
     with pytest.raises(ConfigError, match="'chat_template_kwargs' is '{enable'"):
         CPPOConfig.load(overrides={"chat_template_kwargs": "{enable"})
 

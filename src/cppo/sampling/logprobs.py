@@ -46,7 +46,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     mixture-of-experts models (the model's own forward) are asked for their router logits and
     each chunk's load-balancing aux_loss (a scalar) is appended to it."""
     entropy_of = differentiable_entropy if entropy_grad else (lambda lg: token_entropy(lg.detach()))
-    (n, t), out = completion_ids.shape, []
+    n, out = completion_ids.shape[0], []
     step = n if batch_size is None else batch_size
     lean_forward = lean_forward_for(model)[0] if lean and aux_losses is None else None
     if matmul_dtype is not None and lean_forward is None:
@@ -71,15 +71,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                                                     ids, completion_mask[rows], packed=packed,
                                                     matmul_dtype=matmul_dtype)
         else:
-            ids_full = torch.cat([prompt_ids[rows], ids], dim=1)
-            mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            router = {} if aux_losses is None else {"output_router_logits": True}
-            output = model(input_ids=ids_full, attention_mask=mask, position_ids=positions,
-                           use_cache=False, logits_to_keep=t + 1, **router)
-            if aux_losses is not None:
-                aux_losses.append(output.aux_loss)
-            logits = output.logits[:, :-1]
+            logits = _model_logits(model, prompt_ids[rows], prompt_mask[rows], ids,
+                                   completion_mask[rows], aux_losses)
         if temperature != 1.0:
             logits = logits / temperature
         if lean_forward is not None and packed:   # logits (M, V) of the real tokens
@@ -95,6 +88,21 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         if entropies is not None:   # TRL's entropy metric: (rows, T) of the same logits
             entropies.append(entropy_of(logits) * real)
     return torch.cat(out)
+
+
+def _model_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, ids: Tensor,
+                  completion_mask: Tensor, aux_losses: list | None) -> Tensor:
+    """(N, T, V) logits of the completion tokens (N, T) through the model's own forward on padded
+    rows; with `aux_losses`, the router's load-balancing aux_loss is appended to it."""
+    full = torch.cat([prompt_ids, ids], dim=1)
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    router = {} if aux_losses is None else {"output_router_logits": True}
+    output = model(input_ids=full, attention_mask=mask, position_ids=positions, use_cache=False,
+                   logits_to_keep=ids.shape[1] + 1, **router)
+    if aux_losses is not None:
+        aux_losses.append(output.aux_loss)
+    return output.logits[:, :-1]
 
 
 def _chunked_head(lean_forward, prompts: Tensor, width: int, question: Tensor, ids: Tensor,
