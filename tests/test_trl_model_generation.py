@@ -42,6 +42,20 @@ def test_each_field_is_honoured_under_trls_name_with_trls_default(name):
     assert getattr(CPPOConfig(), name) == trl_default(name)
 
 
+def test_the_defaults_equal_a_trl_grpo_config_instance(tmp_path):
+    """TRL resolves steps_per_generation None to gradient_accumulation_steps in __post_init__;
+    cppo keeps None and means the same."""
+    trl = pytest.importorskip("trl")
+    theirs = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                            gradient_accumulation_steps=3)
+    ours = CPPOConfig(gradient_accumulation_steps=3, per_device_train_batch_size=8,
+                      num_generations=4)
+    for name in FIELDS:
+        if name not in ("dataset_config", "dataset_streaming", "steps_per_generation"):
+            assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.updates_per_generation * 3 == theirs.steps_per_generation == 3
+
+
 # ---------------------------------------------------------------- steps_per_generation -----
 def test_steps_per_generation_sizes_the_round_and_its_optimizer_steps():
     """A round makes per_device_train_batch_size x steps_per_generation completions and trains on

@@ -423,7 +423,8 @@ class CPPOConfig:
                                k_neg=self.vespo_k_neg, lambda_neg=self.vespo_lambda_neg))
 
     def step_plan(self) -> StepShape:
-        """Questions sampled, completions scored and kept per optimizer step (algorithm/allocation)."""
+        """Questions sampled, completions scored and kept per generation round (algorithm/allocation):
+        per optimizer step unless steps_per_generation makes a round several steps' slices."""
         return plan_step(completions_per_update=self.completions_per_update *
                          self.updates_per_generation,
                          group_size=self.num_generations, pruning_rate=self.pruning_rate,
