@@ -210,7 +210,7 @@ class CPPOTrainer:
         """async_rollout: submit the rounds ahead that keep within max_staleness, then take this
         round's arrival (cppo.sampling.async_rollout); a stale one is sampled again."""
         scheduler, args = self.rollouts, self.args
-        scheduler.fill(self.round_index, (self.total_steps - 1) // args.num_iterations,
+        scheduler.fill(self.round_index, (self.total_steps - 1) // args.steps_per_round,
                        lambda: self.take_questions()[:2], self.questions.state)
         head, arrival, stale, waited = scheduler.take(self.run_state.step)
         metrics = scheduler.metrics(stale, waited, self.plan.questions_per_step)
