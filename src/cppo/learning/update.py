@@ -56,7 +56,8 @@ class Learner:
 
     @torch.no_grad()
     def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
-        """Old-policy log-probs (once per generation batch, when mu > 1) and reference ones."""
+        """Old-policy log-probs (once per generation round, when it has several optimizer steps:
+        num_iterations > 1 or steps_per_generation slices) and reference ones."""
         with self.autocast():
             if self.args.steps_per_round > 1:   # the policy moves before the last slice
                 self.policy.eval()
