@@ -71,6 +71,17 @@ def test_steps_per_generation_sizes_the_round_and_its_optimizer_steps():
     assert pruned.step_plan().completions_kept == 32 and pruned.step_plan().questions_per_step == 16
 
 
+def test_trls_generation_batch_size_agrees_with_steps_per_generation():
+    """TRL: generation_batch_size = per_device_train_batch_size x processes x steps_per_generation."""
+    from cppo.config.checks import check_generation_batch_size
+    cfg = CPPOConfig(per_device_train_batch_size=8, num_generations=4, pruning_rate=0.0,
+                     steps_per_generation=2, generation_batch_size=32)
+    round_completions = cfg.step_plan().completions_scored
+    check_generation_batch_size(cfg, round_completions * 2)   # 2 processes: 8 x 2 x 2
+    with pytest.raises(ConfigError, match="set steps_per_generation"):
+        check_generation_batch_size(cfg, round_completions)
+
+
 @pytest.mark.parametrize("value", [3, 1, 0])
 def test_steps_per_generation_that_does_not_fill_whole_steps_is_named_with_the_fix(value):
     with pytest.raises(ConfigError, match=r"'steps_per_generation' is .*multiple of 2"):

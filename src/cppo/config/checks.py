@@ -256,8 +256,10 @@ def check_generation_batch_size(cfg, completions_per_round: int | None = None) -
           f"{completions_per_round} completions over all processes (questions per step x "
           f"num_generations x processes, set by per_device_train_batch_size, "
           f"gradient_accumulation_steps and pruning_rate with allocation); set it to "
-          f"{completions_per_round} or None. To bound how many completions are decoded at once, "
-          f"use 'generation_chunk_size'")
+          f"{completions_per_round} or None; for bigger rounds set steps_per_generation (TRL: "
+          f"generation_batch_size = per_device_train_batch_size x processes x "
+          f"steps_per_generation). To bound how many completions are decoded at once, use "
+          f"'generation_chunk_size'")
 
 
 SUPPORTED_VLLM = ("0.32", "0.33")   # [lowest, above the highest): reload_weights, logprobs_mode
