@@ -103,16 +103,22 @@ def test_a_round_splits_into_consecutive_slices_with_their_filler_rows():
 
 
 def test_the_trainer_generates_once_per_steps_per_generation(tiny_model_dir, tmp_path):
-    """4 optimizer steps, steps_per_generation 2 (gradient_accumulation_steps 1): 2 rounds, each
-    of 2 slices of per_device_train_batch_size completions."""
-    trainer = make_trainer(tiny_model_dir, tmp_path / "run", pruning_rate=0.0, max_steps=4,
-                           steps_per_generation=2, save_steps=0)
+    """One epoch of 8 questions, 4 a round (per_device_train_batch_size 8 x steps_per_generation 2
+    / G 4), gradient_accumulation_steps 1: 2 rounds, each of 2 slices of 8 completions, 4
+    optimizer steps."""
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", pruning_rate=0.0, max_steps=-1,
+                           num_train_epochs=1, num_train_questions=8, steps_per_generation=2,
+                           save_steps=0, logging_steps=3)
+    assert trainer.total_steps == 4
     calls, updates = [], []
     generate, update = trainer.generate, trainer.update
     trainer.generate = lambda rows: calls.append(len(rows)) or generate(rows)
     trainer.update = lambda batch, tokens=None: updates.append(len(batch)) or update(batch, tokens)
     trainer.train()
     assert calls == [4, 4] and updates == [8, 8, 8, 8] and trainer.run_state.step == 4
+    assert trainer.round_index == 2   # rounds done: what seeds each round's sampling
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "reward" in r] == [4]   # the round that crossed step 3
 
 
 # ---------------------------------------------------------------- router_aux_loss_coef -----
