@@ -305,11 +305,9 @@ class CPPOTrainer:
             self.run_state.counters[key] += value
 
     def learn(self, batch: StepBatch) -> dict:
-        """steps_per_round optimizer steps on the kept batch (never past max_steps): num_iterations
-        passes over its updates_per_generation consecutive slices (TRL's steps_per_generation),
-        or none when every kept advantage is 0 (with beta > 0 the KL term still has a gradient:
-        the step runs, as in TRL). Every process takes part in the collectives, even one that
-        kept nothing."""
+        """steps_per_round optimizer steps on the kept batch's slices (TRL's steps_per_generation;
+        never past max_steps), or none when every kept advantage is 0 (with beta > 0 the KL term
+        still has a gradient: the step runs, as in TRL). Every process joins the collectives."""
         args = self.args
         iterations = min(args.steps_per_round, self.total_steps - self.run_state.step)
         if args.beta == 0 and self.dist.all_zero(batch.advantages):   # the policy gradient is 0
