@@ -237,7 +237,7 @@ def test_ctrl_c_and_sigterm_stop_both_sides_with_a_checkpoint(tiny_model_dir, tm
                                 start_new_session=True)
     try:
         wait_until(lambda: os.path.exists(f"{out}.parked"), proc, log)
-        generator = int(re.search(r"generator process pid (\d+)", log.read_text()).group(1))
+        generator = int(re.search(r"generator process \(pid (\d+)\)", log.read_text()).group(1))
         for _ in range(1 if stop == "ctrl_c" else 2):
             if stop == "ctrl_c":
                 os.killpg(proc.pid, signal.SIGINT)
@@ -278,7 +278,7 @@ def test_a_generator_whose_trainer_was_killed_ends_itself(tiny_model_dir, tmp_pa
                                 stderr=subprocess.STDOUT, env=child_env(**{PARK_ENV: str(out)}))
     try:
         wait_until(lambda: os.path.exists(f"{out}.parked"), proc, log)
-        generator = int(re.search(r"generator process pid (\d+)", log.read_text()).group(1))
+        generator = int(re.search(r"generator process \(pid (\d+)\)", log.read_text()).group(1))
         assert _running(generator)
     finally:
         proc.kill()

@@ -4,7 +4,8 @@ One round reads top to bottom (`training_round`), each stage a function of the v
 
     questions -> completions (G each) -> rewards -> advantages -> keep_mask (selection)
               -> batch (the kept completions only) -> old-policy and reference log-probs
-              -> num_iterations updates (micro-batch losses, one optimizer step each)
+              -> num_iterations x (steps_per_generation / gradient_accumulation_steps) updates
+                 (micro-batch losses, one optimizer step each, on consecutive slices)
 
 Pruning happens right after scoring, before any policy, old-policy or reference forward pass, so
 those passes see only the kept rows. The stages live in their rooms (cppo.data.questions,
@@ -98,12 +99,13 @@ class CPPOTrainer:
                           check_generation_batch_size)
         self.total_steps = total_steps(args.max_steps, len(self.task.train_rows),
                                        self.plan.questions_per_step * self.dist.world_size,
-                                       args.num_train_epochs, args.num_iterations)
+                                       args.num_train_epochs, args.steps_per_round)
         self.optimizer = make_adamw([p for p in self.policy.parameters() if p.requires_grad], args)
         self.scheduler = make_scheduler(self.optimizer, args, self.total_steps)
         self.learner = Learner(self.policy, self.reference, self.engine, self.dist, self.optimizer,
                                self.scheduler, args, self.device, self.matmul_dtype)
-        self.questions = QuestionStream(len(self.task.train_rows), args.seed)
+        self.questions = QuestionStream(len(self.task.train_rows),
+                                        args.seed if args.data_seed is None else args.data_seed)
         self.output_dir = Path(args.output_dir)
         self.timer = PhaseTimer()
         self.run_state = ckpt.RunState()   # step, counters, history, ...: what a checkpoint resumes
@@ -161,11 +163,11 @@ class CPPOTrainer:
 
     @property
     def round_index(self) -> int:
-        """Generation rounds done (each runs num_iterations optimizer steps); seeds sampling."""
-        return self.run_state.step // self.args.num_iterations
+        """Generation rounds done (each runs steps_per_round optimizer steps); seeds sampling."""
+        return self.run_state.step // self.args.steps_per_round
 
     def training_round(self) -> dict:
-        """Generate for a batch of questions, score, prune, and run num_iterations updates."""
+        """Generate for a batch of questions, score, prune, and run steps_per_round updates."""
         args, timer = self.args, self.timer
         with timer("generate"):
             rows, order, skipped, prompts, completions, two_stage, rollout = self.rollout_round()
@@ -208,7 +210,7 @@ class CPPOTrainer:
         """async_rollout: submit the rounds ahead that keep within max_staleness, then take this
         round's arrival (cppo.sampling.async_rollout); a stale one is sampled again."""
         scheduler, args = self.rollouts, self.args
-        scheduler.fill(self.round_index, (self.total_steps - 1) // args.num_iterations,
+        scheduler.fill(self.round_index, (self.total_steps - 1) // args.steps_per_round,
                        lambda: self.take_questions()[:2], self.questions.state)
         head, arrival, stale, waited = scheduler.take(self.run_state.step)
         metrics = scheduler.metrics(arrival, stale, waited, self.plan.questions_per_step)
@@ -303,11 +305,11 @@ class CPPOTrainer:
             self.run_state.counters[key] += value
 
     def learn(self, batch: StepBatch) -> dict:
-        """num_iterations optimizer steps on the kept batch (never past max_steps), or none when
-        every kept advantage is 0 (with beta > 0 the KL term still has a gradient: the step runs,
-        as in TRL). Every process takes part in the collectives, even one that kept nothing."""
+        """steps_per_round optimizer steps on the kept batch's slices (TRL's steps_per_generation;
+        never past max_steps), or none when every kept advantage is 0 (with beta > 0 the KL term
+        still has a gradient: the step runs, as in TRL). Every process joins the collectives."""
         args = self.args
-        iterations = min(args.num_iterations, self.total_steps - self.run_state.step)
+        iterations = min(args.steps_per_round, self.total_steps - self.run_state.step)
         if args.beta == 0 and self.dist.all_zero(batch.advantages):   # the policy gradient is 0
             self.run_state.counters["skipped_steps"] += iterations
             self.run_state.step += iterations
@@ -316,10 +318,12 @@ class CPPOTrainer:
         batch = pad_rows(batch, self.dist)  # as many forward passes on every process
         with self.timer("logprobs"):
             self.fill_old_and_ref_logprobs(batch)
-        metrics = {}
-        for _ in range(iterations):
+        metrics, slices = {}, batch.split(args.updates_per_generation)
+        tokens = None if len(slices) == 1 else \
+            self.dist.sum(int(batch.loss_mask.sum())) / len(slices)   # TRL's token normaliser
+        for i in range(iterations):
             with self.timer("update"):
-                update = self.update(batch)
+                update = self.update(slices[i % len(slices)], tokens)
             self.run_state.step += 1
             if args.sync_ref_model and self.run_state.step % args.ref_model_sync_steps == 0:
                 mix_into_reference(self.reference.parameters(), self.policy.parameters(),
@@ -337,12 +341,13 @@ class CPPOTrainer:
     # ---------------------------------------------------------------- the update ------------
     @torch.no_grad()
     def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
-        """Old-policy (num_iterations > 1) and reference (beta > 0) log-probs (cppo.learning)."""
+        """Old-policy (steps_per_round > 1) and reference (beta > 0) log-probs (cppo.learning)."""
         self.learner.fill_old_and_ref_logprobs(batch)
 
-    def update(self, batch: StepBatch) -> dict:
-        """One optimizer step over the kept batch (cppo.learning.update.Learner.step)."""
-        return self.learner.step(batch, self.entropy_coef_now(), self.adapt_entropy_coef)
+    def update(self, batch: StepBatch, round_tokens: float | None = None) -> dict:
+        """One optimizer step over (a slice of) the kept batch (cppo.learning.update.Learner.step)."""
+        return self.learner.step(batch, self.entropy_coef_now(), self.adapt_entropy_coef,
+                                 round_tokens)
 
     def entropy_coef_now(self) -> float:
         """The coefficient this step applies (adaptive: gated by the last step's entropy)."""

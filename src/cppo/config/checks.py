@@ -129,6 +129,7 @@ def validate(cfg) -> None:
     _check_sampling(cfg)
     _check_precision(cfg)
     _check_run(cfg)
+    _check_trl_knobs(cfg)
     _check_plan(cfg)
     _check_async(cfg)
 
@@ -255,8 +256,10 @@ def check_generation_batch_size(cfg, completions_per_round: int | None = None) -
           f"{completions_per_round} completions over all processes (questions per step x "
           f"num_generations x processes, set by per_device_train_batch_size, "
           f"gradient_accumulation_steps and pruning_rate with allocation); set it to "
-          f"{completions_per_round} or None. To bound how many completions are decoded at once, "
-          f"use 'generation_chunk_size'")
+          f"{completions_per_round} or None; for bigger rounds set steps_per_generation (TRL: "
+          f"generation_batch_size = per_device_train_batch_size x processes x "
+          f"steps_per_generation). To bound how many completions are decoded at once, use "
+          f"'generation_chunk_size'")
 
 
 SUPPORTED_VLLM = ("0.32", "0.33")   # [lowest, above the highest): reload_weights, logprobs_mode
@@ -371,3 +374,35 @@ def _check_async(cfg) -> None:
              "questions from the rewards of the round before")):
         check(not value, f"'async_rollout' is true with '{name}' {getattr(cfg, name)!r}: "
               f"{why}; set {name} off or async_rollout: false")
+
+
+def _check_trl_knobs(cfg) -> None:
+    """TRL's generation-round, optimizer, schedule, template, structured-output and data fields."""
+    spg, ga = cfg.steps_per_generation, cfg.gradient_accumulation_steps
+    check(spg is None or (spg >= 1 and spg % ga == 0),
+          f"'steps_per_generation' is {spg}; a generation round must fill whole optimizer steps "
+          f"of gradient_accumulation_steps = {ga} micro-batches: set it to a multiple of {ga} "
+          f"(e.g. {ga * max(1, round((spg or 0) / ga))}), or None ({ga}, one step a round)")
+    check(cfg.router_aux_loss_coef is None or cfg.router_aux_loss_coef >= 0,
+          f"'router_aux_loss_coef' is {cfg.router_aux_loss_coef}; must be >= 0 (0: off) or None "
+          f"(the model config's)")
+    check(cfg.data_seed is None or 0 <= cfg.data_seed < 2**32,
+          f"'data_seed' is {cfg.data_seed}; allowed: 0 <= data_seed < 2**32, or None (seed)")
+    for key in ("chat_template_kwargs", "lr_scheduler_kwargs"):
+        value = getattr(cfg, key)
+        check(value is None or (isinstance(value, dict) and all(isinstance(k, str) for k in value)),
+              f"'{key}' is {value!r}; expected a mapping of argument names to values")
+    from cppo.run.optimizer import check_schedule_kwargs, parse_optim_args
+    parse_optim_args(cfg.optim_args)
+    check_schedule_kwargs(cfg.lr_scheduler_type, cfg.lr_scheduler_kwargs)
+    regex = cfg.vllm_structured_outputs_regex
+    if regex is not None:
+        check(cfg.use_vllm, "'vllm_structured_outputs_regex' is set but 'use_vllm' is false: "
+                            "structured outputs need vLLM's sampler (cppo's own cannot constrain "
+                            "tokens to a regex); set use_vllm: true or remove it")
+        import re
+        try:
+            re.compile(regex)
+        except re.error as err:
+            raise ConfigError(f"'vllm_structured_outputs_regex' is {regex!r}, not a regular "
+                              f"expression: {err}") from None

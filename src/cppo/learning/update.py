@@ -15,6 +15,8 @@ import torch
 
 from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, add_micro_batch, empty_sums,
                                         entropy_bonus_on, micro_batch_loss, step_metrics)
+from cppo.algorithm.loss import router_aux_coef, router_aux_loss
+from cppo.errors import ConfigError
 from cppo.models.loading import torch_dtype
 from cppo.run.batch import StepBatch
 from cppo.run.optimizer import advance_schedule
@@ -29,10 +31,13 @@ class Learner:
         self.policy, self.reference, self.engine, self.dist = policy, reference, engine, dist
         self.optimizer, self.scheduler, self.args = optimizer, scheduler, args
         self.device, self.matmul_dtype = device, matmul_dtype   # a dtype name or None
+        self.aux_coef = moe_aux_coef(policy, args.router_aux_loss_coef)
 
-    def logprobs(self, model, batch: StepBatch, entropies: list | None = None) -> torch.Tensor:
+    def logprobs(self, model, batch: StepBatch, entropies: list | None = None,
+                 aux_losses: list | None = None) -> torch.Tensor:
         """(B, C) log-probs of the completion tokens under `model`; with `entropies`, each
-        micro-batch's (B_micro, C) entropies are appended to it."""
+        micro-batch's (B_micro, C) entropies are appended to it; with `aux_losses`, the
+        mixture-of-experts load-balancing losses."""
         if len(batch) == 0:  # global selection can leave a process nothing to train on
             return batch.completion_ids.new_zeros(batch.completion_ids.shape, dtype=torch.float32)
         args = self.args
@@ -41,7 +46,8 @@ class Learner:
                                    batch_size=args.per_device_train_batch_size,
                                    lean=args.lean_forward, entropies=entropies,
                                    entropy_grad=entropies is not None and entropy_bonus_on(args),
-                                   matmul_dtype=torch_dtype(self.matmul_dtype))
+                                   matmul_dtype=torch_dtype(self.matmul_dtype),
+                                   aux_losses=aux_losses)
 
     def autocast(self):
         """The one precision of every pass of a step (old policy, reference, policy): bf16
@@ -50,9 +56,10 @@ class Learner:
 
     @torch.no_grad()
     def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
-        """Old-policy log-probs (once per generation batch, when mu > 1) and reference ones."""
+        """Old-policy log-probs (once per generation round, when it has several optimizer steps:
+        num_iterations > 1 or steps_per_generation slices) and reference ones."""
         with self.autocast():
-            if self.args.num_iterations > 1:
+            if self.args.steps_per_round > 1:   # the policy moves before the last slice
                 self.policy.eval()
                 batch.old_logps = self.logprobs(self.policy, batch)
                 self.policy.train()
@@ -64,14 +71,16 @@ class Learner:
                         batch.ref_logps = self.logprobs(self.policy, batch)
 
     def step(self, batch: StepBatch, entropy_coef: float,
-             adapt_entropy_coef: Callable[[float], float]) -> dict:
+             adapt_entropy_coef: Callable[[float], float], tokens: float | None = None) -> dict:
         """One optimizer step over the kept batch: the micro-batches' losses backward in turn
         (gradient accumulation), then the step; never a NaN/inf one ("nonfinite": True then).
-        `adapt_entropy_coef(step entropy)` returns the next coefficient (adaptive control)."""
+        `adapt_entropy_coef(step entropy)` returns the next coefficient (adaptive control).
+        `tokens`: the token-sum losses' normaliser (None: this batch's tokens, all processes')."""
         args = self.args
         self.optimizer.zero_grad(set_to_none=True)
         coef = entropy_coef if entropy_bonus_on(args) else 0.0
-        totals = self.backward(batch, coef)
+        totals = self.backward(batch, coef, tokens)
+        aux = totals.pop("aux_loss", None)
         with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
                      if p.grad is not None]
         grad_norm = self.engine.clip_grad_norm(  # max_norm inf: measure, don't clip
@@ -85,6 +94,8 @@ class Learner:
                                learning_rate=self.scheduler.get_last_lr()[0],
                                entropy_coef=coef if entropy_bonus_on(args) else None,
                                sampler_corrected=batch.sampler_logps is not None)
+        if self.aux_coef:   # TRL's metric: the mean over micro-batches and processes
+            metrics["aux_loss"] = self.dist.sum(aux or 0.0) / self.dist.world_size
         if self.dist.any(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))):
             self.optimizer.zero_grad(set_to_none=True)   # never apply a NaN/inf update
             advance_schedule(self.scheduler, 1)   # the schedule follows the step count
@@ -93,23 +104,40 @@ class Learner:
         self.scheduler.step()
         return metrics
 
-    def backward(self, batch: StepBatch, entropy_coef: float) -> dict:
+    def backward(self, batch: StepBatch, entropy_coef: float, tokens: float | None = None) -> dict:
         """Each micro-batch's loss backward (cppo.algorithm.micro_batch); the step's sums of
         this process (SUM_KEYS, MAX_KEYS)."""
         args, world = self.args, self.dist.world_size
         total_sequences = self.dist.sum(len(batch) - batch.filler_rows)
-        total_tokens = self.dist.sum(int(batch.loss_mask.sum()))
+        total_tokens = self.dist.sum(int(batch.loss_mask.sum())) if tokens is None else tokens
         totals = empty_sums()
         num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
         # gradients are reduced by the engine once per step, in the last micro-batch's backward
         for micro in self.engine.accumulate(batch.micro_batches(args.per_device_train_batch_size)):
-            entropies = []
+            entropies, aux = [], [] if self.aux_coef else None
             with self.autocast():
-                logps = self.engine.forward(self.logprobs, micro, entropies)
+                logps = self.engine.forward(self.logprobs, micro, entropies, aux)
             loss, part = micro_batch_loss(logps, entropies, micro, args, entropy_coef=entropy_coef,
                                           total_sequences=total_sequences,
                                           total_tokens=total_tokens, num_micro=num_micro)
             loss = loss * world   # the engines average gradients over processes
+            if aux:   # each process's own, averaged by the engines (TRL)
+                loss = loss + router_aux_loss(aux, self.aux_coef, num_micro)
+                totals["aux_loss"] = totals.get("aux_loss", 0.0) + float(torch.stack(aux).mean()) / num_micro
             loss.backward()
             add_micro_batch(totals, {**part, "loss": loss.item() / world})
         return totals
+
+
+def moe_aux_coef(policy, coef: float | None) -> float:
+    """The load-balancing coefficient for `policy` (cppo.algorithm.loss.router_aux_coef): 0 for
+    a model without router logits; ConfigError naming router_aux_loss_coef when one is set
+    there."""
+    config = policy.config.get_text_config() if hasattr(policy.config, "get_text_config") \
+        else policy.config
+    try:
+        return router_aux_coef(coef, hasattr(config, "output_router_logits"),
+                               getattr(config, "router_aux_loss_coef", None))
+    except ValueError as err:
+        raise ConfigError(f"'router_aux_loss_coef': {err}; set it to None or 0 for "
+                          f"{type(policy).__name__}") from None

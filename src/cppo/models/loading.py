@@ -116,7 +116,8 @@ def load_model(name: str = "embedded", *, torch_dtype: str = "float32",
 
 def load_policy(model, processing_class, args, device, *, lora: bool, peft_config=None):
     """The policy and its tokenizer: `model` a name (None: the config's) or a loaded model, the
-    tokenizer the processing_class or the model's; on `device`, gradient checkpointing and LoRA
+    tokenizer the processing_class or the model's (chat_template_kwargs bound to its
+    apply_chat_template); on `device`, gradient checkpointing and LoRA
     as the config says, in training mode."""
     name = model if isinstance(model, str) else (args.model if model is None else None)
     policy = model if name is None else load_model(
@@ -131,7 +132,8 @@ def load_policy(model, processing_class, args, device, *, lora: bool, peft_confi
         from cppo.models.lora import wrap_with_lora
         policy = wrap_with_lora(policy, args, peft_config)
     policy.train()
-    return policy, tokenizer
+    from cppo.models.tokenizer import with_chat_template_kwargs
+    return policy, with_chat_template_kwargs(tokenizer, args.chat_template_kwargs)
 
 
 def frozen_copy(model):

@@ -446,7 +446,7 @@ def start_rollouts(policy, tokenizer, args, *, version: int, chunk_size: int,
     in_flight = min(rounds_in_flight(args.max_inflight_tasks, args.max_staleness,
                                      questions_per_round), 1 + waiting)   # + the one trained next
     scheduler = RolloutScheduler(generator, lookahead_rounds(args.max_staleness,
-                                                             args.num_iterations, in_flight),
+                                                             args.steps_per_round, in_flight),
                                  args.max_staleness)
     scheduler.sync(policy, version, args.weight_sync_steps)
     where = "" if args.use_vllm else f" (cores {args.generator_cpus or 'shared'})"

@@ -376,7 +376,8 @@ class VLLMBackend:
 
     def engine_kwargs(self) -> dict:
         args, platform = self.args, self._platform()
-        kwargs = dict(model=self.model.config._name_or_path, skip_tokenizer_init=True,
+        kwargs = dict(model=self.model.config._name_or_path,   # structured outputs read tokens
+                      skip_tokenizer_init=args.vllm_structured_outputs_regex is None,
                       dtype=str(self.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
                       enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True,
                       seed=args.seed, distributed_executor_backend="external_launcher",
@@ -479,6 +480,10 @@ class VLLMBackend:
         """One vllm.SamplingParams per request: the run's sampling settings (sampling_kwargs),
         num_generations completions of at most its max_tokens, its seed, the EOS ids."""
         common = {**sampling_kwargs(self.args, self.sampling), "n": num_generations}
+        if self.args.vllm_structured_outputs_regex is not None:   # TRL's structured outputs
+            from vllm.sampling_params import StructuredOutputsParams
+            common["structured_outputs"] = StructuredOutputsParams(
+                regex=self.args.vllm_structured_outputs_regex)
         return [self.vllm.SamplingParams(**{**common, "max_tokens": budget}, seed=seed,
                                          stop_token_ids=self.eos_ids, detokenize=False)
                 for budget, seed in zip(max_tokens, seeds)]
@@ -527,7 +532,8 @@ class VLLMBackend:
         """sample_contexts through the server (each process asks for its own contexts; the
         server seeds its own sampling)."""
         kwargs = {**sampling_kwargs(self.args, self.sampling), "n": num_generations, "max_tokens": max(max_tokens)}
-        result = self.client.generate(prompts=contexts, **kwargs)
+        result = self.client.generate(prompts=contexts, **kwargs, structured_outputs_regex=
+                                      self.args.vllm_structured_outputs_regex)
         budgets = [budget for budget in max_tokens for _ in range(num_generations)]
         outputs = [list(ids[:budget]) for ids, budget in zip(result["completion_ids"], budgets)]
         # (N, T, 1) with logprobs=0: the sampled token's; None where vLLM had a NaN
