@@ -157,25 +157,35 @@ def keep_4bit_layers_trainable(model) -> int:
     return len(layers)
 
 
-def dense_weight(param: torch.Tensor) -> torch.Tensor:
+def _int8_scales(param: torch.Tensor, owner) -> torch.Tensor | None:
+    """The row scales (out,) of a bitsandbytes 8-bit weight: on the parameter until the layer's
+    first forward moves them to the layer's state; None for any other tensor."""
+    if param.dtype != torch.int8:
+        return None
+    scales = getattr(param, "SCB", None)
+    return scales if scales is not None else getattr(getattr(owner, "state", None), "SCB", None)
+
+
+def dense_weight(param: torch.Tensor, owner=None) -> torch.Tensor:
     """A parameter as a plain float tensor: a bitsandbytes 4-bit (Params4bit) or 8-bit
-    (Int8Params) weight dequantised, (out, in); any other returned as it is."""
+    (Int8Params, `owner` the layer holding it) weight dequantised, (out, in); any other
+    returned as it is."""
     state = getattr(param, "quant_state", None)
     if state is not None:
         import bitsandbytes.functional as bnb_functional
         return bnb_functional.dequantize_4bit(param.data, state)
-    scales = getattr(param, "SCB", None)
-    if scales is not None and param.dtype == torch.int8:
+    scales = _int8_scales(param, owner)
+    if scales is not None:
         return param.data.float() * (scales.float()[:, None] / 127.0)
     return param
 
 
-def dense_dtype_and_shape(param: torch.Tensor) -> tuple[torch.dtype, list[int]]:
-    """The dtype and shape dense_weight(param) has, without dequantising."""
+def dense_dtype_and_shape(param: torch.Tensor, owner=None) -> tuple[torch.dtype, list[int]]:
+    """The dtype and shape dense_weight(param, owner) has, without dequantising."""
     state = getattr(param, "quant_state", None)
     if state is not None:
         return state.dtype, list(state.shape)
-    if getattr(param, "SCB", None) is not None and param.dtype == torch.int8:
+    if _int8_scales(param, owner) is not None:
         return torch.float32, list(param.shape)
     return param.dtype, list(param.shape)
 

@@ -61,7 +61,7 @@ def vllm_weights(model):
                 target = vllm_weight_name(name)
                 if target is None:
                     continue
-                tensor = dense_weight(param).detach()   # a quantised base dequantised
+                tensor = dense_weight(param, _owner(model, name)).detach()   # dequantised
                 if name.endswith(".base_layer.weight"):
                     layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
                     delta = lora_delta(layer)
@@ -102,7 +102,12 @@ def server_weight_metadata(model) -> list[tuple[str, str, list[int]]]:
     return [(target, str(dtype).removeprefix("torch."), shape)
             for name, param in model.named_parameters()
             if (target := vllm_weight_name(name)) is not None
-            for dtype, shape in [dense_dtype_and_shape(param)]]
+            for dtype, shape in [dense_dtype_and_shape(param, _owner(model, name))]]
+
+
+def _owner(model, name: str):
+    """The module holding parameter `name`."""
+    return model.get_submodule(name.rpartition(".")[0])
 
 
 def sampling_kwargs(args, sampling: SamplingSettings | None = None) -> dict:
