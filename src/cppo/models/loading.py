@@ -241,12 +241,12 @@ def load_policy(model, processing_class, args, device, *, lora: bool, peft_confi
     tokenizer the processing_class or the model's; on `device`, gradient checkpointing, LoRA,
     quantisation, dropout and the float32 head as the config says, in training mode."""
     name = model if isinstance(model, str) else (args.model if model is None else None)
-    quantization = quantization_config(args) if name is not None else None
-    if quantization is not None and not lora:
+    if name is not None and (args.load_in_4bit or args.load_in_8bit) and not lora:
         field = "load_in_4bit" if args.load_in_4bit else "load_in_8bit"
         raise ConfigError(f"'{field}' is true but no LoRA adapters train on the quantised base "
                           f"(its weights are frozen): set use_peft: true (QLoRA), or "
                           f"{field}: false")
+    quantization = quantization_config(args) if name is not None else None
     policy = model if name is None else load_model(
         name, torch_dtype=args.torch_dtype, attn_implementation=args.attn_implementation,
         revision=args.model_revision, trust_remote_code=args.trust_remote_code,
