@@ -115,8 +115,19 @@ def test_revision_and_remote_code_reach_from_pretrained(tiny_model_dir, monkeypa
     assert sorted(seen) == [("model", "v1.0", True), ("tokenizer", "v1.0", True)]
 
 
+def test_revision_and_remote_code_reach_the_vllm_engine():
+    from types import SimpleNamespace
+    from cppo.sampling.vllm import VLLMBackend
+    backend = SimpleNamespace(args=CPPOConfig(model_revision="v1.0", trust_remote_code=True),
+                              model=SimpleNamespace(config=SimpleNamespace(_name_or_path="m")),
+                              dtype=torch.float32, max_model_len=64, sleep_mode=False,
+                              _platform=lambda: SimpleNamespace(is_cpu=lambda: False))
+    kwargs = VLLMBackend.engine_kwargs(backend)
+    assert (kwargs["revision"], kwargs["trust_remote_code"]) == ("v1.0", True)
+
+
 def _dropout_model(model_dir):
-    """The tiny model with attention dropout 0.1, as a directory."""
+    """The tiny model with attention dropout 0.1."""
     model = load_model(model_dir)
     model.config.attention_dropout = 0.1
     return model
@@ -298,6 +309,11 @@ def test_dora_with_a_4bit_base_trains(untied_model_dir):
     policy(torch.tensor([[5, 6, 7]])).logits.pow(2).sum().backward()
     magnitudes = [p for n, p in trainable(policy).items() if "magnitude" in n]
     assert magnitudes and all(p.grad is not None and p.grad.abs().max() > 0 for p in magnitudes)
+
+
+def test_a_quantised_base_with_fsdp_is_refused():
+    with pytest.raises(ConfigError, match="'load_in_8bit' is true with distributed: fsdp"):
+        CPPOConfig(use_peft=True, load_in_8bit=True, distributed="fsdp")
 
 
 def test_dora_with_vllm_is_refused():

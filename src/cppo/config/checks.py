@@ -247,6 +247,10 @@ def _check_model(cfg) -> None:
           "'cast_lm_head_to_fp32' is true but lora_target_modules puts a LoRA adapter on lm_head: "
           "remove lm_head from lora_target_modules, or set cast_lm_head_to_fp32: false (TRL "
           "refuses this too)")
+    quantised = "load_in_4bit" if cfg.load_in_4bit else "load_in_8bit" if cfg.load_in_8bit else None
+    check(not (quantised and cfg.distributed == "fsdp"),
+          f"'{quantised}' is true with distributed: fsdp, whose FSDP2 shards plain parameters, not "
+          f"bitsandbytes' packed ones: set distributed: ddp (each process holds the quantised base)")
     check(not (cfg.use_dora and cfg.use_peft and cfg.use_vllm),
           "'use_dora' is true with use_vllm: a DoRA adapter cannot be pushed to vLLM as a weight "
           "delta; set use_dora: false, or use_vllm: false")

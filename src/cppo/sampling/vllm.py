@@ -390,7 +390,8 @@ class VLLMBackend:
                       seed=args.seed, distributed_executor_backend="external_launcher",
                       logprobs_mode="processed_logprobs", disable_log_stats=True,
                       model_impl=args.vllm_model_impl,
-                      tensor_parallel_size=args.vllm_tensor_parallel_size)
+                      tensor_parallel_size=args.vllm_tensor_parallel_size,
+                      revision=args.model_revision, trust_remote_code=args.trust_remote_code)
         if platform.is_cpu():
             kwargs["enforce_eager"] = True   # no inductor compile at start-up
             # a prompt prefilled over two steps has its first sample discarded, and vLLM then
