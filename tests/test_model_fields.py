@@ -295,6 +295,14 @@ def test_a_quantised_base_without_lora_says_what_to_set(untied_model_dir):
         policy_of(untied_model_dir, load_in_4bit=True)
 
 
+def test_a_quantised_model_object_without_lora_says_what_to_set(untied_model_dir):
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+    model = load_model(untied_model_dir, quantization=BitsAndBytesConfig(load_in_8bit=True))
+    with pytest.raises(ConfigError, match="'load_in_8bit' is true but no LoRA.*set use_peft: true"):
+        load_policy(model, load_tokenizer(untied_model_dir), CPPOConfig(), CPU, lora=False)
+
+
 def test_dora_where_peft_refuses_it_is_named(untied_model_dir):
     """peft has no DoRA for adapters on parameters (lora_target_parameters); on bitsandbytes'
     4- and 8-bit layers it has, and cppo takes it."""

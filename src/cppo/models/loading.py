@@ -241,8 +241,11 @@ def load_policy(model, processing_class, args, device, *, lora: bool, peft_confi
     tokenizer the processing_class or the model's; on `device`, gradient checkpointing, LoRA,
     quantisation, dropout and the float32 head as the config says, in training mode."""
     name = model if isinstance(model, str) else (args.model if model is None else None)
-    if name is not None and (args.load_in_4bit or args.load_in_8bit) and not lora:
-        field = "load_in_4bit" if args.load_in_4bit else "load_in_8bit"
+    quantised = (args.load_in_4bit or args.load_in_8bit) if name is not None else \
+        getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+    if quantised and not lora:
+        field = "load_in_4bit" if args.load_in_4bit or getattr(model, "is_loaded_in_4bit", False) \
+            else "load_in_8bit"
         raise ConfigError(f"'{field}' is true but no LoRA adapters train on the quantised base "
                           f"(its weights are frozen): set use_peft: true (QLoRA), or "
                           f"{field}: false")
