@@ -126,6 +126,32 @@ def test_revision_and_remote_code_reach_the_vllm_engine():
     assert (kwargs["revision"], kwargs["trust_remote_code"]) == ("v1.0", True)
 
 
+def test_remote_code_reaches_a_reward_model_as_in_trl(tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                     monkeypatch):
+    """TRL applies trust_remote_code to reward models loaded by name and their tokenizers."""
+    import transformers
+    from transformers import LlamaForSequenceClassification
+    from helpers import ROWS
+    from cppo.trainer import CPPOTrainer
+    config = load_model(tiny_model_dir).config
+    config.num_labels = 1
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    tiny_tokenizer.save_pretrained(tmp_path / "rm")
+    seen = []
+    for cls in (transformers.AutoModelForSequenceClassification, transformers.AutoTokenizer):
+        real = cls.from_pretrained
+        def load(path, *a, _real=real, _cls=cls.__name__, **kw):
+            if str(path) == str(tmp_path / "rm"):
+                seen.append((_cls, kw.get("trust_remote_code")))
+            return _real(path, *a, **kw)
+        monkeypatch.setattr(cls, "from_pretrained", load)
+    args = CPPOConfig(model=tiny_model_dir, output_dir=str(tmp_path / "run"), max_steps=1,
+                      per_device_train_batch_size=8, num_generations=4, max_completion_length=3,
+                      trust_remote_code=True, reward_funcs=[str(tmp_path / "rm")])
+    CPPOTrainer(model=None, args=args, train_dataset=ROWS)
+    assert sorted(seen) == [("AutoModelForSequenceClassification", True), ("AutoTokenizer", True)]
+
+
 def _dropout_model(model_dir):
     """The tiny model with attention dropout 0.1."""
     model = load_model(model_dir)

@@ -58,7 +58,8 @@ class CPPOConfig:
     model_revision: str = option("main", "Branch, tag or commit of a hub model, for its weights and "
                                  "tokenizer (TRL name).")
     trust_remote_code: bool = option(False, "Let transformers run a hub model's own Python code "
-                                     "when loading it and its tokenizer (TRL name).")
+                                     "when loading it and its tokenizer, and reward models "
+                                     "given by name (TRL name).")
     disable_dropout: bool = option(False, "Set every dropout of the policy and reference to 0 "
                                    "(TRL name: nn.Dropout modules, LoRA's included; cppo also the "
                                    "attention dropout Llama-family models keep as a number).")
