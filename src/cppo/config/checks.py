@@ -125,11 +125,11 @@ def validate(cfg) -> None:
     check(cfg.epsilon_high is None or cfg.epsilon_high > 0,
           f"'epsilon_high' is {cfg.epsilon_high}; must be > 0 or None")
     _check_objective(cfg)
+    _check_model(cfg)
     _check_sampling(cfg)
     _check_precision(cfg)
     _check_run(cfg)
     _check_plan(cfg)
-    _check_model(cfg)
 
 
 def _check_sampling(cfg) -> None:
