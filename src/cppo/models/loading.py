@@ -258,7 +258,7 @@ def load_policy(model, processing_class, args, device, *, lora: bool, peft_confi
         name or getattr(policy.config, "_name_or_path", None) or args.model,
         revision=args.model_revision if name else "main",
         trust_remote_code=args.trust_remote_code))
-    if quantization is None:
+    if not quantised:   # bitsandbytes placed a quantised base when it loaded it
         policy.to(device)
     keep_4bit_layers_trainable(policy)
     if args.gradient_checkpointing:
