@@ -86,7 +86,7 @@ class CPPOConfig:
                                         "too (TRL name; bitsandbytes' double quantisation).")
     bnb_4bit_quant_storage: Optional[str] = option(
         None, "load_in_4bit: the dtype that stores the packed 4-bit weights (TRL name; None: "
-        "uint8).", ("uint8", "float16", "bfloat16", "float32"))
+        "uint8).", ("uint8", "int8", "float16", "bfloat16", "float32", "float64"))
 
     # --- data and rewards ------------------------------------------------------------------
     dataset_name: str = option("embedded", "Training data: 'embedded' (the arithmetic task), 'gsm8k', "
