@@ -258,6 +258,34 @@ def test_qlora_trains_adapters_on_a_frozen_quantised_base(untied_model_dir, tmp_
     assert all(not torch.equal(p, start[n]) for n, p in adapters.items())
 
 
+def test_qlora_gradients_are_the_dequantised_models(untied_model_dir):
+    """After an eval-mode pass without grad (sampling), the adapters' gradients through the 4-bit
+    base equal those of the same adapters on a float32 copy of the dequantised base: both run
+    float32 matmuls on the same weights, so they agree to float32 round-off (1e-5 of the largest
+    entry; a missing or wrong backward through a 4-bit layer misses by far more)."""
+    pytest.importorskip("bitsandbytes")
+    quantised = policy_of(untied_model_dir, use_peft=True, load_in_4bit=True, lora_dropout=0.0)
+    dense = policy_of(untied_model_dir, use_peft=True, lora_dropout=0.0)
+    source = dict(quantised.named_parameters())
+    with torch.no_grad():
+        for name, param in source.items():
+            if "lora_B" in name:   # B = 0 at init: the gradient would not reach A
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
+        for name, param in dense.named_parameters():
+            owner = quantised.get_submodule(name.rpartition(".")[0])
+            param.copy_(dense_weight(source[name], owner))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    with torch.no_grad():
+        quantised.eval()(ids)
+    grads = []
+    for model in (quantised, dense):
+        model.train()(ids).logits.pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in trainable(model).items()})
+    scale = max(float(g.abs().max()) for g in grads[1].values())
+    assert all(grads[0][n] is not None for n in grads[1])
+    assert max(float((grads[0][n] - g).abs().max()) for n, g in grads[1].items()) <= 1e-5 * scale
+
+
 def test_the_merged_qlora_model_samples(untied_model_dir, tmp_path):
     """vLLM's weights of a QLoRA policy (4-bit base dequantised, adapter delta added) loaded into
     a plain model give the policy's logits (both compute W x from the same dequantised W), and
