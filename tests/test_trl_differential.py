@@ -170,3 +170,30 @@ def test_a_round_of_zero_advantages_still_trains_the_kl_as_trl(tiny_model_dir, t
                          loss_type="dapo", beta=0.04, num_iterations=1)
     assert not cppo.advantages[1].any()
     assert_same(trl, cppo, 2)
+
+
+# ---------------------------------------------------------------- model and adapter fields ----
+LORA = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["q_proj", "v_proj"])
+MODEL_FIELDS = {
+    # LoRA's dropout (an nn.Dropout) is random in both trainers unless disable_dropout zeroes it
+    "disable_dropout": dict(disable_dropout=True, lora={**LORA, "lora_dropout": 0.1}),
+    # TRL casts the head of the float64 model to float32: both compute logits in float32
+    "cast_lm_head_to_fp32": dict(cast_lm_head_to_fp32=True, untied=True),
+    "dora": dict(lora={**LORA, "use_dora": True}),
+    "rslora": dict(lora={**LORA, "use_rslora": True}),
+}
+
+
+@pytest.mark.parametrize("name", MODEL_FIELDS)
+def test_model_fields_match_trl(tiny_model_dir, untied_model_dir, tmp_path, monkeypatch, name):
+    """TRL's model and adapter fields given to both trainers (LoRA through trl.get_peft_config on
+    TRL's side, CPPOConfig's fields on cppo's; both sides' adapters seeded alike), beta = 0.04
+    and mu = 2: the same losses and gradients within trl_twin's bounds."""
+    options = dict(MODEL_FIELDS[name])
+    model_dir = untied_model_dir if options.pop("untied", False) else tiny_model_dir
+    trl, cppo = run_both(model_dir, tmp_path, monkeypatch, steps=2, rounds=1, beta=0.04,
+                         num_iterations=2, loss_type="dapo", **options)
+    assert_same(trl, cppo, 2)
+    if options.get("cast_lm_head_to_fp32"):   # float32 rounding is inside the bounds: the
+        for record in (trl, cppo):             # head's float32 gradient tells the cast apart
+            assert {g.dtype for k, g in record.grads[0].items() if "lm_head" in k} == {torch.float32}

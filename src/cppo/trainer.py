@@ -92,8 +92,8 @@ class CPPOTrainer:
         self.backend = make_backend(self.policy, self.tokenizer, args, sampling=self.sampling,
                                     chunk_size=args.generation_chunk_size or self.batch_sizes.generation,
                                     generation_dtype=self.generation_dtype)
-        self.rewards = RewardRunner(funcs, weights,
-                                    processing_classes=reward_processing_classes, device=self.device)
+        self.rewards = RewardRunner(funcs, weights, processing_classes=reward_processing_classes,
+                                    device=self.device, trust_remote_code=args.trust_remote_code)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
         check_run_batches(self.batch_sizes, args, self.plan.questions_per_step, self.dist.world_size,
                           check_generation_batch_size)

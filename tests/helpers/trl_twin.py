@@ -135,7 +135,8 @@ def load_twin_model(model_dir):
 
 
 def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
-            two_rewards=False, tool_mask=False, adam_epsilon=ADAM_EPSILON, **options) -> Record:
+            two_rewards=False, tool_mask=False, adam_epsilon=ADAM_EPSILON, lora=None,
+            **options) -> Record:
     import trl.trainer.grpo_trainer as grpo_module
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -172,7 +173,8 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
     trainer = GRPOTrainer(model=load_twin_model(model_dir),
                           reward_funcs=feed.functions(two_rewards), args=args, processing_class=tokenizer,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                          callbacks=[Grads()])
+                          callbacks=[Grads()], peft_config=_trl_lora(lora))
+    _seed_adapters(trainer.model)
     trainer._generate = fake_generate
     score, compute_loss = trainer._generate_and_score_completions, trainer.compute_loss
 
@@ -197,7 +199,8 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
 
 
 def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
-             two_rewards=False, tool_mask=False, adam_epsilon=ADAM_EPSILON, **options) -> Record:
+             two_rewards=False, tool_mask=False, adam_epsilon=ADAM_EPSILON, lora=None,
+             **options) -> Record:
     import cppo.trainer as trainer_module
     import cppo.algorithm.micro_batch as micro_batch
     import cppo.learning.update as update
@@ -216,10 +219,11 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
                       max_completion_length=MAX_LEN, lr_scheduler_type="constant",
                       adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=adam_epsilon, weight_decay=0.0,
                       max_grad_norm=0.0, seed=0, logging_steps=1, eval_steps=0, save_steps=0, progress_bar=False,
-                      **options)
+                      **({} if lora is None else dict(use_peft=True, **lora)), **options)
     trainer = trainer_module.CPPOTrainer(
         model=load_twin_model(model_dir),
         processing_class=tokenizer, reward_funcs=feed.functions(two_rewards), args=args, train_dataset=[{"prompt": p} for p in PROMPTS])
+    _seed_adapters(trainer.policy)
     order = iter(range(len(PROMPTS)))
     trainer.take_questions = lambda: ([{"prompt": PROMPTS[next(order)]} for _ in range(Q)],
                                       list(range(Q)), None)
@@ -288,6 +292,26 @@ def assert_same_training(trl: Record, cppo: Record, steps: int) -> None:
     assert cppo.losses == pytest.approx(trl.losses, rel=LOSS_RTOL, abs=LOSS_ATOL)
     for step, difference in enumerate(grads):
         assert difference <= (FIRST_STEP if step == 0 else LATER_STEPS), step
+
+
+def _trl_lora(lora: dict | None):
+    """TRL's LoraConfig for the same LoRA fields (trl.get_peft_config), or None."""
+    if lora is None:
+        return None
+    from trl import ModelConfig, get_peft_config
+    return get_peft_config(ModelConfig(use_peft=True, **lora))
+
+
+def _seed_adapters(model) -> None:
+    """Give every LoRA factor the same values on both sides, seeded by its name (B non-zero, so
+    the first step's gradient reaches A too): the two trainers draw peft's random init from
+    different RNG states."""
+    import zlib
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                param.copy_(torch.randn(param.shape, generator=g, dtype=torch.float64) * 0.1)
 
 
 def _after_each_call(monkeypatch, module, name: str, note) -> None:

@@ -126,6 +126,7 @@ def validate(cfg) -> None:
     check(cfg.epsilon_high is None or cfg.epsilon_high > 0,
           f"'epsilon_high' is {cfg.epsilon_high}; must be > 0 or None")
     _check_objective(cfg)
+    _check_model(cfg)
     _check_sampling(cfg)
     _check_precision(cfg)
     _check_run(cfg)
@@ -238,6 +239,24 @@ def _check_plan(cfg) -> None:
     check(not Path(cfg.output_dir).expanduser().is_file(),
           f"'output_dir' is {cfg.output_dir!r}, which is a file; give a directory (it is created "
           f"if missing)")
+
+
+def _check_model(cfg) -> None:
+    """TRL's quantisation and adapter fields that contradict each other (bitsandbytes and peft
+    are checked where the model loads: cppo.models.loading, cppo.models.lora)."""
+    check(not (cfg.load_in_4bit and cfg.load_in_8bit),
+          "'load_in_4bit' and 'load_in_8bit' are both true; set one of them (TRL refuses both too)")
+    check(not (cfg.cast_lm_head_to_fp32 and cfg.use_peft and "lm_head" in cfg.lora_target_modules),
+          "'cast_lm_head_to_fp32' is true but lora_target_modules puts a LoRA adapter on lm_head: "
+          "remove lm_head from lora_target_modules, or set cast_lm_head_to_fp32: false (TRL "
+          "refuses this too)")
+    quantised = "load_in_4bit" if cfg.load_in_4bit else "load_in_8bit" if cfg.load_in_8bit else None
+    check(not (quantised and cfg.distributed == "fsdp"),
+          f"'{quantised}' is true with distributed: fsdp, whose FSDP2 shards plain parameters, not "
+          f"bitsandbytes' packed ones: set distributed: ddp (each process holds the quantised base)")
+    check(not (cfg.use_dora and cfg.use_peft and cfg.use_vllm),
+          "'use_dora' is true with use_vllm: a DoRA adapter cannot be pushed to vLLM as a weight "
+          "delta; set use_dora: false, or use_vllm: false")
 
 
 def check_generation_batch_size(cfg, completions_per_round: int | None = None) -> None:

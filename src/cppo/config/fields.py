@@ -56,6 +56,39 @@ class CPPOConfig:
     lora_dropout: float = option(0.05, "LoRA dropout.")
     lora_target_modules: list[str] = option(["q_proj", "k_proj", "v_proj", "o_proj"],
                                          "Module names that get LoRA adapters.")
+    # TRL's model, adapter and quantisation fields (ModelConfig / GRPOConfig), TRL's defaults
+    model_revision: str = option("main", "Branch, tag or commit of a hub model, for its weights and "
+                                 "tokenizer (TRL name).")
+    trust_remote_code: bool = option(False, "Let transformers run a hub model's own Python code "
+                                     "when loading it and its tokenizer, and reward models "
+                                     "given by name (TRL name).")
+    disable_dropout: bool = option(False, "Set every dropout of the policy and reference to 0 "
+                                   "(TRL name: nn.Dropout modules, LoRA's included; cppo also the "
+                                   "attention dropout Llama-family models keep as a number).")
+    cast_lm_head_to_fp32: bool = option(False, "Hold the LM head's weight in float32 and compute "
+                                        "the logits in float32, outside autocast (TRL name; "
+                                        "ScaleRL). Not with LoRA on lm_head.")
+    use_dora: bool = option(False, "LoRA: DoRA, the update split into magnitude and direction "
+                            "(TRL name; peft's use_dora).")
+    use_rslora: bool = option(False, "LoRA: scale adapters by lora_alpha / sqrt(lora_r), not "
+                              "lora_alpha / lora_r (TRL name).")
+    lora_modules_to_save: Optional[list[str]] = option(
+        None, "LoRA: modules trained in full beside the adapters, e.g. lm_head (TRL name).")
+    lora_target_parameters: Optional[list[str]] = option(
+        None, "LoRA: parameters (not modules) that get adapters, e.g. experts' weights (TRL "
+        "name; peft's target_parameters).")
+    lora_task_type: str = option("CAUSAL_LM", "LoRA: peft's task_type (TRL name).")
+    load_in_4bit: bool = option(False, "QLoRA: load the base in 4 bits with bitsandbytes "
+                                "(`pip install cppo[qlora]`); needs use_peft (TRL name).")
+    load_in_8bit: bool = option(False, "Load the base in 8 bits with bitsandbytes; needs use_peft "
+                                "(TRL name).")
+    bnb_4bit_quant_type: str = option("nf4", "load_in_4bit: the 4-bit data type (TRL name).",
+                                      ("nf4", "fp4"))
+    use_bnb_nested_quant: bool = option(False, "load_in_4bit: quantise the quantisation constants "
+                                        "too (TRL name; bitsandbytes' double quantisation).")
+    bnb_4bit_quant_storage: Optional[str] = option(
+        None, "load_in_4bit: the dtype that stores the packed 4-bit weights (TRL name; None: "
+        "uint8).", ("uint8", "int8", "float16", "bfloat16", "float32", "float64"))
 
     # --- data and rewards ------------------------------------------------------------------
     dataset_name: str = option("embedded", "Training data: 'embedded' (the arithmetic task), 'gsm8k', "

@@ -35,8 +35,8 @@ VLLM = "vLLM engine settings: cppo's vLLM backend uses vLLM's defaults"
 # vllm_tensor_parallel_size, vllm_server_base_url / _host / _port / _timeout, vllm_group_port
 SAMPLER = "cppo's samplers take temperature, top_p, top_k, min_p and repetition_penalty only"
 PRECISION = "not supported; use bf16 (autocast) or torch_dtype"
-LOAD = "cppo loads models with torch_dtype and attn_implementation only"
-LORA = "cppo's LoRA takes lora_r, lora_alpha, lora_dropout and lora_target_modules"
+LOAD = ("cppo loads models with torch_dtype, attn_implementation, model_revision, "
+        "trust_remote_code and TRL's quantisation fields only")
 
 
 def ignored(reason: str, behaves_as: Any = _MISSING) -> tuple:
@@ -100,8 +100,10 @@ def _model_init_kwargs(value, _):
     value.pop("dtype", None)
     if dtype is not None:
         out["torch_dtype"] = str(dtype).replace("torch.", "")
-    if "attn_implementation" in value:
-        out["attn_implementation"] = value.pop("attn_implementation")
+    for key, target in (("attn_implementation", "attn_implementation"),
+                        ("revision", "model_revision"), ("trust_remote_code", "trust_remote_code")):
+        if key in value:
+            out[target] = value.pop(key)
     if value:
         out["__ignored__"] = f"keys {sorted(value)}: {LOAD}"
     return out
@@ -295,23 +297,10 @@ TRL_FIELDS: dict[str, tuple] = {
     # --- model loading (GRPOConfig and trl's ModelConfig) --------------------------------------
     "model_name_or_path": rename("model"),
     "model_init_kwargs": mapped(_model_init_kwargs, "torch_dtype/dtype -> torch_dtype, "
-                                "attn_implementation -> attn_implementation"),
+                                "attn_implementation, revision -> model_revision, "
+                                "trust_remote_code"),
     "dtype": mapped(_not_none("torch_dtype", lambda v: str(v).replace("torch.", "")),
                     "-> torch_dtype"),
-    "model_revision": ignored(LOAD, "main"),
-    "trust_remote_code": ignored(LOAD + " (no remote code)", False),
-    "disable_dropout": ignored("cppo keeps the model's dropout settings", False),
-    "cast_lm_head_to_fp32": ignored(LOAD, False),
-    "lora_target_parameters": ignored(LORA, None),
-    "lora_modules_to_save": ignored(LORA, None),
-    "lora_task_type": ignored(LORA + " (causal LM)", "CAUSAL_LM"),
-    "use_rslora": ignored(LORA, False),
-    "use_dora": ignored(LORA, False),
-    "load_in_8bit": ignored("quantised loading is not supported", False),
-    "load_in_4bit": ignored("quantised loading is not supported", False),
-    "bnb_4bit_quant_type": ignored("quantised loading is not supported", "nf4"),
-    "use_bnb_nested_quant": ignored("quantised loading is not supported", False),
-    "bnb_4bit_quant_storage": ignored("quantised loading is not supported", None),
     # --- data (trl's ScriptArguments) ----------------------------------------------------------
     "dataset_train_split": rename("dataset_split"),
     "dataset_test_split": rename("eval_dataset_split"),

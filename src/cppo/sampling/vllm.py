@@ -13,6 +13,7 @@ import os
 import torch
 
 from cppo.errors import ConfigError, VLLMServerError, VLLMUnavailableError
+from cppo.models.loading import dense_dtype_and_shape, dense_weight
 from cppo.parallel.memory import GIB, device_memory_bytes, round_kv_cache_bytes
 from cppo.parallel.processes import drain_collective_threads, free_port
 from cppo.sampling.batches import Completions, PromptBatch, completions_from_token_lists
@@ -50,7 +51,8 @@ def lora_delta(module) -> torch.Tensor | None:
 @contextlib.contextmanager
 def vllm_weights(model):
     """(vLLM name, tensor) of every weight, produced one at a time: a LoRA layer's weight comes
-    with its adapters' delta added (W + scale * B @ A, a new tensor), so the base weights are
+    with its adapters' delta added (W + scale * B @ A, a new tensor; a 4- or 8-bit base
+    dequantised first), so the base weights are
     never touched (merging in place and unmerging would drift them by rounding). The other
     tensors are the live parameters: push them before the context exits."""
     def weights():
@@ -59,7 +61,7 @@ def vllm_weights(model):
                 target = vllm_weight_name(name)
                 if target is None:
                     continue
-                tensor = param.detach()
+                tensor = dense_weight(param, _owner(model, name)).detach()   # dequantised
                 if name.endswith(".base_layer.weight"):
                     layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
                     delta = lora_delta(layer)
@@ -97,9 +99,15 @@ def connect_server(args):
 def server_weight_metadata(model) -> list[tuple[str, str, list[int]]]:
     """(vLLM name, dtype, shape) of every tensor vllm_weights yields, in its order: what TRL's
     VLLMClient.update_named_params announces before it streams them."""
-    return [(target, str(param.dtype).removeprefix("torch."), list(param.shape))
+    return [(target, str(dtype).removeprefix("torch."), shape)
             for name, param in model.named_parameters()
-            if (target := vllm_weight_name(name)) is not None]
+            if (target := vllm_weight_name(name)) is not None
+            for dtype, shape in [dense_dtype_and_shape(param, _owner(model, name))]]
+
+
+def _owner(model, name: str):
+    """The module holding parameter `name`."""
+    return model.get_submodule(name.rpartition(".")[0])
 
 
 def sampling_kwargs(args, sampling: SamplingSettings | None = None) -> dict:
@@ -383,7 +391,8 @@ class VLLMBackend:
                       seed=args.seed, distributed_executor_backend="external_launcher",
                       logprobs_mode="processed_logprobs", disable_log_stats=True,
                       model_impl=args.vllm_model_impl,
-                      tensor_parallel_size=args.vllm_tensor_parallel_size)
+                      tensor_parallel_size=args.vllm_tensor_parallel_size,
+                      revision=args.model_revision, trust_remote_code=args.trust_remote_code)
         if platform.is_cpu():
             kwargs["enforce_eager"] = True   # no inductor compile at start-up
             # a prompt prefilled over two steps has its first sample discarded, and vLLM then
