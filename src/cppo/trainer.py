@@ -47,7 +47,7 @@ from cppo.run.optimizer import advance_schedule, make_adamw, make_scheduler
 from cppo.run.loop import record_evaluation, run_rounds
 from cppo.run.metrics import Round, round_counts, round_metrics
 from cppo.run.signals import EXIT_CODES, stop_handlers, stop_request
-from cppo.run.saving import checkpoint_to_resume, resume_run, save_run
+from cppo.run.saving import checkpoint_to_resume, resume_run, save_pretrained_folder, save_run
 from cppo.run.summary import run_summary, write_summary
 from cppo.run.tracking import MetricsLog, MetricsWindow, PhaseTimer, check_report_to
 from cppo.sampling.async_rollout import RolloutScheduler, start_rollouts
@@ -207,14 +207,12 @@ class CPPOTrainer:
         return rows, order, skipped, *self.generate(rows), None, {}
 
     def arrived_round(self) -> tuple:
-        """async_rollout: submit the rounds ahead that keep within max_staleness, then take this
-        round's arrival (cppo.sampling.async_rollout); a stale one is sampled again."""
-        scheduler, args = self.rollouts, self.args
-        scheduler.fill(self.round_index, (self.total_steps - 1) // args.steps_per_round,
-                       lambda: self.take_questions()[:2], self.questions.state)
-        head, arrival, stale, waited = scheduler.take(self.run_state.step)
-        metrics = scheduler.metrics(arrival, stale, waited, self.plan.questions_per_step)
-        return head.task.rows, head.order, None, arrival.prompts, arrival.completions, None, metrics
+        """async_rollout: this round as it arrived from the generator (cppo.sampling.async_rollout)."""
+        rows, order, prompts, completions, metrics = self.rollouts.next_round(
+            self.round_index, (self.total_steps - 1) // self.args.steps_per_round,
+            version=self.run_state.step, take_questions=lambda: self.take_questions()[:2],
+            questions_state=self.questions.state)
+        return rows, order, None, prompts, completions, None, metrics
 
     def take_questions(self) -> tuple[list[dict], list[int], int | None]:
         """This process's slice of the round's questions, the round's question indices (all
@@ -407,18 +405,14 @@ class CPPOTrainer:
         return self._summary(status, start_wall, resumed_from, log)
 
     def start_generator(self) -> RolloutScheduler:
-        """async_rollout: the generator process on this policy's weights (version: the step)."""
+        """async_rollout: the generator on this policy's weights (version: the step)."""
         args = self.args
-        if self.dist.world_size > 1 or self.rollout_func is not None:
-            raise ConfigError("'async_rollout' runs one training process with its generator: "
-                              f"got {self.dist.world_size} processes and rollout_func/tools "
-                              f"{'set' if self.rollout_func is not None else 'unset'}; launch one "
-                              "process without rollout_func, or set async_rollout: false")
         return start_rollouts(self.policy, self.tokenizer, args, version=self.run_state.step,
                               chunk_size=args.generation_chunk_size or self.batch_sizes.generation,
                               generation_dtype=self.generation_dtype,
                               questions_per_round=self.plan.questions_per_step,
-                              backend=self.backend, weights_dir=self.output_dir / ".async_weights")
+                              backend=self.backend, weights_dir=self.output_dir / ".async_weights",
+                              world_size=self.dist.world_size, rollout_func=self.rollout_func)
 
     def _request_stop(self, signum, frame) -> None:
         """SIGINT / SIGTERM handler: the loop stops after this step (cppo.run.signals)."""
@@ -481,13 +475,8 @@ class CPPOTrainer:
     def save_model(self, output_dir: str | Path | None = None) -> Path | None:
         """Write the policy and its tokenizer as a Hugging Face folder (output_dir by default) that
         `from_pretrained` loads; with LoRA, the adapters in PEFT's format (as TRL saves them)."""
-        target = Path(output_dir or self.output_dir)
-        if self.dist.is_main:
-            target.mkdir(parents=True, exist_ok=True)
-            self.policy.save_pretrained(target, safe_serialization=True)
-            self.tokenizer.save_pretrained(target)
-        self.dist.barrier()
-        return target if self.dist.is_main else None
+        return save_pretrained_folder(self.policy, self.tokenizer, Path(output_dir or self.output_dir),
+                                      self.dist)
 
     def close(self) -> None:
         """End what the trainer started, in order: the generation engine, the reward workers,

@@ -83,3 +83,15 @@ def resume_run(trainer, latest: Path, log):
         trainer.completions_log.truncate_after(state.step)
     print(f"resumed from {latest} at step {state.step}")
     return state
+
+
+def save_pretrained_folder(policy, tokenizer, target: Path, dist) -> Path | None:
+    """The policy and its tokenizer as a Hugging Face folder (LoRA: the adapters in PEFT's
+    format), written by the main process; every process waits for it. The folder on the main
+    process, None elsewhere."""
+    if dist.is_main:
+        target.mkdir(parents=True, exist_ok=True)
+        policy.save_pretrained(target, safe_serialization=True)
+        tokenizer.save_pretrained(target)
+    dist.barrier()
+    return target if dist.is_main else None

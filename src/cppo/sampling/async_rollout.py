@@ -404,6 +404,15 @@ class RolloutScheduler:
         self.wait_seconds += time.perf_counter() - start
         return self.arrived.pop(task_id)
 
+    def next_round(self, round_index: int, last_round: int, *, version: int, take_questions,
+                   questions_state) -> tuple:
+        """Submit the rounds ahead (fill), then take round_index's arrival (take): its rows,
+        question order, prompts, completions and metrics."""
+        self.fill(round_index, last_round, take_questions, questions_state)
+        head, arrival, stale, waited = self.take(version)
+        return (head.task.rows, head.order, arrival.prompts, arrival.completions,
+                self.metrics(arrival, stale, waited, len(head.task.rows)))
+
     def questions_state(self, current: dict) -> dict:
         """What a checkpoint stores: the stream's state before the oldest round not trained on
         (`current` when none is pending), so a resumed run replays the in-flight rounds."""
@@ -429,10 +438,15 @@ class RolloutScheduler:
 
 def start_rollouts(policy, tokenizer, args, *, version: int, chunk_size: int,
                    generation_dtype: str | None, questions_per_round: int, backend,
-                   weights_dir: Path) -> RolloutScheduler:
+                   weights_dir: Path, world_size: int, rollout_func) -> RolloutScheduler:
     """The generator (cppo's sampler in its own process; with use_vllm, the vLLM server that
     `backend` talks to) on the policy's weights as `version`, and the trainer's scheduler: rounds
     ahead as max_staleness, max_inflight_tasks and queue_maxsize allow."""
+    if world_size > 1 or rollout_func is not None:
+        raise ConfigError("'async_rollout' runs one training process with its generator: got "
+                          f"{world_size} processes and rollout_func/tools "
+                          f"{'set' if rollout_func is not None else 'unset'}; launch one process "
+                          "without rollout_func, or set async_rollout: false")
     if args.use_vllm:
         generator = ServerGenerator(backend, tokenizer, args, weights_dir,
                                     heartbeat_stale_after_s=args.heartbeat_stale_after_s)
