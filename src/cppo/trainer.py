@@ -509,7 +509,8 @@ class CPPOTrainer:
                               wall_seconds=time.perf_counter() - start_wall,
                               phase_seconds=self.timer.totals, total_steps=self.total_steps,
                               plan=self.plan, resumed_from=resumed_from, output_dir=self.output_dir,
-                              skipped_data_rows=len(self.task.skipped_rows))
+                              skipped_data_rows=len(self.task.skipped_rows),
+                              asynchronous=self.rollouts and self.rollouts.summary())
         if self.dist.is_main:
             write_summary(summary, self.output_dir, log.read() if log else [])
         return summary

@@ -11,9 +11,10 @@ from cppo.run.tracking import write_plots
 
 def run_summary(status: str, *, run_state, wall_seconds: float, phase_seconds: dict,
                 total_steps: int, plan, resumed_from, output_dir: Path,
-                skipped_data_rows: int) -> dict:
+                skipped_data_rows: int, asynchronous: dict | None = None) -> dict:
     """The summary of a run that ended with `status`: steps, held-out accuracy before and after
-    (None without evaluations), times, the run counters, the step plan and the history."""
+    (None without evaluations), times, the run counters, the step plan, asynchronous rollouts'
+    figures (async_rollout, this session) and the history."""
     history = run_state.history
     return {"status": status, "steps": run_state.step, "total_steps": total_steps,
             "accuracy_before": history[0]["accuracy"] if history else None,
@@ -25,7 +26,8 @@ def run_summary(status: str, *, run_state, wall_seconds: float, phase_seconds: d
             "completions_kept_per_step": plan.completions_kept,
             "effective_pruning_rate": round(plan.effective_pruning_rate, 4),
             "resumed_from": resumed_from, "output_dir": str(output_dir),
-            "skipped_data_rows": skipped_data_rows, "history": history}
+            "skipped_data_rows": skipped_data_rows,
+            **({"asynchronous": asynchronous} if asynchronous else {}), "history": history}
 
 
 def write_summary(summary: dict, output_dir: Path, records: list[dict]) -> None:
@@ -46,6 +48,11 @@ def format_summary(summary: dict, plots: Sequence[Path] = ()) -> str:
              f"{summary['completions_kept_per_step']} (effective pruning rate "
              f"{summary['effective_pruning_rate']}), skipped steps {summary['skipped_steps']}, "
              f"non-finite steps {summary['nonfinite_steps']}"]
+    if summary.get("asynchronous"):
+        a = summary["asynchronous"]
+        lines.append(f"asynchronous rollouts: staleness mean {a['staleness_mean']} (max "
+                     f"{a['staleness_max']}), {a['dropped_stale']} round(s) dropped as stale; "
+                     f"busy: generator {pct(a['generator_busy'])}, trainer {pct(a['trainer_busy'])}")
     if summary.get("skipped_data_rows"):
         lines.append(f"data rows skipped while loading: {summary['skipped_data_rows']}")
     lines.append(f"run directory: {summary['output_dir']} (metrics.jsonl, summary.json"

@@ -357,6 +357,7 @@ class RolloutScheduler:
     wait_seconds: float = 0.0
     generator_seconds: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+    staleness_seen: list = field(default_factory=list)   # each trained round's
 
     def sync(self, policy, version: int, weight_sync_steps: int) -> float | None:
         """Push the weights if weight_sync_steps optimizer steps have passed since the last push
@@ -422,6 +423,7 @@ class RolloutScheduler:
         """TRL's AsyncGRPOTrainer keys for a round that arrived `stale` versions old after the
         trainer waited `waited` s, and the run's busy fractions so far (cppo/)."""
         elapsed = max(time.perf_counter() - self.started, 1e-9)
+        self.staleness_seen.append(stale)
         return {"sample/staleness_mean": float(stale), "sample/staleness_max": float(stale),
                 "rollout/duration_s": arrival.seconds,
                 "sample/dropped_stale_total": float(self.dropped_stale),
@@ -431,6 +433,14 @@ class RolloutScheduler:
                 "perf/rollout_wait_s": waited,
                 "cppo/generator_busy": min(1.0, self.generator_seconds / elapsed),
                 "cppo/trainer_busy": max(0.0, 1.0 - self.wait_seconds / elapsed)}
+
+    def summary(self) -> dict:
+        """The session's figures for summary.json: staleness, rounds dropped, busy shares."""
+        seen, elapsed = self.staleness_seen or [0], max(time.perf_counter() - self.started, 1e-9)
+        return {"staleness_mean": round(sum(seen) / len(seen), 3), "staleness_max": max(seen),
+                "dropped_stale": self.dropped_stale,
+                "generator_busy": round(min(1.0, self.generator_seconds / elapsed), 4),
+                "trainer_busy": round(max(0.0, 1.0 - self.wait_seconds / elapsed), 4)}
 
     def close(self) -> None:
         self.generator.close()
