@@ -105,6 +105,8 @@ def coerce(fld: dataclasses.Field, raw: Any, *, cls, source: str = "config") -> 
         if optional:
             return None
         raise ConfigError(f"{source}: '{fld.name}' may not be None")
+    if tp is dict or typing.get_origin(tp) is dict:   # a mapping, or JSON text (command line)
+        return _mapping(raw, fld.name, source)
     if typing.get_origin(tp) is list:
         (item,) = typing.get_args(tp)
         items = raw   # a list, or "a,b", or (command line) ["a", "b"] / ["a,b"]
@@ -117,3 +119,19 @@ def coerce(fld: dataclasses.Field, raw: Any, *, cls, source: str = "config") -> 
             raise ConfigError(f"{source}: '{fld.name}' expects a list of {item.__name__}, got {raw!r}")
         return [_scalar(item, v, fld.name, source) for v in items]
     return _scalar(tp, raw, fld.name, source)
+
+
+def _mapping(raw, key: str, source: str) -> dict:
+    """A dict field's value: a mapping, or its JSON / YAML text (a one-item list from the
+    command line)."""
+    if isinstance(raw, (list, tuple)) and len(raw) == 1:
+        raw = raw[0]
+    if isinstance(raw, str):
+        try:
+            raw = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            pass
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: '{key}' expects a mapping such as "
+                          f"'{{\"use_reentrant\": true}}', got {raw!r}")
+    return dict(raw)

@@ -46,6 +46,8 @@ def format_summary(summary: dict, plots: Sequence[Path] = ()) -> str:
              f"{summary['completions_kept_per_step']} (effective pruning rate "
              f"{summary['effective_pruning_rate']}), skipped steps {summary['skipped_steps']}, "
              f"non-finite steps {summary['nonfinite_steps']}"]
+    if "compile_seconds" in summary:
+        lines.append(f"torch.compile: {summary['compile_seconds']} s compiling (within the phases)")
     if summary.get("skipped_data_rows"):
         lines.append(f"data rows skipped while loading: {summary['skipped_data_rows']}")
     lines.append(f"run directory: {summary['output_dir']} (metrics.jsonl, summary.json"

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cppo.models.compiled import compiled_model
 from cppo.models.head import chunked_logprobs_and_entropy
 from cppo.models.lean import lean_forward_for
 
@@ -32,7 +33,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                         completion_mask: Tensor, *, temperature: float = 1.0,
                         batch_size: int | None = None, lean: bool = True,
                         entropies: list | None = None, packed: bool = True,
-                        entropy_grad: bool = False, matmul_dtype: torch.dtype | None = None) -> Tensor:
+                        entropy_grad: bool = False, matmul_dtype: torch.dtype | None = None,
+                        compile=None, chunk_head: bool = False) -> Tensor:
     """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp), of logits
     divided by the sampling temperature (as TRL), with grad if enabled. lean: use cppo.models.lean's forward when it supports the model: each distinct prompt of a
     micro-batch is run once, and with `packed` (the default) every pass but attention, the head
@@ -41,11 +43,18 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     layout (for comparison). Without the lean forward, the model's own forward on padded rows
     (log-probs and entropies are 0 at padding there too). entropy_grad: the entropies carry the
     gradient (an entropy bonus in the loss); else they are detached. matmul_dtype (lean forward
-    only): the dtype of the decoder layers' Linear matmuls (cppo.models.lean)."""
+    only): the dtype of the decoder layers' Linear matmuls (cppo.models.lean). compile: a
+    cppo.models.compiled.CompileSettings (torch_compile) or None. chunk_head (use_liger_kernel):
+    the head in chunks of tokens at every size on the lean packed pass, never the full logits."""
     entropy_of = differentiable_entropy if entropy_grad else (lambda lg: token_entropy(lg.detach()))
     (n, t), out = completion_ids.shape, []
     step = n if batch_size is None else batch_size
     lean_forward = lean_forward_for(model)[0] if lean else None
+    forward = model
+    if lean_forward is not None:
+        lean_forward.compile_layers(compile)   # None: the eager layers
+    elif compile is not None:
+        forward = compiled_model(model, compile)
     if matmul_dtype is not None and lean_forward is None:
         raise ValueError(f"matmul_dtype {matmul_dtype} needs the lean forward, which does not support "
                          f"this model: {lean_forward_for(model)[1] if lean else 'lean=False'}")
@@ -57,7 +66,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                                              dim=0, return_inverse=True)
             width = prompt_ids.shape[1]
             real = completion_mask[rows].bool()
-            if packed and int(real.sum()) * _vocab_size(model) > HEAD_CHUNK_ABOVE:
+            if packed and (chunk_head or int(real.sum()) * _vocab_size(model) > HEAD_CHUNK_ABOVE):
                 logps, entropy = _chunked_head(lean_forward, prompts, width, question, ids, real,
                                                temperature, matmul_dtype, entropy_grad)
                 out.append(logps)
@@ -71,7 +80,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
             ids_full = torch.cat([prompt_ids[rows], ids], dim=1)
             mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=ids_full, attention_mask=mask, position_ids=positions,
+            logits = forward(input_ids=ids_full, attention_mask=mask, position_ids=positions,
                            use_cache=False, logits_to_keep=t + 1).logits[:, :-1]
         if temperature != 1.0:
             logits = logits / temperature
