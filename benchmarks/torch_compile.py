@@ -1,0 +1,167 @@
+"""torch_compile on the training passes: what compiling costs and what each pass gains.
+
+One training pass = cppo's scoring pass with gradients (completion_logprobs forward + backward),
+as the Learner runs it, on fixed micro-batches whose completion lengths differ (so the packed
+token count changes from pass to pass, as in a run). For each model and path it measures, in
+one process:
+
+- eager: seconds per pass without compiling;
+- compiled: seconds per pass after the first compiled pass (torch.compile, the given backend
+  and mode, dynamic shapes), and the compile seconds (dynamo's own count);
+- ratio eager / compiled, and the break-even: passes after which the compile time is paid back.
+
+Paths: `lean` (cppo's lean forward: the per-layer work compiled, attention eager) and `model`
+(the model's own transformers forward, compiled whole: LoRA, other architectures, gradient
+checkpointing). Models: the shipped embedded model and a wider random Llama.
+
+    python benchmarks/torch_compile.py            # both models, both paths, 1 thread
+    python benchmarks/torch_compile.py --quick    # the embedded model only
+
+Writes benchmarks/results/torch_compile/results.md and results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+OUT = Path(__file__).resolve().parent / "results" / "torch_compile"
+WIDE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=8, vocab_size=8192)
+
+
+def load(name: str):
+    """(model, label): the embedded model, or a random Llama of WIDE's sizes."""
+    from cppo.models import load_model
+    if name == "embedded":
+        return load_model("embedded"), "embedded (1.05M parameters)"
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=512, attn_implementation="sdpa",
+                                         **WIDE))
+    params = sum(p.numel() for p in model.parameters())
+    return model, f"random Llama d={WIDE['hidden_size']}, {WIDE['num_hidden_layers']} layers, V={WIDE['vocab_size']} ({params / 1e6:.1f}M parameters)"
+
+
+def batches(vocab: int, count: int, rows: int, prompt: int, completion: int) -> list[tuple]:
+    """`count` micro-batches of `rows` completions (G = 8 per prompt), each with its own spread of
+    completion lengths (1..completion): prompt ids, prompt mask, completion ids, completion mask."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        prompts = torch.randint(3, vocab, (rows // 8, prompt), generator=gen).repeat_interleave(8, 0)
+        ids = torch.randint(3, vocab, (rows, completion), generator=gen)
+        lengths = torch.randint(1, completion + 1, (rows,), generator=gen)
+        mask = (torch.arange(completion)[None] < lengths[:, None]).long()
+        out.append((prompts, torch.ones_like(prompts), ids, mask))
+    return out
+
+
+def passes(model, data, *, lean: bool, settings, repeats: int) -> list[float]:
+    """Seconds of each training pass (forward + backward) over the data, `repeats` times."""
+    from cppo.sampling.logprobs import completion_logprobs
+    times = []
+    for _ in range(repeats):
+        for batch in data:
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            completion_logprobs(model, *batch, lean=lean, compile=settings).sum().backward()
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def measure(name: str, path: str, args) -> dict:
+    from cppo.models.compiled import CompileSettings, compile_seconds
+    model, label = load(name)
+    model.train()
+    data = batches(model.config.vocab_size, 3, args.rows, args.prompt, args.completion)
+    lean = path == "lean"
+    eager = passes(model, data, lean=lean, settings=None, repeats=args.repeats)
+    settings = CompileSettings(args.backend, args.mode)
+    torch._dynamo.reset()
+    before = compile_seconds()
+    start = time.perf_counter()
+    first = passes(model, data, lean=lean, settings=settings, repeats=1)
+    first_seconds = time.perf_counter() - start
+    compiled = passes(model, data, lean=lean, settings=settings, repeats=args.repeats)
+    took = compile_seconds() - before
+    eager_s, compiled_s = statistics.median(eager), statistics.median(compiled)
+    gain = eager_s - compiled_s
+    row = {"model": label, "path": path, "eager_ms": 1e3 * eager_s, "compiled_ms": 1e3 * compiled_s,
+           "ratio": eager_s / compiled_s, "compile_seconds": took,
+           "first_passes_seconds": first_seconds,
+           "break_even_passes": (took / gain) if gain > 0 else None}
+    print(f"{label:60s} {path:6s} eager {row['eager_ms']:8.1f} ms  compiled "
+          f"{row['compiled_ms']:8.1f} ms  x{row['ratio']:.2f}  compile {took:6.1f} s", flush=True)
+    return row
+
+
+def pay_back(passes: float | None) -> str:
+    return "never" if passes is None else f"{passes:,.0f}"
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | path | eager ms/pass | compiled ms/pass | eager / compiled | compile s | "
+            "passes to pay back |\n|---|---|---|---|---|---|---|")
+    lines = [f"| {r['model']} | {r['path']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
+             f"{r['ratio']:.2f}x | {r['compile_seconds']:.1f} | "
+             f"{pay_back(r['break_even_passes'])} |" for r in rows]
+    return "\n".join([head, *lines])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the embedded model only")
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--mode", default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", type=int, default=64, help="completions per micro-batch")
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--completion", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from cppo.parallel.hardware import describe
+    machine = describe()
+    load_start = os.getloadavg()[0]
+    models = ["embedded"] if args.quick else ["embedded", "wide"]
+    rows = [measure(name, path, args) for name in models for path in ("lean", "model")]
+    command = "python benchmarks/torch_compile.py" + (" --quick" if args.quick else "")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "results.json").write_text(json.dumps(
+        {"command": command, "machine": machine, "python": platform.python_version(),
+         "backend": args.backend, "mode": args.mode, "threads": args.threads,
+         "micro_batch": {"rows": args.rows, "prompt": args.prompt, "completion": args.completion},
+         "load_average": [load_start, os.getloadavg()[0]], "rows": rows}, indent=2))
+    (OUT / "results.md").write_text(f"""# torch_compile on the training passes
+
+`{command}`
+
+One training pass: completion_logprobs forward + backward on a micro-batch of {args.rows}
+completions (8 per prompt, prompts of {args.prompt} tokens, completions of 1 to {args.completion}
+tokens: the packed token count differs between the 3 micro-batches, as in a run). Medians over
+{args.repeats} x 3 passes; compiled passes timed after the first compiled round. torch.compile
+backend `{args.backend}`, mode `{args.mode or 'default'}`, dynamic shapes. Machine: {machine['cpu']},
+torch {machine['torch']}, CPU capability (`torch.backends.cpu.get_cpu_capability()`)
+**{machine['cpu_capability']}**, {args.threads} thread(s); load average {load_start:.1f} at the
+start, {os.getloadavg()[0]:.1f} at the end (shared machine: times are noisy).
+
+{table(rows)}
+
+"passes to pay back": compile seconds / (eager - compiled seconds per pass); a run pays for
+compiling after that many training passes (each optimizer step runs one per micro-batch, plus
+the old-policy and reference passes without gradients, which compile once more).
+""")
+    print(f"wrote {OUT / 'results.md'}")
+
+
+if __name__ == "__main__":
+    main()
