@@ -73,6 +73,8 @@ def passes(model, data, *, lean: bool, settings, repeats: int) -> list[float]:
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             completion_logprobs(model, *batch, lean=lean, compile=settings).sum().backward()
+            if batch[0].is_cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
     return times
 
@@ -80,8 +82,9 @@ def passes(model, data, *, lean: bool, settings, repeats: int) -> list[float]:
 def measure(name: str, path: str, args) -> dict:
     from cppo.models.compiled import CompileSettings, compile_seconds
     model, label = load(name)
-    model.train()
-    data = batches(model.config.vocab_size, 3, args.rows, args.prompt, args.completion)
+    model.to(args.device).train()
+    data = [tuple(t.to(args.device) for t in batch)
+            for batch in batches(model.config.vocab_size, 3, args.rows, args.prompt, args.completion)]
     lean = path == "lean"
     eager = passes(model, data, lean=lean, settings=None, repeats=args.repeats)
     settings = CompileSettings(args.backend, args.mode)
@@ -127,21 +130,26 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--completion", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--output", type=Path, default=OUT)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from cppo.parallel.hardware import describe
-    machine = describe()
+    machine = describe(args.device)
     load_start = os.getloadavg()[0]
     models = ["embedded"] if args.quick else ["embedded", "wide"]
     rows = [measure(name, path, args) for name in models for path in ("lean", "model")]
-    command = "python benchmarks/torch_compile.py" + (" --quick" if args.quick else "")
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "results.json").write_text(json.dumps(
+    command = "python benchmarks/torch_compile.py" + (" --quick" if args.quick else "") + (
+        f" --device {args.device}" if args.device != "cpu" else "")
+    out = args.output
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(
         {"command": command, "machine": machine, "python": platform.python_version(),
          "backend": args.backend, "mode": args.mode, "threads": args.threads,
          "micro_batch": {"rows": args.rows, "prompt": args.prompt, "completion": args.completion},
          "load_average": [load_start, os.getloadavg()[0]], "rows": rows}, indent=2))
-    (OUT / "results.md").write_text(f"""# torch_compile on the training passes
+    gpu = f" ({machine['gpu']})" if "gpu" in machine else ""
+    (out / "results.md").write_text(f"""# torch_compile on the training passes
 
 `{command}`
 
@@ -149,7 +157,7 @@ One training pass: completion_logprobs forward + backward on a micro-batch of {a
 completions (8 per prompt, prompts of {args.prompt} tokens, completions of 1 to {args.completion}
 tokens: the packed token count differs between the 3 micro-batches, as in a run). Medians over
 {args.repeats} x 3 passes; compiled passes timed after the first compiled round. torch.compile
-backend `{args.backend}`, mode `{args.mode or 'default'}`, dynamic shapes. Machine: {machine['cpu']},
+backend `{args.backend}`, mode `{args.mode or 'default'}`, dynamic shapes, on {args.device}{gpu}. Machine: {machine['cpu']},
 torch {machine['torch']}, CPU capability (`torch.backends.cpu.get_cpu_capability()`)
 **{machine['cpu_capability']}**, {args.threads} thread(s); load average {load_start:.1f} at the
 start, {os.getloadavg()[0]:.1f} at the end (shared machine: times are noisy).
@@ -160,7 +168,7 @@ start, {os.getloadavg()[0]:.1f} at the end (shared machine: times are noisy).
 compiling after that many training passes (each optimizer step runs one per micro-batch, plus
 the old-policy and reference passes without gradients, which compile once more).
 """)
-    print(f"wrote {OUT / 'results.md'}")
+    print(f"wrote {out / 'results.md'}")
 
 
 if __name__ == "__main__":
