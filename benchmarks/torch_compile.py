@@ -27,10 +27,15 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
-import torch
+# an empty inductor cache: the compile seconds of a first run on a machine (a warm on-disk cache,
+# from an earlier run of the same shapes, cuts them several-fold)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="cppo-inductor-"))
+
+import torch  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "torch_compile"
 WIDE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
@@ -64,45 +69,50 @@ def batches(vocab: int, count: int, rows: int, prompt: int, completion: int) -> 
     return out
 
 
-def passes(model, data, *, lean: bool, settings, repeats: int) -> list[float]:
-    """Seconds of each training pass (forward + backward) over the data, `repeats` times."""
+def one_pass(model, batch, *, lean: bool, settings) -> float:
+    """Seconds of one training pass (forward + backward) on a micro-batch."""
     from cppo.sampling.logprobs import completion_logprobs
-    times = []
-    for _ in range(repeats):
-        for batch in data:
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            completion_logprobs(model, *batch, lean=lean, compile=settings).sum().backward()
-            if batch[0].is_cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    return times
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    completion_logprobs(model, *batch, lean=lean, compile=settings).sum().backward()
+    if batch[0].is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def measure(name: str, path: str, args) -> dict:
+    """Compile (the first compiled pass over each micro-batch), then eager and compiled passes
+    interleaved, so that both see the same load on a shared machine."""
     from cppo.models.compiled import CompileSettings, compile_seconds
     model, label = load(name)
     model.to(args.device).train()
     data = [tuple(t.to(args.device) for t in batch)
             for batch in batches(model.config.vocab_size, 3, args.rows, args.prompt, args.completion)]
-    lean = path == "lean"
-    eager = passes(model, data, lean=lean, settings=None, repeats=args.repeats)
-    settings = CompileSettings(args.backend, args.mode)
+    lean, settings = path == "lean", CompileSettings(args.backend, args.mode)
+    for batch in data:   # warm-up of the eager pass (allocator, oneDNN kernels)
+        one_pass(model, batch, lean=lean, settings=None)
     torch._dynamo.reset()
-    before = compile_seconds()
-    start = time.perf_counter()
-    first = passes(model, data, lean=lean, settings=settings, repeats=1)
-    first_seconds = time.perf_counter() - start
-    compiled = passes(model, data, lean=lean, settings=settings, repeats=args.repeats)
-    took = compile_seconds() - before
+    before, start = compile_seconds(), time.perf_counter()
+    for batch in data:
+        one_pass(model, batch, lean=lean, settings=settings)
+    first_seconds, took = time.perf_counter() - start, compile_seconds() - before
+    eager, compiled = [], []
+    for _ in range(args.repeats):
+        for batch in data:
+            eager.append(one_pass(model, batch, lean=lean, settings=None))
+            compiled.append(one_pass(model, batch, lean=lean, settings=settings))
+    assert compile_seconds() - before == took, "recompiled during the timed passes"
     eager_s, compiled_s = statistics.median(eager), statistics.median(compiled)
     gain = eager_s - compiled_s
     row = {"model": label, "path": path, "eager_ms": 1e3 * eager_s, "compiled_ms": 1e3 * compiled_s,
-           "ratio": eager_s / compiled_s, "compile_seconds": took,
-           "first_passes_seconds": first_seconds,
+           "ratio": eager_s / compiled_s,
+           "pair_ratios": [e / c for e, c in zip(eager, compiled)],
+           "compile_seconds": took, "first_round_seconds": first_seconds,
            "break_even_passes": (took / gain) if gain > 0 else None}
+    spread = sorted(row["pair_ratios"])
     print(f"{label:60s} {path:6s} eager {row['eager_ms']:8.1f} ms  compiled "
-          f"{row['compiled_ms']:8.1f} ms  x{row['ratio']:.2f}  compile {took:6.1f} s", flush=True)
+          f"{row['compiled_ms']:8.1f} ms  x{row['ratio']:.2f} (pairs {spread[0]:.2f}-{spread[-1]:.2f})"
+          f"  compile {took:6.1f} s", flush=True)
     return row
 
 
@@ -111,10 +121,12 @@ def pay_back(passes: float | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | path | eager ms/pass | compiled ms/pass | eager / compiled | compile s | "
+    head = ("| model | path | eager ms/pass | compiled ms/pass | eager / compiled (pass pairs) | "
+            "compile s (cold cache) | "
             "passes to pay back |\n|---|---|---|---|---|---|---|")
     lines = [f"| {r['model']} | {r['path']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
-             f"{r['ratio']:.2f}x | {r['compile_seconds']:.1f} | "
+             f"{r['ratio']:.2f}x ({min(r['pair_ratios']):.2f} to {max(r['pair_ratios']):.2f}) | "
+             f"{r['compile_seconds']:.1f} | "
              f"{pay_back(r['break_even_passes'])} |" for r in rows]
     return "\n".join([head, *lines])
 
@@ -155,8 +167,10 @@ def main() -> None:
 
 One training pass: completion_logprobs forward + backward on a micro-batch of {args.rows}
 completions (8 per prompt, prompts of {args.prompt} tokens, completions of 1 to {args.completion}
-tokens: the packed token count differs between the 3 micro-batches, as in a run). Medians over
-{args.repeats} x 3 passes; compiled passes timed after the first compiled round. torch.compile
+tokens: the packed token count differs between the 3 micro-batches, as in a run). After one
+compiled round (the compile), eager and compiled passes alternate, {args.repeats} x 3 pairs, so
+both see the same load; medians, and the range of the pairs' ratios. Compile seconds with an
+empty inductor cache (a first run on a machine; a warm on-disk cache cuts them). torch.compile
 backend `{args.backend}`, mode `{args.mode or 'default'}`, dynamic shapes, on {args.device}{gpu}. Machine: {machine['cpu']},
 torch {machine['torch']}, CPU capability (`torch.backends.cpu.get_cpu_capability()`)
 **{machine['cpu_capability']}**, {args.threads} thread(s); load average {load_start:.1f} at the

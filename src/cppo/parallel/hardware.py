@@ -160,7 +160,8 @@ def apply_tf32(args) -> bool | None:
 
 def compiling(args) -> bool:
     """transformers' rule: torch_compile, or a torch_compile_backend or torch_compile_mode given."""
-    return bool(args.torch_compile or args.torch_compile_backend or args.torch_compile_mode)
+    from cppo.models.compiled import compile_settings
+    return compile_settings(args) is not None
 
 
 def _cpu_model() -> str:
