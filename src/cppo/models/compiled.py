@@ -9,13 +9,9 @@ tokens), so functions are compiled with dynamic shapes. Sampling is not compiled
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
-
-_MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
 
 @dataclass(frozen=True)
 class CompileSettings:
@@ -41,10 +37,11 @@ def compile_fn(fn, settings: CompileSettings):
 def compiled_model(model, settings: CompileSettings):
     """The model's forward compiled (one compiled wrapper per model and settings; it shares the
     model's parameters, so optimizer, checkpoints and engines see the model itself)."""
-    cached = _MODELS.get(model)
+    cached = model.__dict__.get("_cppo_compiled")
     if cached is None or cached[0] != settings:
-        cached = (settings, compile_fn(model, settings))
-        _MODELS[model] = cached
+        # in the instance's __dict__, not as a submodule: state_dict and checkpoints never see it
+        # (a weak-keyed table would keep the model alive: the wrapper refers to it)
+        cached = model.__dict__["_cppo_compiled"] = (settings, compile_fn(model, settings))
     return cached[1]
 
 
