@@ -31,11 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# an empty inductor cache: the compile seconds of a first run on a machine (a warm on-disk cache,
-# from an earlier run of the same shapes, cuts them several-fold)
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="cppo-inductor-"))
+import subprocess
+import sys
 
-import torch  # noqa: E402
+import torch
 
 OUT = Path(__file__).resolve().parent / "results" / "torch_compile"
 WIDE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
@@ -112,7 +111,7 @@ def measure(name: str, path: str, args) -> dict:
     spread = sorted(row["pair_ratios"])
     print(f"{label:60s} {path:6s} eager {row['eager_ms']:8.1f} ms  compiled "
           f"{row['compiled_ms']:8.1f} ms  x{row['ratio']:.2f} (pairs {spread[0]:.2f}-{spread[-1]:.2f})"
-          f"  compile {took:6.1f} s", flush=True)
+          f"  compile {took:6.1f} s", file=sys.stderr, flush=True)
     return row
 
 
@@ -131,6 +130,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join([head, *lines])
 
 
+def in_fresh_process(row: str) -> dict:
+    """One measurement in its own process with an empty inductor cache, so that its compile
+    seconds are a first run's (no kernels from another row, in memory or on disk)."""
+    with tempfile.TemporaryDirectory(prefix="cppo-inductor-") as cache:
+        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--row", row],
+                             env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache},
+                             stdout=subprocess.PIPE, text=True, check=True).stdout
+    line = next(line for line in out.splitlines() if line.startswith("ROW "))
+    return json.loads(line[4:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,13 +154,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", type=Path, default=OUT)
+    parser.add_argument("--row", help=argparse.SUPPRESS)   # MODEL:PATH, in a worker process
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.row:
+        print("ROW " + json.dumps(measure(*args.row.split(":"), args)), flush=True)
+        return
     from cppo.parallel.hardware import describe
     machine = describe(args.device)
     load_start = os.getloadavg()[0]
     models = ["embedded"] if args.quick else ["embedded", "wide"]
-    rows = [measure(name, path, args) for name in models for path in ("lean", "model")]
+    rows = [in_fresh_process(f"{name}:{path}") for name in models for path in ("lean", "model")]
     command = "python benchmarks/torch_compile.py" + (" --quick" if args.quick else "") + (
         f" --device {args.device}" if args.device != "cpu" else "")
     out = args.output
@@ -169,8 +183,9 @@ One training pass: completion_logprobs forward + backward on a micro-batch of {a
 completions (8 per prompt, prompts of {args.prompt} tokens, completions of 1 to {args.completion}
 tokens: the packed token count differs between the 3 micro-batches, as in a run). After one
 compiled round (the compile), eager and compiled passes alternate, {args.repeats} x 3 pairs, so
-both see the same load; medians, and the range of the pairs' ratios. Compile seconds with an
-empty inductor cache (a first run on a machine; a warm on-disk cache cuts them). torch.compile
+both see the same load; medians, and the range of the pairs' ratios. Each row in a fresh
+process with an empty inductor cache: its compile seconds are a first run's (a warm on-disk
+cache, from an earlier run of the same code, cuts them several-fold). torch.compile
 backend `{args.backend}`, mode `{args.mode or 'default'}`, dynamic shapes, on {args.device}{gpu}. Machine: {machine['cpu']},
 torch {machine['torch']}, CPU capability (`torch.backends.cpu.get_cpu_capability()`)
 **{machine['cpu_capability']}**, {args.threads} thread(s); load average {load_start:.1f} at the
