@@ -187,3 +187,17 @@ def test_the_mappings_come_from_the_command_line_as_json_or_yaml():
     cfg = train_config(args)
     assert cfg.gradient_checkpointing_kwargs == {"use_reentrant": True}
     assert cfg.liger_kernel_config == {"rope": False} and cfg.torch_compile and cfg.tf32 is False
+
+
+def test_fp16_loss_scale_is_checkpointed_and_resumed(tiny_model_dir, tmp_path):
+    first = make_trainer(tiny_model_dir, tmp_path, max_steps=2, save_steps=1, fp16=True,
+                         matmul_dtype=None)
+    first.learner.scaler._init_scale = 1024.0   # as after a few overflows
+    first.train()
+    scale = first.learner.scaler.get_scale()
+    again = make_trainer(tiny_model_dir, tmp_path, max_steps=3, save_steps=1, fp16=True,
+                         matmul_dtype=None, resume=True)
+    assert again.learner.scaler.get_scale() != scale   # a fresh scaler starts at 2^16
+    from cppo.run.saving import resume_run
+    again.run_state = resume_run(again, tmp_path / "checkpoint-2", None)
+    assert again.learner.scaler.get_scale() == scale

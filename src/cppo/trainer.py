@@ -422,6 +422,8 @@ class CPPOTrainer:
         optimizer, every rank's RNG and the run state."""
         self.run_state.wall_offset = time.perf_counter() - start_wall
         self.run_state.questions = self.questions.state()
+        if self.learner.scaler is not None:
+            self.run_state.fp16_scaler = self.learner.scaler.state_dict()
         state = self.run_state.to_dict(config=self.args.to_dict(), world_size=self.dist.world_size,
                                        distributed=self.engine.strategy)
         with self.timer("checkpoint"):
