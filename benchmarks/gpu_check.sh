@@ -2,7 +2,8 @@
 # The GPU check: on one CUDA GPU, in under 10 minutes,
 #   0. cppo installed on the machine's own torch and transformers, offline, from gpu_wheels/
 #      (what the GPU image lacks: datasets, math-verify, TRL, ...; scripts/gpu_wheels.sh),
-#   1. the tests marked `cuda` (they skip on a CPU-only machine), vLLM's CUDA build included where
+#   1. the tests marked `cuda` (they skip on a CPU-only machine), QLoRA on bitsandbytes' CUDA
+#      kernels (tests/test_cuda.py; bitsandbytes from gpu_wheels/), vLLM's CUDA build included where
 #      it is installed (tests/test_vllm_cuda.py: colocate with sleep mode; the server's NCCL weight
 #      push, which needs a second GPU); where vLLM is absent (the GPU image has none) they skip,
 #   2. the real-shape benchmark in bfloat16 (cppo against TRL's GRPOTrainer; cppo alone without TRL),
@@ -14,7 +15,7 @@
 # On the lent GPU machine (the device tool's `run`; bare and offline, Python 3.12 with torch 2.11,
 # transformers 5.17, no vLLM/TRL/datasets/math-verify). Here, once, from the repository root:
 #
-#   bash scripts/gpu_wheels.sh           # fills gpu_wheels/ (git-ignored, ~3.6 MB)
+#   bash scripts/gpu_wheels.sh           # fills gpu_wheels/ (git-ignored, ~45 MB, 43 of them bitsandbytes)
 #
 # then the one device call (9 min 50 s at most; the script stops itself by 560 s):
 #
@@ -87,12 +88,12 @@ install() {
     export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_NO_INPUT=1
     local pip=("$PY" -m pip install -q --no-index --find-links "$WHEELS")
     # what the image lacks, resolved against what it has (upgrades nothing that is there) ...
-    if ! "${pip[@]}" datasets math-verify trl pytest-timeout; then
+    if ! "${pip[@]}" datasets math-verify trl pytest-timeout bitsandbytes; then
         # ... or, where a pin of the image's own packages clashes (datasets caps fsspec, say),
         # the same wheels without their dependency checks
         echo "gpu_check.sh: resolving against the image failed; installing the wheels with --no-deps"
         "${pip[@]}" --no-deps datasets dill multiprocess math-verify latex2sympy2_extended \
-            antlr4-python3-runtime trl pytest-timeout || return 1
+            antlr4-python3-runtime trl pytest-timeout bitsandbytes || return 1
     fi
     # cppo itself on the image's torch and transformers (its build needs setuptools + wheel: in
     # gpu_wheels/, for pip's isolated build environment)
@@ -112,7 +113,7 @@ import importlib, importlib.metadata as md
 need = ["cppo", "torch", "transformers", "accelerate", "datasets", "math_verify", "safetensors",
         "tokenizers", "yaml", "tqdm", "matplotlib", "pandas", "pyarrow", "pytest", "xdist",
         "hypothesis", "pytest_timeout"]
-optional = ["trl", "vllm", "peft"]
+optional = ["trl", "vllm", "peft", "bitsandbytes"]
 missing = []
 for name in need + optional:
     try:

@@ -39,3 +39,22 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def untied_model_dir(tmp_path_factory, tiny_tokenizer):
+    """tiny_model_dir's model with an LM head of its own (tie_word_embeddings false), as TRL's
+    cast_lm_head_to_fp32 asks, and twice the width."""
+    from transformers import LlamaForCausalLM
+    from cppo.models.loading import tiny_model_config
+    torch.manual_seed(0)
+    tok = tiny_tokenizer
+    config = tiny_model_config(len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id, hidden_size=64, num_layers=2,
+                               num_heads=2, intermediate_size=128)
+    config.tie_word_embeddings = False
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("untied_model")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

@@ -129,3 +129,39 @@ def test_liger_kernels_are_applied_on_the_gpu(tiny_model_dir):
         assert apply_liger_kernels(model, CPPOConfig(use_liger_kernel=True), torch.device("cuda"))
         own = completion_logprobs(model, prompts, ones(prompts), ids, ones(ids), lean=False)
     torch.testing.assert_close(own, lean, atol=1e-4, rtol=1e-4)
+
+
+def test_qlora_trains_on_the_gpu(untied_model_dir, tmp_path):
+    """load_in_4bit on bitsandbytes' CUDA kernels: the 4-bit base on the GPU and unchanged, every
+    adapter with a gradient in step 2 (B is 0 at step 1), and the dequantised merged weights
+    (what vLLM gets) giving the policy's logits."""
+    bnb = pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    from cppo.trainer import CPPOTrainer
+    from cppo.sampling.vllm import vllm_weights
+    cfg = CPPOConfig(model=untied_model_dir, output_dir=str(tmp_path), max_steps=2, num_generations=4,
+                     per_device_train_batch_size=8, pruning_rate=0.5, max_completion_length=5,
+                     eval_steps=0, progress_bar=False, learning_rate=1e-2, use_peft=True,
+                     lora_dropout=0.0, load_in_4bit=True, use_bnb_nested_quant=True)
+    trainer = CPPOTrainer(model=None, reward_funcs=[odd_length_reward], args=cfg,
+                          train_dataset=ROWS, eval_dataset=ROWS[:8])
+    policy = trainer.policy
+    layers = [m for m in policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all(m.weight.device.type == "cuda" for m in layers)
+    frozen = {n: p.detach().clone() for n, p in policy.named_parameters() if not p.requires_grad}
+    adapters = {n: p for n, p in policy.named_parameters() if p.requires_grad}
+    grads, step = [], trainer.optimizer.step
+
+    def spy(*a, **kw):
+        grads.append([p.grad is not None and bool(p.grad.abs().max() > 0) for p in adapters.values()])
+        return step(*a, **kw)
+    trainer.optimizer.step = spy
+    assert trainer.train()["status"] == "completed"
+    assert len(grads) == 2 and all(grads[1])
+    assert all(torch.equal(p, frozen[n]) for n, p in policy.named_parameters() if n in frozen)
+    merged = load_model(untied_model_dir).cuda().eval()
+    with vllm_weights(policy) as weights:
+        merged.load_state_dict(dict(weights))
+    ids = torch.tensor([[5, 6, 7, 8, 9]], device="cuda")
+    with torch.no_grad():
+        assert (merged(ids).logits - policy.eval()(ids).logits).abs().max() < 1e-3

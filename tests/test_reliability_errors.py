@@ -119,6 +119,18 @@ CASES = [
      "'sync_ref_model' is true but 'beta' is 0, so there is no reference model to sync"),
     ("sync_ref_model_with_lora", ["--sync_ref_model", "true", "--beta", "0.04", "--use_peft", "true"],
      "'sync_ref_model' is true with use_peft"),
+    ("4bit_and_8bit", ["--use_peft", "true", "--load_in_4bit", "true", "--load_in_8bit", "true"],
+     "'load_in_4bit' and 'load_in_8bit' are both true; set one of them"),
+    ("quantised_without_lora", ["--load_in_4bit", "true"],
+     "'load_in_4bit' is true but no LoRA adapters train on the quantised base"),
+    ("qlora_without_bitsandbytes", ["--use_peft", "true", "--load_in_4bit", "true"],
+     "'load_in_4bit' is true, which needs bitsandbytes: pip install 'cppo[qlora]'"),
+    ("dora_refused_by_peft", ["--use_peft", "true", "--use_dora", "true", "--lora_dropout", "0",
+                              "--lora_target_parameters", "mlp.up_proj.weight"],
+     "peft refuses the LoRA settings (use_dora True"),
+    ("cast_head_with_lora_on_it", ["--use_peft", "true", "--cast_lm_head_to_fp32", "true",
+                                   "--lora_target_modules", "q_proj", "lm_head"],
+     "'cast_lm_head_to_fp32' is true but lora_target_modules puts a LoRA adapter on lm_head"),
     ("batch_not_divisible", ["--pruning_rate", "0", "--per_device_train_batch_size", "6"],
      "x 1 = 6 completions, num_generations = 4, pruning_rate = 0.0"),
     ("weights_count", ["--reward_weights", "1,2"], "'reward_weights' has 2 values but 'reward_funcs' has 1"),
@@ -171,6 +183,7 @@ def test_cli_error(env, tmp_path, capsys, monkeypatch, extra, message):
     monkeypatch.setattr(cppo.trainer.CPPOTrainer, "training_round",
                         lambda self: started.append(1) or pytest.fail("a training step started"))
     monkeypatch.setitem(sys.modules, "vllm", None)   # as where vLLM is not installed
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)   # ... and bitsandbytes
     args = base_args(env, tmp_path) + [a.format(**env) for a in extra]
     assert main(args) == 2
     err = capsys.readouterr().err

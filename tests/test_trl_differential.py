@@ -90,6 +90,13 @@ OPTIONS = {
                               entropy_coef=0.05),
     "bnpo_accumulation": dict(loss_type="bnpo", accumulation=2),
     "grpo_accumulation": dict(loss_type="grpo", accumulation=2),
+    # TRL's steps_per_generation: one generation round, slices of it as optimizer steps (x mu);
+    # the token-sum losses normalised by the round's tokens / slices, as TRL does
+    "steps_per_generation_dapo": dict(loss_type="dapo", steps_per_generation=2),
+    "steps_per_generation_grpo_accumulation": dict(loss_type="grpo", steps_per_generation=4,
+                                                   accumulation=2),
+    "steps_per_generation_bnpo": dict(loss_type="bnpo", steps_per_generation=4, accumulation=2),
+    "adam_epsilon": dict(loss_type="dapo", adam_epsilon=1e-6),
 }
 
 
@@ -98,10 +105,48 @@ def test_objectives_match_trl(tiny_model_dir, tmp_path, monkeypatch, name):
     """Each of TRL's other objectives and options, with beta = 0.04 and mu = 2 (one round: the
     second step has ratios != 1, so clipping, gating and masking all act)."""
     options = {"rounds": 1, **OPTIONS[name]}
-    steps = 2 * options["rounds"]
+    accumulation = options.get("accumulation", 1)   # optimizer steps on a round's slices:
+    slices = (options.get("steps_per_generation") or accumulation) // accumulation
+    steps = 2 * options["rounds"] * slices
     trl, cppo = run_both(tiny_model_dir, tmp_path, monkeypatch, steps=steps, beta=0.04,
                          num_iterations=2, **options)
     assert_same(trl, cppo, steps)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_steps_per_generation_with_one_iteration_matches_trl(tiny_model_dir, tmp_path,
+                                                             monkeypatch, loss_type):
+    """mu = 1, steps_per_generation 2: one generation round, two optimizer steps on its two
+    slices; the second slice's ratios are against the old policy's log-probs of the round
+    (TRL computes them at generation when a round spans several steps)."""
+    trl, cppo = run_both(tiny_model_dir, tmp_path, monkeypatch, steps=4, rounds=2,
+                         loss_type=loss_type, beta=0.04, num_iterations=1, steps_per_generation=2)
+    assert all(t is not None for t in cppo.old_logps)
+    assert_same(trl, cppo, 4)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny random Qwen3-MoE with the task tokenizer, its config's router_aux_loss_coef 0.001."""
+    from helpers.tiny_hf import build_moe
+    tok = tiny_tokenizer
+    path = tmp_path_factory.mktemp("tiny_moe")
+    build_moe(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+              bos_token_id=tok.bos_token_id).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("coef, loss_type, accumulation", [(None, "dapo", 1), (0.5, "grpo", 2)])
+def test_router_aux_loss_matches_trl(tiny_moe_dir, tmp_path, monkeypatch, coef, loss_type,
+                                     accumulation):
+    """A mixture-of-experts policy: the load-balancing loss (the model config's coefficient when
+    router_aux_loss_coef is None, else the field's) joins every micro-batch's loss / the
+    accumulation steps, as in TRL; the router weights' gradients include it."""
+    trl, cppo = run_both(tiny_moe_dir, tmp_path, monkeypatch, steps=2, rounds=1, beta=0.0,
+                         num_iterations=2, loss_type=loss_type, accumulation=accumulation,
+                         router_aux_loss_coef=coef)
+    assert_same(trl, cppo, 2)
 
 
 # ---------------------------------------------------------------- differences on purpose ----
@@ -125,3 +170,30 @@ def test_a_round_of_zero_advantages_still_trains_the_kl_as_trl(tiny_model_dir, t
                          loss_type="dapo", beta=0.04, num_iterations=1)
     assert not cppo.advantages[1].any()
     assert_same(trl, cppo, 2)
+
+
+# ---------------------------------------------------------------- model and adapter fields ----
+LORA = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["q_proj", "v_proj"])
+MODEL_FIELDS = {
+    # LoRA's dropout (an nn.Dropout) is random in both trainers unless disable_dropout zeroes it
+    "disable_dropout": dict(disable_dropout=True, lora={**LORA, "lora_dropout": 0.1}),
+    # TRL casts the head of the float64 model to float32: both compute logits in float32
+    "cast_lm_head_to_fp32": dict(cast_lm_head_to_fp32=True, untied=True),
+    "dora": dict(lora={**LORA, "use_dora": True}),
+    "rslora": dict(lora={**LORA, "use_rslora": True}),
+}
+
+
+@pytest.mark.parametrize("name", MODEL_FIELDS)
+def test_model_fields_match_trl(tiny_model_dir, untied_model_dir, tmp_path, monkeypatch, name):
+    """TRL's model and adapter fields given to both trainers (LoRA through trl.get_peft_config on
+    TRL's side, CPPOConfig's fields on cppo's; both sides' adapters seeded alike), beta = 0.04
+    and mu = 2: the same losses and gradients within trl_twin's bounds."""
+    options = dict(MODEL_FIELDS[name])
+    model_dir = untied_model_dir if options.pop("untied", False) else tiny_model_dir
+    trl, cppo = run_both(model_dir, tmp_path, monkeypatch, steps=2, rounds=1, beta=0.04,
+                         num_iterations=2, loss_type="dapo", **options)
+    assert_same(trl, cppo, 2)
+    if options.get("cast_lm_head_to_fp32"):   # float32 rounding is inside the bounds: the
+        for record in (trl, cppo):             # head's float32 gradient tells the cast apart
+            assert {g.dtype for k, g in record.grads[0].items() if "lm_head" in k} == {torch.float32}

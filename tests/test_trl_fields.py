@@ -127,8 +127,8 @@ def test_generation_kwargs_set_the_sampling_fields_over_them_as_in_trl():
 
 
 # --- only machinery is ignored (issue #42) ------------------------------------------------------
-# TRL fields that change the model, the loss, the optimizer, the sampled tokens or the data, which
-# the parallel #42 branches honour (until their merge, still ignored here)
+# TRL fields that change the model, the loss, the optimizer, the sampled tokens or the data (issue
+# #42 honoured them)
 MUST_BE_HONOURED = (
     "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
     "bnb_4bit_quant_storage", "use_dora", "use_rslora", "lora_modules_to_save",
@@ -157,7 +157,6 @@ def test_every_ignored_field_is_machinery_of_a_known_kind():
     assert sorted(set(listed) - ignored_fields()) == [], "MACHINERY lists a field not ignored"
 
 
-@pytest.mark.xfail(strict=False, reason="honoured by the parallel #42 branches")
 def test_the_fields_that_change_training_are_not_ignored():
     assert sorted(set(MUST_BE_HONOURED) & ignored_fields()) == []
 

@@ -179,11 +179,11 @@ def test_tf32_true_without_a_cuda_gpu_is_refused_as_in_transformers():
         CPPOConfig(tf32=True)
 
 
-def test_the_mappings_come_from_the_command_line_as_json_or_yaml():
+def test_the_mappings_come_from_the_command_line_as_json():
     from cppo.cli import build_parser, train_config
     args = build_parser().parse_args(["train", "--gradient_checkpointing_kwargs",
                                       '{"use_reentrant": true}', "--liger_kernel_config",
-                                      "{rope: false}", "--torch_compile", "--tf32", "false"])
+                                      '{"rope": false}', "--torch_compile", "--tf32", "false"])
     cfg = train_config(args)
     assert cfg.gradient_checkpointing_kwargs == {"use_reentrant": True}
     assert cfg.liger_kernel_config == {"rope": False} and cfg.torch_compile and cfg.tf32 is False

@@ -152,3 +152,44 @@ def test_host_and_port_fields_reach_the_same_server(server):
     # the weight push is refused on this CPU, naming why, before anything else happens
     with pytest.raises(VLLMServerError, match="needs a CUDA device"):
         VLLMBackend(model, tok, args)
+
+
+def test_async_rollout_trains_with_the_server_as_its_generator(server, tmp_path):
+    """async_rollout with the server generating while the trainer trains (3 steps, max_staleness
+    1): every round arrives tagged with a version, and a push reaches the server through
+    reload_weights from files: after it the server's log-probs are the trained policy's, no
+    longer the served model's. (Runs last in this module; the served weights are put back.)"""
+    import json
+    import requests
+    from cppo.trainer import CPPOTrainer
+    from helpers import odd_length_reward
+    path, url = server
+    args = CPPOConfig(model=path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+                      vllm_server_timeout=10, async_rollout=True, max_staleness=1, max_steps=3,
+                      num_generations=G, per_device_train_batch_size=8, pruning_rate=0.5,
+                      max_completion_length=8, max_prompt_length=64, eval_steps=0, save_steps=0,
+                      eval_num_questions=4, learning_rate=1e-2, progress_bar=False,
+                      output_dir=str(tmp_path / "run"))
+    try:
+        with CPPOTrainer(args=args, reward_funcs=[odd_length_reward]) as trainer:
+            trainer.train()
+            rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))
+                    if "loss" in r]
+            assert [r["step"] for r in rows] == [1, 2, 3]
+            assert max(r["sample/staleness_max"] for r in rows) <= 1
+            trainer.rollouts.generator._reload()   # the last push (after step 3) to the server
+            probe = backend_for(path, url)
+            prompts = encode_prompts(probe.tokenizer, PROMPTS, probe.args.max_prompt_length)
+            out = probe.generate(prompts, round_index=0)
+            valid, ids = out.mask.bool(), prompts.ids.repeat_interleave(G, 0)
+            with torch.no_grad():
+                trained = completion_logprobs(trainer.policy, ids, prompts.mask.repeat_interleave(G, 0),
+                                              out.ids, out.mask)
+                served = completion_logprobs(probe.model, ids, prompts.mask.repeat_interleave(G, 0),
+                                             out.ids, out.mask)
+            assert float((trained - out.logprobs)[valid].abs().max()) <= LOGPROB_TOLERANCE
+            assert float((served - out.logprobs)[valid].abs().max()) > 100 * LOGPROB_TOLERANCE
+    finally:
+        requests.post(f"{url}/collective_rpc", timeout=120, json={
+            "method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}})
+        requests.post(f"{url}/reset_prefix_cache", timeout=30)

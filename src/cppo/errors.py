@@ -57,6 +57,11 @@ class RolloutError(ValueError):
     """A rollout function's output is not what TRL's rollout_func contract asks for."""
 
 
+class GeneratorError(RuntimeError):
+    """async_rollout: the generator process ended, failed or stopped sending heartbeats; the
+    message says which, and that the last checkpoint resumes."""
+
+
 class CallbackError(RuntimeError):
     """A callback raised; the message names it and the event."""
 

@@ -4,7 +4,8 @@ One round reads top to bottom (`training_round`), each stage a function of the v
 
     questions -> completions (G each) -> rewards -> advantages -> keep_mask (selection)
               -> batch (the kept completions only) -> old-policy and reference log-probs
-              -> num_iterations updates (micro-batch losses, one optimizer step each)
+              -> num_iterations x (steps_per_generation / gradient_accumulation_steps) updates
+                 (micro-batch losses, one optimizer step each, on consecutive slices)
 
 Pruning happens right after scoring, before any policy, old-policy or reference forward pass, so
 those passes see only the kept rows. The stages live in their rooms (cppo.data.questions,
@@ -49,6 +50,7 @@ from cppo.run.signals import EXIT_CODES, stop_handlers, stop_request
 from cppo.run.saving import checkpoint_to_resume, resume_run, save_run
 from cppo.run.summary import run_summary, write_summary
 from cppo.run.tracking import MetricsLog, MetricsWindow, PhaseTimer, check_report_to
+from cppo.sampling.async_rollout import RolloutScheduler, start_rollouts
 from cppo.sampling.backends import make_backend, speculation_slots
 from cppo.sampling.batches import Completions, PromptBatch
 from cppo.sampling.generation import Generation
@@ -91,23 +93,25 @@ class CPPOTrainer:
         self.backend = make_backend(self.policy, self.tokenizer, args, sampling=self.sampling,
                                     chunk_size=args.generation_chunk_size or self.batch_sizes.generation,
                                     generation_dtype=self.generation_dtype)
-        self.rewards = RewardRunner(funcs, weights,
-                                    processing_classes=reward_processing_classes, device=self.device)
+        self.rewards = RewardRunner(funcs, weights, processing_classes=reward_processing_classes,
+                                    device=self.device, trust_remote_code=args.trust_remote_code)
         self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
         check_run_batches(self.batch_sizes, args, self.plan.questions_per_step, self.dist.world_size,
                           check_generation_batch_size)
         self.total_steps = total_steps(args.max_steps, len(self.task.train_rows),
                                        self.plan.questions_per_step * self.dist.world_size,
-                                       args.num_train_epochs, args.num_iterations)
+                                       args.num_train_epochs, args.steps_per_round)
         self.optimizer = make_adamw([p for p in self.policy.parameters() if p.requires_grad], args)
         self.scheduler = make_scheduler(self.optimizer, args, self.total_steps)
         self.learner = Learner(self.policy, self.reference, self.engine, self.dist, self.optimizer,
                                self.scheduler, args, self.device, self.matmul_dtype)
-        self.questions = QuestionStream(len(self.task.train_rows), args.seed)
+        self.questions = QuestionStream(len(self.task.train_rows),
+                                        args.seed if args.data_seed is None else args.data_seed)
         self.output_dir = Path(args.output_dir)
         self.timer = PhaseTimer()
         self.run_state = ckpt.RunState()   # step, counters, history, ...: what a checkpoint resumes
         self.stop_requested = False
+        self.rollouts = None   # async_rollout: the generator process, from train() on
         self.window = MetricsWindow()     # each metric's values since the last logging step
         self.completions_log = CompletionsLog(self.output_dir, self.rewards.names,
                                               args.num_completions_to_print) \
@@ -160,18 +164,14 @@ class CPPOTrainer:
 
     @property
     def round_index(self) -> int:
-        """Generation rounds done (each runs num_iterations optimizer steps); seeds sampling."""
-        return self.run_state.step // self.args.num_iterations
+        """Generation rounds done (each runs steps_per_round optimizer steps); seeds sampling."""
+        return self.run_state.step // self.args.steps_per_round
 
     def training_round(self) -> dict:
-        """Generate for a batch of questions, score, prune, and run num_iterations updates."""
+        """Generate for a batch of questions, score, prune, and run steps_per_round updates."""
         args, timer = self.args, self.timer
-        rows, order, skipped = self.take_questions()
         with timer("generate"):
-            if args.two_stage_generations:   # rows: the questions that get all G completions
-                rows, prompts, completions, two_stage = self.generate_two_stage(rows)
-            else:
-                (prompts, completions), two_stage = self.generate(rows), None
+            rows, order, skipped, prompts, completions, two_stage, rollout = self.rollout_round()
         with timer("score"):
             scores = self.score(rows, completions)
             if args.skip_zero_variance_prompts:
@@ -190,7 +190,32 @@ class CPPOTrainer:
         metrics = self.step_metrics(done)
         self._count(done)
         metrics.update(getattr(self.rollout_func, "metrics", {}))   # tools/*: the tool loop's
-        return {**metrics, **self.learn(batch)}
+        metrics.update(self.learn(batch), **rollout)
+        if self.rollouts is not None:   # the new weights to the generator process
+            pushed = self.rollouts.sync(self.policy, self.run_state.step, args.weight_sync_steps)
+            metrics.update({} if pushed is None else {"perf/weight_sync_s": pushed})
+        return metrics
+
+    def rollout_round(self) -> tuple:
+        """This round's rows, question order, skipped count, prompts, completions, two-stage
+        counts and rollout metrics: sampled now, or (async_rollout) arrived from the generator."""
+        if self.rollouts is not None:
+            return self.arrived_round()
+        rows, order, skipped = self.take_questions()
+        if self.args.two_stage_generations:   # rows: the questions that get all G completions
+            rows, prompts, completions, two_stage = self.generate_two_stage(rows)
+            return rows, order, skipped, prompts, completions, two_stage, {}
+        return rows, order, skipped, *self.generate(rows), None, {}
+
+    def arrived_round(self) -> tuple:
+        """async_rollout: submit the rounds ahead that keep within max_staleness, then take this
+        round's arrival (cppo.sampling.async_rollout); a stale one is sampled again."""
+        scheduler, args = self.rollouts, self.args
+        scheduler.fill(self.round_index, (self.total_steps - 1) // args.steps_per_round,
+                       lambda: self.take_questions()[:2], self.questions.state)
+        head, arrival, stale, waited = scheduler.take(self.run_state.step)
+        metrics = scheduler.metrics(arrival, stale, waited, self.plan.questions_per_step)
+        return head.task.rows, head.order, None, arrival.prompts, arrival.completions, None, metrics
 
     def take_questions(self) -> tuple[list[dict], list[int], int | None]:
         """This process's slice of the round's questions, the round's question indices (all
@@ -261,10 +286,11 @@ class CPPOTrainer:
 
     def build_batch(self, prompts: PromptBatch, completions: Completions, advantages: torch.Tensor,
                     keep_mask: torch.Tensor) -> StepBatch:
+        stale = self.rollouts is not None and self.args.max_staleness > 0   # behaviour != policy
         return kept_batch(prompts, completions, advantages, keep_mask,
                           num_generations=self.args.num_generations,
                           mask_truncated=self.args.mask_truncated_completions,
-                          sampler_logprobs=self.args.importance_sampling_correction)
+                          sampler_logprobs=self.args.importance_sampling_correction or stale)
 
     def step_metrics(self, done: Round) -> dict:
         return round_metrics(done, self.dist.gather(done.scores.rewards),
@@ -280,11 +306,11 @@ class CPPOTrainer:
             self.run_state.counters[key] += value
 
     def learn(self, batch: StepBatch) -> dict:
-        """num_iterations optimizer steps on the kept batch (never past max_steps), or none when
-        every kept advantage is 0 (with beta > 0 the KL term still has a gradient: the step runs,
-        as in TRL). Every process takes part in the collectives, even one that kept nothing."""
+        """steps_per_round optimizer steps on the kept batch's slices (TRL's steps_per_generation;
+        never past max_steps), or none when every kept advantage is 0 (with beta > 0 the KL term
+        still has a gradient: the step runs, as in TRL). Every process joins the collectives."""
         args = self.args
-        iterations = min(args.num_iterations, self.total_steps - self.run_state.step)
+        iterations = min(args.steps_per_round, self.total_steps - self.run_state.step)
         if args.beta == 0 and self.dist.all_zero(batch.advantages):   # the policy gradient is 0
             self.run_state.counters["skipped_steps"] += iterations
             self.run_state.step += iterations
@@ -293,10 +319,12 @@ class CPPOTrainer:
         batch = pad_rows(batch, self.dist)  # as many forward passes on every process
         with self.timer("logprobs"):
             self.fill_old_and_ref_logprobs(batch)
-        metrics = {}
-        for _ in range(iterations):
+        metrics, slices = {}, batch.split(args.updates_per_generation)
+        tokens = None if len(slices) == 1 else \
+            self.dist.sum(int(batch.loss_mask.sum())) / len(slices)   # TRL's token normaliser
+        for i in range(iterations):
             with self.timer("update"):
-                update = self.update(batch)
+                update = self.update(slices[i % len(slices)], tokens)
             self.run_state.step += 1
             if args.sync_ref_model and self.run_state.step % args.ref_model_sync_steps == 0:
                 mix_into_reference(self.reference.parameters(), self.policy.parameters(),
@@ -314,12 +342,13 @@ class CPPOTrainer:
     # ---------------------------------------------------------------- the update ------------
     @torch.no_grad()
     def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
-        """Old-policy (num_iterations > 1) and reference (beta > 0) log-probs (cppo.learning)."""
+        """Old-policy (steps_per_round > 1) and reference (beta > 0) log-probs (cppo.learning)."""
         self.learner.fill_old_and_ref_logprobs(batch)
 
-    def update(self, batch: StepBatch) -> dict:
-        """One optimizer step over the kept batch (cppo.learning.update.Learner.step)."""
-        return self.learner.step(batch, self.entropy_coef_now(), self.adapt_entropy_coef)
+    def update(self, batch: StepBatch, round_tokens: float | None = None) -> dict:
+        """One optimizer step over (a slice of) the kept batch (cppo.learning.update.Learner.step)."""
+        return self.learner.step(batch, self.entropy_coef_now(), self.adapt_entropy_coef,
+                                 round_tokens)
 
     def entropy_coef_now(self) -> float:
         """The coefficient this step applies (adaptive: gated by the last step's entropy)."""
@@ -350,6 +379,8 @@ class CPPOTrainer:
         if self.dist.is_main:
             args.to_yaml(self.output_dir / "config.yaml")
         start_wall = time.perf_counter() - self.run_state.wall_offset
+        if args.async_rollout:
+            self.rollouts = self.start_generator()
         self.sync_callbacks()
         try:
             self.callbacks.event("on_train_begin")
@@ -375,6 +406,20 @@ class CPPOTrainer:
                 self.held_out_evaluation(log, start_wall, label="after")
         self.callbacks.event("on_train_end")
         return self._summary(status, start_wall, resumed_from, log)
+
+    def start_generator(self) -> RolloutScheduler:
+        """async_rollout: the generator process on this policy's weights (version: the step)."""
+        args = self.args
+        if self.dist.world_size > 1 or self.rollout_func is not None:
+            raise ConfigError("'async_rollout' runs one training process with its generator: "
+                              f"got {self.dist.world_size} processes and rollout_func/tools "
+                              f"{'set' if self.rollout_func is not None else 'unset'}; launch one "
+                              "process without rollout_func, or set async_rollout: false")
+        return start_rollouts(self.policy, self.tokenizer, args, version=self.run_state.step,
+                              chunk_size=args.generation_chunk_size or self.batch_sizes.generation,
+                              generation_dtype=self.generation_dtype,
+                              questions_per_round=self.plan.questions_per_step,
+                              backend=self.backend, weights_dir=self.output_dir / ".async_weights")
 
     def _request_stop(self, signum, frame) -> None:
         """SIGINT / SIGTERM handler: the loop stops after this step (cppo.run.signals)."""
@@ -421,7 +466,8 @@ class CPPOTrainer:
         """Every process takes part (cppo.run.saving.save_run): the model or LoRA adapters,
         optimizer, every rank's RNG and the run state."""
         self.run_state.wall_offset = time.perf_counter() - start_wall
-        self.run_state.questions = self.questions.state()
+        self.run_state.questions = self.questions.state() if self.rollouts is None else \
+            self.rollouts.questions_state(self.questions.state())   # in-flight rounds replay
         if self.learner.scaler is not None:
             self.run_state.fp16_scaler = self.learner.scaler.state_dict()
         state = self.run_state.to_dict(config=self.args.to_dict(), world_size=self.dist.world_size,
@@ -451,7 +497,7 @@ class CPPOTrainer:
         then the process group (no collective runs after this). `cppo train` calls it; a
         script may too, or use `with CPPOTrainer(...) as trainer:` (an exit handler ends the
         process group anyway)."""
-        for part in (self.backend, self.rewards):
+        for part in (self.rollouts, self.backend, self.rewards):
             close = getattr(part, "close", None)
             if close is not None:
                 close()

@@ -57,6 +57,21 @@ def build_model(arch: str, tok, **sizes):
     return LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, tie_word_embeddings=False, **common))
 
 
+def build_moe(vocab_size: int, *, eos_token_id: int, pad_token_id: int, bos_token_id=None,
+              router_aux_loss_coef: float = 0.001):
+    """A tiny random Qwen3-MoE (4 experts, 2 per token, both layers sparse) with transformers'
+    eager experts (grouped_mm takes no float64); its config returns router logits on request."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=256, router_aux_loss_coef=router_aux_loss_coef,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+        experts_implementation="eager"))
+
+
 def save_tiny(arch: str, path: Path, chat_template: bool = True) -> str:
     tok = build_tokenizer(arch, chat_template)
     model = build_model(arch, tok)

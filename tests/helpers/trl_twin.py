@@ -109,6 +109,12 @@ class _Feed:
         return [float(len(ids)) for ids in completion_ids]
 
 
+def micro_batch_size(accumulation: int, options: dict) -> int:
+    """A round's COMPLETIONS in steps_per_generation micro-batches (TRL's default: one optimizer
+    step of gradient_accumulation_steps micro-batches)."""
+    return COMPLETIONS // (options.get("steps_per_generation") or accumulation)
+
+
 def _grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -119,8 +125,18 @@ def tool_masks(completion_ids: list[list[int]]) -> list[list[int]]:
     return [[0 if len(c) >= 4 and i in (1, 2) else 1 for i in range(len(c))] for c in completion_ids]
 
 
+def load_twin_model(model_dir):
+    """The model both sides train, in DTYPE; transformers' eager experts for a mixture of
+    experts (its grouped_mm takes no float64)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    moe = hasattr(AutoConfig.from_pretrained(model_dir), "output_router_logits")
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE,
+                                                **({"experts_implementation": "eager"} if moe else {}))
+
+
 def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
-            two_rewards=False, tool_mask=False, adam_epsilon=ADAM_EPSILON, **options) -> Record:
+            two_rewards=False, tool_mask=False, adam_epsilon=ADAM_EPSILON, lora=None,
+            **options) -> Record:
     import trl.trainer.grpo_trainer as grpo_module
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -147,17 +163,18 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
             record.grads.append(_grads(model))
 
     args = GRPOConfig(output_dir=str(tmp_path / "trl"),
-                      per_device_train_batch_size=COMPLETIONS // accumulation,
+                      per_device_train_batch_size=micro_batch_size(accumulation, options),
                       gradient_accumulation_steps=accumulation,
                       num_generations=G, max_completion_length=MAX_LEN, max_steps=max_steps,
                       learning_rate=options.pop("learning_rate"), lr_scheduler_type="constant",
                       adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=adam_epsilon, weight_decay=0.0,
                       max_grad_norm=0.0, shuffle_dataset=False, seed=0, logging_steps=1, report_to="none",
                       save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, **options)
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE),
+    trainer = GRPOTrainer(model=load_twin_model(model_dir),
                           reward_funcs=feed.functions(two_rewards), args=args, processing_class=tokenizer,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                          callbacks=[Grads()])
+                          callbacks=[Grads()], peft_config=_trl_lora(lora))
+    _seed_adapters(trainer.model)
     trainer._generate = fake_generate
     score, compute_loss = trainer._generate_and_score_completions, trainer.compute_loss
 
@@ -182,9 +199,11 @@ def run_trl(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation
 
 
 def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulation=1,
-             two_rewards=False, tool_mask=False, adam_epsilon=ADAM_EPSILON, **options) -> Record:
+             two_rewards=False, tool_mask=False, adam_epsilon=ADAM_EPSILON, lora=None,
+             **options) -> Record:
     import cppo.trainer as trainer_module
     import cppo.algorithm.micro_batch as micro_batch
+    import cppo.learning.update as update
     from cppo.config import CPPOConfig
     from cppo.models import load_model, load_tokenizer
     from cppo.sampling.padding import pad_token_lists
@@ -195,15 +214,16 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
     G = feed.group_size
     Q = COMPLETIONS // G
     args = CPPOConfig(model=model_dir, output_dir=str(tmp_path / "cppo"), max_steps=max_steps,
-                      per_device_train_batch_size=COMPLETIONS // accumulation,
+                      per_device_train_batch_size=micro_batch_size(accumulation, options),
                       gradient_accumulation_steps=accumulation, num_generations=G, pruning_rate=0.0,
                       max_completion_length=MAX_LEN, lr_scheduler_type="constant",
                       adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=adam_epsilon, weight_decay=0.0,
                       max_grad_norm=0.0, seed=0, logging_steps=1, eval_steps=0, save_steps=0, progress_bar=False,
-                      **options)
+                      **({} if lora is None else dict(use_peft=True, **lora)), **options)
     trainer = trainer_module.CPPOTrainer(
-        model=load_model(model_dir, torch_dtype=str(DTYPE).removeprefix("torch.")),
+        model=load_twin_model(model_dir),
         processing_class=tokenizer, reward_funcs=feed.functions(two_rewards), args=args, train_dataset=[{"prompt": p} for p in PROMPTS])
+    _seed_adapters(trainer.policy)
     order = iter(range(len(PROMPTS)))
     trainer.take_questions = lambda: ([{"prompt": PROMPTS[next(order)]} for _ in range(Q)],
                                       list(range(Q)), None)
@@ -241,6 +261,10 @@ def run_cppo(model_dir, tmp_path, rounds, monkeypatch, *, max_steps, accumulatio
     _after_each_call(monkeypatch, micro_batch, "sampler_importance_weights",
                      lambda weights: record.sampler_weights.append(weights.clone()))
 
+    def aux_into_the_loss(value):   # so is the load-balancing term
+        record.losses[-1] += value.item()
+    _after_each_call(monkeypatch, update, "router_aux_loss", aux_into_the_loss)
+
     def bonus_out_of_the_loss(value):   # the loss TRL returns includes the entropy bonus
         record.losses[-1] -= trainer.entropy_coef_now() * value.item()   # adaptive: gated
     _after_each_call(monkeypatch, micro_batch, "entropy_bonus", bonus_out_of_the_loss)
@@ -268,6 +292,26 @@ def assert_same_training(trl: Record, cppo: Record, steps: int) -> None:
     assert cppo.losses == pytest.approx(trl.losses, rel=LOSS_RTOL, abs=LOSS_ATOL)
     for step, difference in enumerate(grads):
         assert difference <= (FIRST_STEP if step == 0 else LATER_STEPS), step
+
+
+def _trl_lora(lora: dict | None):
+    """TRL's LoraConfig for the same LoRA fields (trl.get_peft_config), or None."""
+    if lora is None:
+        return None
+    from trl import ModelConfig, get_peft_config
+    return get_peft_config(ModelConfig(use_peft=True, **lora))
+
+
+def _seed_adapters(model) -> None:
+    """Give every LoRA factor the same values on both sides, seeded by its name (B non-zero, so
+    the first step's gradient reaches A too): the two trainers draw peft's random init from
+    different RNG states."""
+    import zlib
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                param.copy_(torch.randn(param.shape, generator=g, dtype=torch.float64) * 0.1)
 
 
 def _after_each_call(monkeypatch, module, name: str, note) -> None:

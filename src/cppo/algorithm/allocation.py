@@ -1,7 +1,9 @@
 """How many questions to sample, completions to score and completions to keep per step.
 
 B = completions_per_update (completions in one optimizer update: TRL's
-per_device_train_batch_size x gradient_accumulation_steps), G = group_size, P = pruning_rate.
+per_device_train_batch_size x gradient_accumulation_steps; with TRL's steps_per_generation, the
+round's per_device_train_batch_size x steps_per_generation, trained on in slices),
+G = group_size, P = pruning_rate.
 
   P = 0 (GRPO):          Q = B / G, scored = kept = B.
   allocation=False:      Q = B / G, scored = B; kept = max(1, round(B (1-P))) for scope 'step',
@@ -123,10 +125,11 @@ def plan_step(
 
 
 def total_steps(max_steps: int, num_rows: int, questions_per_round: int, num_train_epochs: float,
-                num_iterations: int) -> int:
+                steps_per_round: int) -> int:
     """Optimizer steps of a run: max_steps when > 0, else num_train_epochs passes over num_rows
-    questions, questions_per_round a round (all processes'), num_iterations steps a round."""
+    questions, questions_per_round a round (all processes'), steps_per_round optimizer steps a
+    round (num_iterations x the round's slices, TRL's steps_per_generation)."""
     if max_steps > 0:
         return max_steps
     per_epoch = math.ceil(num_rows / questions_per_round)
-    return max(1, int(per_epoch * num_train_epochs) * num_iterations)
+    return max(1, int(per_epoch * num_train_epochs) * steps_per_round)

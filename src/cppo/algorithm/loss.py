@@ -269,6 +269,25 @@ def entropy_bonus(entropies: Tensor, mask: Tensor, accumulation_steps: int = 1) 
     return (entropies * weights).sum() / weights.sum().clamp(min=1.0) / accumulation_steps
 
 
+def router_aux_loss(aux_losses: list[Tensor], coef: float, accumulation_steps: int = 1) -> Tensor:
+    """Mixture-of-experts load-balancing term of one micro-batch, as TRL adds it: coef x the mean
+    of the model's aux_loss scalars (one per forward chunk) / accumulation_steps. Each process's
+    own (the engines average gradients over processes, as TRL's do)."""
+    return coef * torch.stack(aux_losses).mean() / accumulation_steps
+
+
+def router_aux_coef(coef: float | None, has_router_logits: bool, model_coef: float | None) -> float:
+    """TRL's rule for the load-balancing coefficient: the config's router_aux_loss_coef when set,
+    else the model's own (0 when it declares none); 0 for a model without router logits (a
+    coefficient > 0 there raises ValueError: there is no auxiliary loss to weight)."""
+    if coef and not has_router_logits:
+        raise ValueError(f"router_aux_loss_coef is {coef} but the model is not a mixture-of-"
+                         f"experts model that returns its router logits")
+    if not has_router_logits:
+        return 0.0
+    return float(model_coef or 0.0) if coef is None else float(coef)
+
+
 def applied_entropy_coef(coef: float, last_entropy: float, target: float) -> float:
     """Adaptive entropy control (Skywork-OR1, TRL's use_adaptive_entropy): the coefficient a step
     applies, the current one when the previous step's mean token entropy was at or below the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 from cppo.algorithm import (SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, check_pruning, local_scope,
@@ -125,10 +126,13 @@ def validate(cfg) -> None:
     check(cfg.epsilon_high is None or cfg.epsilon_high > 0,
           f"'epsilon_high' is {cfg.epsilon_high}; must be > 0 or None")
     _check_objective(cfg)
+    _check_model(cfg)
     _check_sampling(cfg)
     _check_precision(cfg)
     _check_run(cfg)
+    _check_trl_knobs(cfg)
     _check_plan(cfg)
+    _check_async(cfg)
 
 
 def _check_sampling(cfg) -> None:
@@ -274,6 +278,24 @@ def _check_plan(cfg) -> None:
           f"if missing)")
 
 
+def _check_model(cfg) -> None:
+    """TRL's quantisation and adapter fields that contradict each other (bitsandbytes and peft
+    are checked where the model loads: cppo.models.loading, cppo.models.lora)."""
+    check(not (cfg.load_in_4bit and cfg.load_in_8bit),
+          "'load_in_4bit' and 'load_in_8bit' are both true; set one of them (TRL refuses both too)")
+    check(not (cfg.cast_lm_head_to_fp32 and cfg.use_peft and "lm_head" in cfg.lora_target_modules),
+          "'cast_lm_head_to_fp32' is true but lora_target_modules puts a LoRA adapter on lm_head: "
+          "remove lm_head from lora_target_modules, or set cast_lm_head_to_fp32: false (TRL "
+          "refuses this too)")
+    quantised = "load_in_4bit" if cfg.load_in_4bit else "load_in_8bit" if cfg.load_in_8bit else None
+    check(not (quantised and cfg.distributed == "fsdp"),
+          f"'{quantised}' is true with distributed: fsdp, whose FSDP2 shards plain parameters, not "
+          f"bitsandbytes' packed ones: set distributed: ddp (each process holds the quantised base)")
+    check(not (cfg.use_dora and cfg.use_peft and cfg.use_vllm),
+          "'use_dora' is true with use_vllm: a DoRA adapter cannot be pushed to vLLM as a weight "
+          "delta; set use_dora: false, or use_vllm: false")
+
+
 def check_generation_batch_size(cfg, completions_per_round: int | None = None) -> None:
     """TRL's generation_batch_size counts the completions of one generation round over all
     processes: >= 1, whole questions, and (once the processes are known) exactly
@@ -290,8 +312,10 @@ def check_generation_batch_size(cfg, completions_per_round: int | None = None) -
           f"{completions_per_round} completions over all processes (questions per step x "
           f"num_generations x processes, set by per_device_train_batch_size, "
           f"gradient_accumulation_steps and pruning_rate with allocation); set it to "
-          f"{completions_per_round} or None. To bound how many completions are decoded at once, "
-          f"use 'generation_chunk_size'")
+          f"{completions_per_round} or None; for bigger rounds set steps_per_generation (TRL: "
+          f"generation_batch_size = per_device_train_batch_size x processes x "
+          f"steps_per_generation). To bound how many completions are decoded at once, use "
+          f"'generation_chunk_size'")
 
 
 SUPPORTED_VLLM = ("0.32", "0.33")   # [lowest, above the highest): reload_weights, logprobs_mode
@@ -376,3 +400,65 @@ def validate_vllm(cfg) -> None:
               f"'vllm_max_model_length' is {cfg.vllm_max_model_length}, below max_prompt_length + "
               f"max_completion_length = {need}: raise it to >= {need}, lower max_prompt_length, "
               f"or set it to None (derived)")
+
+
+def _check_async(cfg) -> None:
+    """async_rollout's fields, and what it cannot run with (yet)."""
+    check(cfg.max_inflight_tasks == -1 or cfg.max_inflight_tasks >= 1,
+          f"'max_inflight_tasks' is {cfg.max_inflight_tasks}; must be >= 1, or -1 (auto)")
+    check(cfg.queue_maxsize >= cfg.num_generations,
+          f"'queue_maxsize' is {cfg.queue_maxsize}, smaller than one group (num_generations "
+          f"{cfg.num_generations}): set queue_maxsize >= {cfg.num_generations}")
+    cores = os.cpu_count() or 1
+    check(not cfg.generator_cpus or all(0 <= c < cores for c in cfg.generator_cpus),
+          f"'generator_cpus' is {cfg.generator_cpus}; this machine has cores 0-{cores - 1}: "
+          f"pick from those")
+    if not cfg.async_rollout:
+        return
+    check(cfg.weight_sync_steps <= cfg.max_staleness + 1,
+          f"'weight_sync_steps' is {cfg.weight_sync_steps} with max_staleness "
+          f"{cfg.max_staleness}: between two pushes the generator's weights lag up to "
+          f"{cfg.weight_sync_steps - 1} versions, so a resampled round would be dropped again; "
+          f"set weight_sync_steps <= {cfg.max_staleness + 1} or raise max_staleness")
+    for name, value, why in (
+            ("vllm_mode", cfg.use_vllm and cfg.vllm_mode == "colocate", "a colocated vLLM engine "
+             "lives in the trainer's process and would wait for it; use vllm_mode: server (a "
+             "vLLM server generates while the trainer trains) or use_vllm: false"),
+            ("two_stage_generations", cfg.two_stage_generations, "its second stage waits for the "
+             "first stage's rewards"),
+            ("skip_zero_variance_prompts", cfg.skip_zero_variance_prompts, "it picks a round's "
+             "questions from the rewards of the round before")):
+        check(not value, f"'async_rollout' is true with '{name}' {getattr(cfg, name)!r}: "
+              f"{why}; set {name} off or async_rollout: false")
+
+
+def _check_trl_knobs(cfg) -> None:
+    """TRL's generation-round, optimizer, schedule, template, structured-output and data fields."""
+    spg, ga = cfg.steps_per_generation, cfg.gradient_accumulation_steps
+    check(spg is None or (spg >= 1 and spg % ga == 0),
+          f"'steps_per_generation' is {spg}; a generation round must fill whole optimizer steps "
+          f"of gradient_accumulation_steps = {ga} micro-batches: set it to a multiple of {ga} "
+          f"(e.g. {ga * max(1, round((spg or 0) / ga))}), or None ({ga}, one step a round)")
+    check(cfg.router_aux_loss_coef is None or cfg.router_aux_loss_coef >= 0,
+          f"'router_aux_loss_coef' is {cfg.router_aux_loss_coef}; must be >= 0 (0: off) or None "
+          f"(the model config's)")
+    check(cfg.data_seed is None or 0 <= cfg.data_seed < 2**32,
+          f"'data_seed' is {cfg.data_seed}; allowed: 0 <= data_seed < 2**32, or None (seed)")
+    for key in ("chat_template_kwargs", "lr_scheduler_kwargs"):
+        value = getattr(cfg, key)
+        check(value is None or (isinstance(value, dict) and all(isinstance(k, str) for k in value)),
+              f"'{key}' is {value!r}; expected a mapping of argument names to values")
+    from cppo.run.optimizer import check_schedule_kwargs, parse_optim_args
+    parse_optim_args(cfg.optim_args)
+    check_schedule_kwargs(cfg.lr_scheduler_type, cfg.lr_scheduler_kwargs)
+    regex = cfg.vllm_structured_outputs_regex
+    if regex is not None:
+        check(cfg.use_vllm, "'vllm_structured_outputs_regex' is set but 'use_vllm' is false: "
+                            "structured outputs need vLLM's sampler (cppo's own cannot constrain "
+                            "tokens to a regex); set use_vllm: true or remove it")
+        import re
+        try:
+            re.compile(regex)
+        except re.error as err:
+            raise ConfigError(f"'vllm_structured_outputs_regex' is {regex!r}, not a regular "
+                              f"expression: {err}") from None

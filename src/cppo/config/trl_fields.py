@@ -36,8 +36,8 @@ VLLM = "vLLM engine settings: cppo's vLLM backend uses vLLM's defaults"
 SAMPLER = "cppo's samplers take temperature, top_p, top_k, min_p and repetition_penalty only"
 EVAL_PRECISION = "the precision of transformers' evaluation loop; " \
     "cppo's held-out evaluation runs the policy in its training precision"
-LOAD = "cppo loads models with torch_dtype and attn_implementation only"
-LORA = "cppo's LoRA takes lora_r, lora_alpha, lora_dropout and lora_target_modules"
+LOAD = ("cppo loads models with torch_dtype, attn_implementation, model_revision, "
+        "trust_remote_code and TRL's quantisation fields only")
 
 
 def ignored(reason: str, behaves_as: Any = _MISSING) -> tuple:
@@ -101,8 +101,10 @@ def _model_init_kwargs(value, _):
     value.pop("dtype", None)
     if dtype is not None:
         out["torch_dtype"] = str(dtype).replace("torch.", "")
-    if "attn_implementation" in value:
-        out["attn_implementation"] = value.pop("attn_implementation")
+    for key, target in (("attn_implementation", "attn_implementation"),
+                        ("revision", "model_revision"), ("trust_remote_code", "trust_remote_code")):
+        if key in value:
+            out[target] = value.pop(key)
     if value:
         out["__ignored__"] = f"keys {sorted(value)}: {LOAD}"
     return out
@@ -200,10 +202,11 @@ def _resume(value, _):
 # trl's ModelConfig and the `trl grpo` script arguments that CPPOConfig does not have by name.
 TRL_FIELDS: dict[str, tuple] = {
     # --- TrainingArguments: optimisation -----------------------------------------------------
-    "lr_scheduler_kwargs": ignored("cppo's schedules take no extra arguments", None),
+    # honoured under their own names (CPPOConfig fields): lr_scheduler_kwargs, optim_args,
+    # data_seed, router_aux_loss_coef, dataset_config, dataset_streaming, steps_per_generation,
+    # chat_template_kwargs, vllm_structured_outputs_regex
     "warmup_steps": mapped(_warmup_steps, "-> warmup_ratio (steps / max_steps)"),
     "optim": mapped(_optim, "adamw_* -> AdamW"),
-    "optim_args": ignored("cppo's AdamW takes learning_rate, adam_beta1/2, adam_epsilon and weight_decay", None),
     "optim_target_modules": ignored("read only by GaLore/APOLLO-style optimizers (optim: galore_*, "
                                     "apollo_*), which cppo does not run; with adamw_* transformers "
                                     "does not read it either", None),
@@ -281,7 +284,6 @@ TRL_FIELDS: dict[str, tuple] = {
     "full_determinism": ignored("deterministic kernels are a process setting (call "
                                 "torch.use_deterministic_algorithms in your script); cppo seeds "
                                 "sampling and selection by seed", False),
-    "data_seed": ignored("the question order is seeded by seed", None),
     "shuffle_dataset": ignored("questions always come in a seeded random order", True),
     "remove_unused_columns": ignored("every dataset column reaches the reward functions", False),
     "label_names": ignored(DATA, None),
@@ -319,46 +321,25 @@ TRL_FIELDS: dict[str, tuple] = {
     # --- model loading (GRPOConfig and trl's ModelConfig) --------------------------------------
     "model_name_or_path": rename("model"),
     "model_init_kwargs": mapped(_model_init_kwargs, "torch_dtype/dtype -> torch_dtype, "
-                                "attn_implementation -> attn_implementation"),
+                                "attn_implementation, revision -> model_revision, "
+                                "trust_remote_code"),
     "dtype": mapped(_not_none("torch_dtype", lambda v: str(v).replace("torch.", "")),
                     "-> torch_dtype"),
-    "model_revision": ignored(LOAD, "main"),
-    "trust_remote_code": ignored(LOAD + " (no remote code)", False),
-    "router_aux_loss_coef": ignored("mixture-of-experts auxiliary loss is not added", None),
-    "disable_dropout": ignored("cppo keeps the model's dropout settings", False),
-    "cast_lm_head_to_fp32": ignored(LOAD, False),
-    "lora_target_parameters": ignored(LORA, None),
-    "lora_modules_to_save": ignored(LORA, None),
-    "lora_task_type": ignored(LORA + " (causal LM)", "CAUSAL_LM"),
-    "use_rslora": ignored(LORA, False),
-    "use_dora": ignored(LORA, False),
-    "load_in_8bit": ignored("quantised loading is not supported", False),
-    "load_in_4bit": ignored("quantised loading is not supported", False),
-    "bnb_4bit_quant_type": ignored("quantised loading is not supported", "nf4"),
-    "use_bnb_nested_quant": ignored("quantised loading is not supported", False),
-    "bnb_4bit_quant_storage": ignored("quantised loading is not supported", None),
     # --- data (trl's ScriptArguments) ----------------------------------------------------------
-    "dataset_config": ignored("cppo's gsm8k/math loaders pick the subset; other datasets load "
-                              "their default", None),
     "dataset_train_split": rename("dataset_split"),
     "dataset_test_split": rename("eval_dataset_split"),
-    "dataset_streaming": ignored(DATA, False),
     "ignore_bias_buffers": ignored(TRAINER, False),
     "reward_model_name_or_path": mapped(_reward_model, "appended to reward_funcs (scored as a "
                                         "reward model)"),
     # --- generation ----------------------------------------------------------------------------
-    "steps_per_generation": ignored("cppo generates once per num_iterations optimizer steps; "
-                                    "allocation sizes the batch", None),
     "top_k": mapped(_not_none("top_k"), "-> top_k (None: 0, off)"),
     "generation_kwargs": mapped(_generation_kwargs, "temperature, top_p, top_k, min_p, "
                                 "repetition_penalty -> the fields of those names (over them, as "
                                 "in TRL); other keys named, and dropped"),
-    "chat_template_kwargs": ignored("the tokenizer's chat template is applied as is", None),
     "cache_implementation": ignored("cppo's sampler keeps its own KV cache", None),
     "use_transformers_continuous_batching": ignored("cppo's own sampler", False),
     "transformers_continuous_batching_config": ignored("cppo's own sampler", None),
     "use_transformers_paged": ignored("cppo's own sampler", False),
-    "vllm_structured_outputs_regex": ignored(VLLM, None),
     "vllm_importance_sampling_correction": rename("importance_sampling_correction"),
     "vllm_importance_sampling_mode": rename("importance_sampling_mode"),
     "vllm_importance_sampling_clip_max": mapped(_clip_max, "-> importance_sampling_clip_max "

@@ -28,6 +28,8 @@ class TaskSource:
     eval_num_questions: int | None
     dataset_split: str = "train"
     num_train_questions: int | None = None
+    dataset_config: str | None = None
+    dataset_streaming: bool = False
 
     @classmethod
     def of(cls, cfg) -> "TaskSource":
@@ -174,7 +176,8 @@ def load_task(source: TaskSource, tokenizer=None, *, train_split: bool = True) -
 
     def load(source: str, split: str, limit):
         return load_prompt_dataset(source, split=split, prompt_style=cfg.prompt_style, limit=limit,
-                                   conversational=conversational)
+                                   conversational=conversational, config=cfg.dataset_config,
+                                   streaming=cfg.dataset_streaming)
 
     if not train_split:
         try:

@@ -15,6 +15,8 @@ import torch
 
 from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, add_micro_batch, empty_sums,
                                         entropy_bonus_on, micro_batch_loss, step_metrics)
+from cppo.algorithm.loss import router_aux_coef, router_aux_loss
+from cppo.errors import ConfigError
 from cppo.models.compiled import compile_seconds, compile_settings
 from cppo.models.loading import torch_dtype
 from cppo.run.batch import StepBatch
@@ -34,10 +36,13 @@ class Learner:
         self.compile = compile_settings(args)
         self.compile_seconds, self._compile_mark = 0.0, compile_seconds() if self.compile else 0.0
         self.scaler = fp16_scaler(args, device, optimizer)
+        self.aux_coef = moe_aux_coef(policy, args.router_aux_loss_coef)
 
-    def logprobs(self, model, batch: StepBatch, entropies: list | None = None) -> torch.Tensor:
+    def logprobs(self, model, batch: StepBatch, entropies: list | None = None,
+                 aux_losses: list | None = None) -> torch.Tensor:
         """(B, C) log-probs of the completion tokens under `model`; with `entropies`, each
-        micro-batch's (B_micro, C) entropies are appended to it."""
+        micro-batch's (B_micro, C) entropies are appended to it; with `aux_losses`, the
+        mixture-of-experts load-balancing losses."""
         if len(batch) == 0:  # global selection can leave a process nothing to train on
             return batch.completion_ids.new_zeros(batch.completion_ids.shape, dtype=torch.float32)
         args = self.args
@@ -47,7 +52,8 @@ class Learner:
                                    lean=args.lean_forward, entropies=entropies,
                                    entropy_grad=entropies is not None and entropy_bonus_on(args),
                                    matmul_dtype=torch_dtype(self.matmul_dtype),
-                                   compile=self.compile, chunk_head=args.use_liger_kernel)
+                                   compile=self.compile, chunk_head=args.use_liger_kernel,
+                                   aux_losses=aux_losses)
 
     def autocast(self):
         """The one precision of every pass of a step (old policy, reference, policy): bf16 or
@@ -57,9 +63,10 @@ class Learner:
 
     @torch.no_grad()
     def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
-        """Old-policy log-probs (once per generation batch, when mu > 1) and reference ones."""
+        """Old-policy log-probs (once per generation round, when it has several optimizer steps:
+        num_iterations > 1 or steps_per_generation slices) and reference ones."""
         with self.autocast():
-            if self.args.num_iterations > 1:
+            if self.args.steps_per_round > 1:   # the policy moves before the last slice
                 self.policy.eval()
                 batch.old_logps = self.logprobs(self.policy, batch)
                 self.policy.train()
@@ -71,14 +78,16 @@ class Learner:
                         batch.ref_logps = self.logprobs(self.policy, batch)
 
     def step(self, batch: StepBatch, entropy_coef: float,
-             adapt_entropy_coef: Callable[[float], float]) -> dict:
+             adapt_entropy_coef: Callable[[float], float], tokens: float | None = None) -> dict:
         """One optimizer step over the kept batch: the micro-batches' losses backward in turn
         (gradient accumulation), then the step; never a NaN/inf one ("nonfinite": True then).
-        `adapt_entropy_coef(step entropy)` returns the next coefficient (adaptive control)."""
+        `adapt_entropy_coef(step entropy)` returns the next coefficient (adaptive control).
+        `tokens`: the token-sum losses' normaliser (None: this batch's tokens, all processes')."""
         args = self.args
         self.optimizer.zero_grad(set_to_none=True)
         coef = entropy_coef if entropy_bonus_on(args) else 0.0
-        totals = self.backward(batch, coef)
+        totals = self.backward(batch, coef, tokens)
+        aux = totals.pop("aux_loss", None)
         if self.scaler is not None:   # fp16: the gradients unscaled before they are measured
             self.scaler.unscale_(self.optimizer)
         with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
@@ -94,6 +103,8 @@ class Learner:
                                learning_rate=self.scheduler.get_last_lr()[0],
                                entropy_coef=coef if entropy_bonus_on(args) else None,
                                sampler_corrected=batch.sampler_logps is not None)
+        if self.aux_coef:   # TRL's metric: the mean over micro-batches and processes
+            metrics["aux_loss"] = self.dist.sum(aux or 0.0) / self.dist.world_size
         metrics.update(self.compile_metrics())
         if self.scaler is not None:
             return self.scaled_step(metrics, grad_norm)
@@ -128,23 +139,26 @@ class Learner:
         self.compile_seconds += took
         return {"timing/compile": took}
 
-    def backward(self, batch: StepBatch, entropy_coef: float) -> dict:
+    def backward(self, batch: StepBatch, entropy_coef: float, tokens: float | None = None) -> dict:
         """Each micro-batch's loss backward (cppo.algorithm.micro_batch); the step's sums of
         this process (SUM_KEYS, MAX_KEYS)."""
         args, world = self.args, self.dist.world_size
         total_sequences = self.dist.sum(len(batch) - batch.filler_rows)
-        total_tokens = self.dist.sum(int(batch.loss_mask.sum()))
+        total_tokens = self.dist.sum(int(batch.loss_mask.sum())) if tokens is None else tokens
         totals = empty_sums()
         num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
         # gradients are reduced by the engine once per step, in the last micro-batch's backward
         for micro in self.engine.accumulate(batch.micro_batches(args.per_device_train_batch_size)):
-            entropies = []
+            entropies, aux = [], [] if self.aux_coef else None
             with self.autocast():
-                logps = self.engine.forward(self.logprobs, micro, entropies)
+                logps = self.engine.forward(self.logprobs, micro, entropies, aux)
             loss, part = micro_batch_loss(logps, entropies, micro, args, entropy_coef=entropy_coef,
                                           total_sequences=total_sequences,
                                           total_tokens=total_tokens, num_micro=num_micro)
             loss = loss * world   # the engines average gradients over processes
+            if aux:   # each process's own, averaged by the engines (TRL)
+                loss = loss + router_aux_loss(aux, self.aux_coef, num_micro)
+                totals["aux_loss"] = totals.get("aux_loss", 0.0) + float(torch.stack(aux).mean()) / num_micro
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             add_micro_batch(totals, {**part, "loss": loss.item() / world})
         return totals
@@ -155,10 +169,23 @@ def fp16_scaler(args, device: torch.device, optimizer):
     without fp16). Half-precision trainable weights are refused (the scaler cannot unscale them)."""
     if not args.fp16:
         return None
-    from cppo.errors import ConfigError
     half = sorted({str(p.dtype) for group in optimizer.param_groups for p in group["params"]
                    if p.dtype != torch.float32})
     if half:
         raise ConfigError(f"'fp16' is true but the trainable weights are {', '.join(half)}; fp16 "
                           f"mixed precision keeps float32 weights: set torch_dtype: float32")
     return torch.amp.GradScaler(device.type)
+
+
+def moe_aux_coef(policy, coef: float | None) -> float:
+    """The load-balancing coefficient for `policy` (cppo.algorithm.loss.router_aux_coef): 0 for
+    a model without router logits; ConfigError naming router_aux_loss_coef when one is set
+    there."""
+    config = policy.config.get_text_config() if hasattr(policy.config, "get_text_config") \
+        else policy.config
+    try:
+        return router_aux_coef(coef, hasattr(config, "output_router_logits"),
+                               getattr(config, "router_aux_loss_coef", None))
+    except ValueError as err:
+        raise ConfigError(f"'router_aux_loss_coef': {err}; set it to None or 0 for "
+                          f"{type(policy).__name__}") from None

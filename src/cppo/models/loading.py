@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
-from cppo.errors import ModelLoadError
-
-
+from cppo.errors import ConfigError, ModelLoadError
 
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth",
                   "model.ckpt")
@@ -72,10 +71,12 @@ def _check_local_path(name: str) -> None:
                 f"(model.save_pretrained(dir, safe_serialization=True)) and point 'model' at that")
 
 
-def load_tokenizer(name: str = "embedded"):
+def load_tokenizer(name: str = "embedded", *, revision: str = "main",
+                   trust_remote_code: bool = False):
     path = resolve_model_path(name)
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path, revision=revision,
+                                            trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not load the tokenizer of model '{name}': {err}. The model "
                              f"directory needs tokenizer files (tokenizer.json, "
@@ -93,18 +94,23 @@ def ready_for_generation(tokenizer):
 
 
 def load_model(name: str = "embedded", *, torch_dtype: str = "float32",
-               attn_implementation: str | None = None) -> PreTrainedModel:
-    """Any AutoModelForCausalLM; weights only through safetensors."""
+               attn_implementation: str | None = None, revision: str = "main",
+               trust_remote_code: bool = False, quantization=None,
+               device: torch.device | str | None = None) -> PreTrainedModel:
+    """Any AutoModelForCausalLM; weights only through safetensors. `quantization`: a
+    BitsAndBytesConfig (quantization_config), the model then loaded straight onto `device`."""
     if attn_implementation == "eca":
         from cppo.eca import register_eca_attention
         register_eca_attention()
-    kwargs = {"use_safetensors": True}
+    kwargs = {"use_safetensors": True, "revision": revision, "trust_remote_code": trust_remote_code}
     if torch_dtype != "auto":
         kwargs["dtype"] = TORCH_DTYPES[torch_dtype]
     else:
         kwargs["dtype"] = "auto"
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    if quantization is not None:   # bitsandbytes quantises as it places the weights
+        kwargs.update(quantization_config=quantization, device_map={"": str(device or "cpu")})
     path = resolve_model_path(name)
     try:
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -114,16 +120,148 @@ def load_model(name: str = "embedded", *, torch_dtype: str = "float32",
                              f"network).") from err
 
 
+# --- quantised loading (TRL's load_in_4bit / load_in_8bit) ---------------------------------
+QLORA_MISSING = ("needs bitsandbytes: pip install 'cppo[qlora]' (or set load_in_4bit and "
+                 "load_in_8bit to false)")
+
+
+def quantization_config(args):
+    """A transformers BitsAndBytesConfig from TRL's fields, as trl.get_quantization_config maps
+    them (4-bit computes in torch_dtype; 'auto' leaves bitsandbytes' default), or None when
+    neither load_in_4bit nor load_in_8bit is set."""
+    if not (args.load_in_4bit or args.load_in_8bit):
+        return None
+    field = "load_in_4bit" if args.load_in_4bit else "load_in_8bit"
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"'{field}' is true, which {QLORA_MISSING} (import failed: {err})") from None
+    from transformers import BitsAndBytesConfig
+    if not args.load_in_4bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = None if args.torch_dtype == "auto" else args.torch_dtype
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute,
+                              bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+                              bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
+                              bnb_4bit_quant_storage=args.bnb_4bit_quant_storage)
+
+
+def keep_4bit_layers_trainable(model) -> int:
+    """Stop bitsandbytes from repacking a 4-bit layer for its AVX512-BF16 CPU kernel: it does so
+    on the first forward in eval mode without grad (sampling), and that kernel has no backward,
+    so every later backward would pass no gradient through the layer to the adapters below it.
+    Returns how many layers were told."""
+    layers = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)
+
+
+def _int8_scales(param: torch.Tensor, owner) -> torch.Tensor | None:
+    """The row scales (out,) of a bitsandbytes 8-bit weight: on the parameter until the layer's
+    first forward moves them to the layer's state; None for any other tensor."""
+    if param.dtype != torch.int8:
+        return None
+    scales = getattr(param, "SCB", None)
+    return scales if scales is not None else getattr(getattr(owner, "state", None), "SCB", None)
+
+
+def dense_weight(param: torch.Tensor, owner=None) -> torch.Tensor:
+    """A parameter as a plain float tensor: a bitsandbytes 4-bit (Params4bit) or 8-bit
+    (Int8Params, `owner` the layer holding it) weight dequantised, (out, in); any other
+    returned as it is."""
+    state = getattr(param, "quant_state", None)
+    if state is not None:
+        import bitsandbytes.functional as bnb_functional
+        return bnb_functional.dequantize_4bit(param.data, state)
+    scales = _int8_scales(param, owner)
+    if scales is not None:
+        return param.data.float() * (scales.float()[:, None] / 127.0)
+    return param
+
+
+def dense_dtype_and_shape(param: torch.Tensor, owner=None) -> tuple[torch.dtype, list[int]]:
+    """The dtype and shape dense_weight(param, owner) has, without dequantising."""
+    state = getattr(param, "quant_state", None)
+    if state is not None:
+        return state.dtype, list(state.shape)
+    if _int8_scales(param, owner) is not None:
+        return torch.float32, list(param.shape)
+    return param.dtype, list(param.shape)
+
+
+# --- TRL's model switches ------------------------------------------------------------------
+def disable_dropout(model) -> None:
+    """Every dropout off, as trl.trainer.utils.disable_dropout_in_model (nn.Dropout p = 0, LoRA's
+    included), and the attention dropout Llama-family attention modules keep as a number."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    for config in {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+                   if c is not None and hasattr(c, "attention_dropout")}.values():
+        config.attention_dropout = 0.0
+
+
+class Float32Head(nn.Linear):
+    """An LM head held and computed in float32, outside autocast (TRL's cast_lm_head_to_fp32):
+    hidden states (..., d) in any dtype -> float32 logits (..., V)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def cast_lm_head_to_fp32(model) -> None:
+    """TRL's cast_lm_head_to_fp32 on `model` (a transformers causal LM or a peft model around
+    one): the head's weight becomes float32 and its logits float32; with tied embeddings the
+    embedding's output keeps the model's dtype. A LoRA adapter on the head is refused, as in TRL."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    if hasattr(head, "lora_A"):
+        raise ConfigError("'cast_lm_head_to_fp32' is true but lm_head carries a LoRA adapter: "
+                          "remove lm_head from lora_target_modules, or set "
+                          "cast_lm_head_to_fp32: false (TRL refuses this too)")
+    if type(head) is not nn.Linear:
+        raise ConfigError(f"'cast_lm_head_to_fp32' is true but lm_head is a {type(head).__name__}, "
+                          f"not a Linear (lm_head in lora_modules_to_save?): leave lm_head out of "
+                          f"lora_modules_to_save, or set cast_lm_head_to_fp32: false")
+    original = head.weight.dtype
+    head.__class__ = Float32Head   # same parameters (a tied embedding stays tied)
+    head.float()
+    embed = base.get_input_embeddings()
+    if embed.weight is head.weight and original != torch.float32:
+        embed.register_forward_hook(lambda module, args, output: output.to(original))
+
+
 def load_policy(model, processing_class, args, device, *, lora: bool, peft_config=None):
     """The policy and its tokenizer: `model` a name (None: the config's) or a loaded model, the
-    tokenizer the processing_class or the model's; on `device`, gradient checkpointing and LoRA
-    as the config says, in training mode."""
+    tokenizer the processing_class or the model's (chat_template_kwargs bound to its
+    apply_chat_template); on `device`, gradient checkpointing, LoRA, quantisation, dropout and
+    the float32 head as the config says, in training mode."""
     name = model if isinstance(model, str) else (args.model if model is None else None)
+    quantised = (args.load_in_4bit or args.load_in_8bit) if name is not None else \
+        getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+    if quantised and not lora:
+        field = "load_in_4bit" if args.load_in_4bit or getattr(model, "is_loaded_in_4bit", False) \
+            else "load_in_8bit"
+        raise ConfigError(f"'{field}' is true but no LoRA adapters train on the quantised base "
+                          f"(its weights are frozen): set use_peft: true (QLoRA), or "
+                          f"{field}: false")
+    quantization = quantization_config(args) if name is not None else None
     policy = model if name is None else load_model(
-        name, torch_dtype=args.torch_dtype, attn_implementation=args.attn_implementation)
+        name, torch_dtype=args.torch_dtype, attn_implementation=args.attn_implementation,
+        revision=args.model_revision, trust_remote_code=args.trust_remote_code,
+        quantization=quantization, device=device)
     tokenizer = ready_for_generation(processing_class or load_tokenizer(
-        name or getattr(policy.config, "_name_or_path", None) or args.model))
-    policy.to(device)
+        name or getattr(policy.config, "_name_or_path", None) or args.model,
+        revision=args.model_revision if name else "main",
+        trust_remote_code=args.trust_remote_code))
+    if not quantised:   # bitsandbytes placed a quantised base when it loaded it
+        policy.to(device)
+    keep_4bit_layers_trainable(policy)
     if args.gradient_checkpointing:
         # the sampler passes use_cache explicitly, so generation keeps its KV cache
         kwargs = checkpointing_kwargs(args)
@@ -134,8 +272,13 @@ def load_policy(model, processing_class, args, device, *, lora: bool, peft_confi
     if lora:
         from cppo.models.lora import wrap_with_lora
         policy = wrap_with_lora(policy, args, peft_config)
+    if args.disable_dropout:   # after LoRA, so that its dropout is off too (as in TRL)
+        disable_dropout(policy)
+    if args.cast_lm_head_to_fp32:
+        cast_lm_head_to_fp32(policy)
     policy.train()
-    return policy, tokenizer
+    from cppo.models.tokenizer import with_chat_template_kwargs
+    return policy, with_chat_template_kwargs(tokenizer, args.chat_template_kwargs)
 
 
 def checkpointing_kwargs(args) -> dict:

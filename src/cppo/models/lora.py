@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cppo.errors import ConfigError
+
 PEFT_MISSING = "use_peft needs peft: pip install 'cppo[peft]'"
 
 
@@ -29,11 +31,16 @@ def is_peft_model(model) -> bool:
 
 
 def lora_config(args):
-    """peft LoraConfig from CPPOConfig's lora_* fields."""
+    """peft LoraConfig from CPPOConfig's LoRA fields, as trl.get_peft_config builds it from
+    TRL's (target_parameters passed only when set)."""
     peft = _peft()
+    extra = {} if args.lora_target_parameters is None else \
+        {"target_parameters": list(args.lora_target_parameters)}
     return peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                            target_modules=list(args.lora_target_modules), bias="none",
-                           task_type="CAUSAL_LM")
+                           task_type=args.lora_task_type, use_rslora=args.use_rslora,
+                           use_dora=args.use_dora, modules_to_save=args.lora_modules_to_save,
+                           **extra)
 
 
 def wrap_with_lora(policy, args, peft_config=None):
@@ -53,7 +60,13 @@ def wrap_with_lora(policy, args, peft_config=None):
     if getattr(args, "gradient_checkpointing", False):
         # frozen embeddings give inputs without grad: checkpointed blocks would see no grad path
         policy.enable_input_require_grads()
-    return peft.get_peft_model(policy, config)
+    try:
+        return peft.get_peft_model(policy, config)
+    except ValueError as err:   # e.g. DoRA where peft has no DoRA for the layer
+        raise ConfigError(f"peft refuses the LoRA settings (use_dora {config.use_dora}, "
+                          f"use_rslora {config.use_rslora}, lora_dropout {config.lora_dropout}, "
+                          f"lora_target_modules, lora_target_parameters): {err}. Change the field "
+                          f"it names (use_dora: false where DoRA is refused)") from err
 
 
 def load_adapter_weights(model, checkpoint: Path) -> None:

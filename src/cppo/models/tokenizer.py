@@ -24,3 +24,37 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS,
                                    pad_token=PAD, unk_token=UNK, padding_side="left")
+
+
+def chat_template_variables(tokenizer) -> set[str]:
+    """The names the tokenizer's chat template reads (every template, when it has several)."""
+    import jinja2
+    from jinja2 import meta
+    templates = tokenizer.chat_template
+    templates = templates.values() if isinstance(templates, dict) else [templates]
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    return set().union(*(meta.find_undeclared_variables(env.parse(t)) for t in templates if t))
+
+
+def with_chat_template_kwargs(tokenizer, kwargs: dict | None):
+    """A shallow copy of `tokenizer` whose apply_chat_template passes `kwargs` (TRL's
+    chat_template_kwargs, e.g. enable_thinking) to the template on every call (training,
+    evaluation and tool prompts); the tokenizer itself is not changed. ConfigError naming the
+    field when the tokenizer has no chat template or the template reads none of a key."""
+    if not kwargs:
+        return tokenizer
+    import copy
+    import functools
+    from cppo.errors import ConfigError
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(f"'chat_template_kwargs' is {kwargs!r} but the tokenizer has no chat "
+                          f"template: remove it, or give a chat model's tokenizer")
+    unused = sorted(set(kwargs) - chat_template_variables(tokenizer))
+    if unused:
+        raise ConfigError(f"'chat_template_kwargs' has {', '.join(map(repr, unused))}, which the "
+                          f"tokenizer's chat template does not read (it renders the same with and "
+                          f"without): remove it, or check the key's spelling against the "
+                          f"template")
+    bound = copy.copy(tokenizer)
+    bound.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **kwargs)
+    return bound

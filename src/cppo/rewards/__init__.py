@@ -19,17 +19,17 @@ REWARD_FUNCTIONS: dict[str, str] = {
 }
 
 
-def resolve_reward(entry, processing_class=None, device=None):
+def resolve_reward(entry, processing_class=None, device=None, trust_remote_code: bool = False):
     """A reward_funcs entry as a function with TRL's signature: a registry name, a
     'package.module:function' path, a callable, or (as in TRL) a sequence-classification model:
     a model object, a local folder or a hub id, scored with `processing_class` (its tokenizer when
-    None)."""
+    None; trust_remote_code for loading it and its tokenizer, as TRL)."""
     from cppo.rewards.reward_model import RewardModel, is_reward_model, looks_like_model
     if is_reward_model(entry):
-        return RewardModel(entry, processing_class, device)
+        return RewardModel(entry, processing_class, device, trust_remote_code)
     if isinstance(entry, str) and entry not in REWARD_FUNCTIONS and ":" not in entry \
             and looks_like_model(entry):
-        return RewardModel(entry, processing_class, device)
+        return RewardModel(entry, processing_class, device, trust_remote_code)
     return get_reward_function(entry)
 
 

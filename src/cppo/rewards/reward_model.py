@@ -31,11 +31,12 @@ def looks_like_model(name: str) -> bool:
     return name.count("/") == 1 and ":" not in name and not name.startswith((".", "/", "~"))
 
 
-def load_reward_model(name: str, device=None, torch_dtype=None):
+def load_reward_model(name: str, device=None, torch_dtype=None, trust_remote_code: bool = False):
     from transformers import AutoModelForSequenceClassification
     try:
         return AutoModelForSequenceClassification.from_pretrained(
-            name, num_labels=1, **({"torch_dtype": torch_dtype} if torch_dtype else {}))
+            name, num_labels=1, trust_remote_code=trust_remote_code,
+            **({"torch_dtype": torch_dtype} if torch_dtype else {}))
     except (OSError, ValueError) as err:
         raise RewardModelError(f"reward function {name!r} is neither a registry name, a "
                                f"'module:function' path nor a loadable sequence-classification "
@@ -45,14 +46,16 @@ def load_reward_model(name: str, device=None, torch_dtype=None):
 class RewardModel:
     """f(prompts, completions, completion_ids=None, **columns) -> list[float] from a model."""
 
-    def __init__(self, model, processing_class=None, device=None) -> None:
+    def __init__(self, model, processing_class=None, device=None,
+                 trust_remote_code: bool = False) -> None:
         if isinstance(model, str):
-            model = load_reward_model(model)
+            model = load_reward_model(model, trust_remote_code=trust_remote_code)
         if processing_class is None:
             from transformers import AutoTokenizer
             source = getattr(model.config, "_name_or_path", None)
             try:
-                processing_class = AutoTokenizer.from_pretrained(source)
+                processing_class = AutoTokenizer.from_pretrained(
+                    source, trust_remote_code=trust_remote_code)
             except (OSError, ValueError, TypeError) as err:
                 raise RewardModelError(
                     f"reward model {source or type(model).__name__!r}: no tokenizer could be loaded from its folder or id "

@@ -72,7 +72,8 @@ def unpadded_ids(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
 
 class RewardRunner:
     def __init__(self, funcs: Sequence[str | Callable], weights: Sequence[float] | None = None,
-                 processing_classes=None, device=None):
+                 processing_classes=None, device=None, trust_remote_code: bool = False):
+        """trust_remote_code: for reward models loaded by name (and their tokenizers), as TRL."""
         from cppo.rewards import resolve_reward
         from cppo.rewards.reward_model import RewardModel
         if not funcs:
@@ -83,7 +84,8 @@ class RewardRunner:
             raise ConfigError(f"{len(classes)} reward_processing_classes for {len(funcs)} "
                               f"reward functions; give one per function (None for functions)")
         try:
-            self.funcs = [resolve_reward(f, pc, device) for f, pc in zip(funcs, classes)]
+            self.funcs = [resolve_reward(f, pc, device, trust_remote_code)
+                          for f, pc in zip(funcs, classes)]
         except (ValueError, TypeError) as err:   # unknown name, module not importable, ...
             raise ConfigError(f"reward_funcs: {err}") from err
         self.names = [getattr(fn, "__name__", str(fn)) if isinstance(fn, RewardModel)

@@ -17,7 +17,7 @@ class StepBatch:
     completion_ids: torch.Tensor   # (K, T)
     completion_mask: torch.Tensor  # (K, T) loss mask (truncated ones zeroed if asked)
     advantages: torch.Tensor       # (K,)
-    old_logps: torch.Tensor | None = None  # (K, T), only when num_iterations > 1
+    old_logps: torch.Tensor | None = None  # (K, T), only when a round has several steps
     ref_logps: torch.Tensor | None = None  # (K, T), only when beta > 0
     sampler_logps: torch.Tensor | None = None  # (K, T), when the sampler is not the policy
     filler_rows: int = 0   # trailing rows that only align collectives across processes (no loss)
@@ -49,6 +49,16 @@ class StepBatch:
         """Consecutive slices of `size` rows, each trimmed to its own longest completion."""
         for s in range(0, len(self), size):
             yield self._map(lambda _, t: t[s:s + size], filler_rows=0).trimmed()
+
+    def split(self, parts: int) -> list["StepBatch"]:
+        """`parts` consecutive slices of (nearly) equal rows, each trimmed: a generation round's
+        batch as the optimizer steps take it (TRL's split into steps_per_generation slices).
+        Filler rows (trailing) stay counted in the slices that hold them."""
+        bounds = [len(self) * i // parts for i in range(parts + 1)]
+        real = len(self) - self.filler_rows
+        return [dataclasses.replace(self._map(lambda _, t: t[a:b]).trimmed(),
+                                    filler_rows=max(0, b - max(a, real)))
+                for a, b in zip(bounds, bounds[1:])]
 
     def trimmed(self) -> "StepBatch":
         """The same rows without the columns no row uses: prompt columns left of the longest

@@ -53,7 +53,7 @@ def after_round(trainer, log, start_wall: float) -> str:
         return "stopped_nonfinite"
     asked_eval, asked_save = (dist.any(trainer.callbacks.take(flag))
                               for flag in ("should_evaluate", "should_save"))
-    if (args.eval_steps and crossed(state.step, args.eval_steps, args.num_iterations)) or asked_eval:
+    if (args.eval_steps and crossed(state.step, args.eval_steps, args.steps_per_round)) or asked_eval:
         with trainer.engine.gathered():
             trainer.held_out_evaluation(log, start_wall, label=f"step {state.step}")
     stop = dist.max(int(trainer.stop_requested))   # all processes stop together
@@ -61,7 +61,7 @@ def after_round(trainer, log, start_wall: float) -> str:
         return "terminated" if stop == signal.SIGTERM else "interrupted"
     if dist.any(trainer.callbacks.control.should_training_stop):
         return "stopped_by_callback"
-    if ((args.save_steps and crossed(state.step, args.save_steps, args.num_iterations)) or asked_save) \
+    if ((args.save_steps and crossed(state.step, args.save_steps, args.steps_per_round)) or asked_save) \
             and state.step < trainer.total_steps:   # the last step is saved after the loop
         trainer.save(start_wall)
     return "completed"
@@ -75,7 +75,7 @@ def log_round(trainer, log, metrics: dict, phases: dict, start_wall: float) -> N
     trainer.window.add({**metrics, **{f"timing/{k}": v for k, v in phases.items()},
                         "throughput/tokens_per_s": metrics["completions/mean_length"]
                         * metrics["cppo/completions_scored"] / took})
-    if not every or not crossed(state.step, every, trainer.args.num_iterations):
+    if not every or not crossed(state.step, every, trainer.args.steps_per_round):
         return
     record = {"step": state.step, "wall_time": round(time.perf_counter() - start_wall, 3),
               **{k: round(v, 6) for k, v in trainer.window.flush().items()},

@@ -63,6 +63,7 @@ class TransformersBackend:
         self.sampling = sampling or SamplingSettings.of(args)
         self.generation_dtype = args.generation_dtype if generation_dtype == "config" \
             else generation_dtype
+        self.record_logprobs = False   # asynchronous rollouts: the behaviour log-probs, always
 
     def sync_weights(self, round_index: int, probe: list[int]) -> None:
         """The sampler runs on the policy itself: nothing to push."""
@@ -103,7 +104,8 @@ class TransformersBackend:
                     pad_token_id=tok.pad_token_id, **self.sampling.kwargs(),
                     generator=generator, lean=args.lean_forward,
                     dtype=torch_dtype(self.generation_dtype),
-                    speculative=speculation(args), share_prefixes=args.share_prefixes))
+                    speculative=speculation(args), share_prefixes=args.share_prefixes,
+                    record_logprobs=self.record_logprobs))
         finally:
             if toggle:
                 self.model.train(was_training)
@@ -131,5 +133,6 @@ def make_backend(model, tokenizer, args, chunk_size: int | None = None,
     sampling = sampling or SamplingSettings.of(args)
     if args.use_vllm:
         from cppo.sampling.vllm import VLLMBackend
-        return VLLMBackend(model, tokenizer, args, sampling=sampling)
+        return VLLMBackend(model, tokenizer, args, sampling=sampling,   # async: pushed from files
+                           push_weights=not getattr(args, "async_rollout", False))
     return TransformersBackend(model, tokenizer, args, chunk_size, sampling, generation_dtype)

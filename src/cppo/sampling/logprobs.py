@@ -34,7 +34,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                         batch_size: int | None = None, lean: bool = True,
                         entropies: list | None = None, packed: bool = True,
                         entropy_grad: bool = False, matmul_dtype: torch.dtype | None = None,
-                        compile=None, chunk_head: bool = False) -> Tensor:
+                        aux_losses: list | None = None, compile=None,
+                        chunk_head: bool = False) -> Tensor:
     """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp), of logits
     divided by the sampling temperature (as TRL), with grad if enabled. lean: use cppo.models.lean's forward when it supports the model: each distinct prompt of a
     micro-batch is run once, and with `packed` (the default) every pass but attention, the head
@@ -43,13 +44,15 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     layout (for comparison). Without the lean forward, the model's own forward on padded rows
     (log-probs and entropies are 0 at padding there too). entropy_grad: the entropies carry the
     gradient (an entropy bonus in the loss); else they are detached. matmul_dtype (lean forward
-    only): the dtype of the decoder layers' Linear matmuls (cppo.models.lean). compile: a
+    only): the dtype of the decoder layers' Linear matmuls (cppo.models.lean). aux_losses:
+    mixture-of-experts models (the model's own forward) are asked for their router logits and
+    each chunk's load-balancing aux_loss (a scalar) is appended to it. compile: a
     cppo.models.compiled.CompileSettings (torch_compile) or None. chunk_head (use_liger_kernel):
     the head in chunks of tokens at every size on the lean packed pass, never the full logits."""
     entropy_of = differentiable_entropy if entropy_grad else (lambda lg: token_entropy(lg.detach()))
-    (n, t), out = completion_ids.shape, []
+    n, out = completion_ids.shape[0], []
     step = n if batch_size is None else batch_size
-    lean_forward = lean_forward_for(model)[0] if lean else None
+    lean_forward = lean_forward_for(model)[0] if lean and aux_losses is None else None
     forward = model
     if lean_forward is not None:
         lean_forward.compile_layers(compile)   # None: the eager layers
@@ -77,11 +80,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                                                     ids, completion_mask[rows], packed=packed,
                                                     matmul_dtype=matmul_dtype)
         else:
-            ids_full = torch.cat([prompt_ids[rows], ids], dim=1)
-            mask = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = forward(input_ids=ids_full, attention_mask=mask, position_ids=positions,
-                           use_cache=False, logits_to_keep=t + 1).logits[:, :-1]
+            logits = _model_logits(forward, prompt_ids[rows], prompt_mask[rows], ids,
+                                   completion_mask[rows], aux_losses)
         if temperature != 1.0:
             logits = logits / temperature
         if lean_forward is not None and packed:   # logits (M, V) of the real tokens
@@ -97,6 +97,21 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         if entropies is not None:   # TRL's entropy metric: (rows, T) of the same logits
             entropies.append(entropy_of(logits) * real)
     return torch.cat(out)
+
+
+def _model_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, ids: Tensor,
+                  completion_mask: Tensor, aux_losses: list | None) -> Tensor:
+    """(N, T, V) logits of the completion tokens (N, T) through the model's own forward on padded
+    rows; with `aux_losses`, the router's load-balancing aux_loss is appended to it."""
+    full = torch.cat([prompt_ids, ids], dim=1)
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    router = {} if aux_losses is None else {"output_router_logits": True}
+    output = model(input_ids=full, attention_mask=mask, position_ids=positions, use_cache=False,
+                   logits_to_keep=ids.shape[1] + 1, **router)
+    if aux_losses is not None:
+        aux_losses.append(output.aux_loss)
+    return output.logits[:, :-1]
 
 
 def _chunked_head(lean_forward, prompts: Tensor, width: int, question: Tensor, ids: Tensor,

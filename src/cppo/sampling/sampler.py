@@ -86,7 +86,7 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
                        repetition_penalty: float = 1.0,
                        batch_size: int | None = None, lean: bool = True,
                        dtype: torch.dtype | None = None, speculative=None,
-                       share_prefixes: bool = True) -> Completions:
+                       share_prefixes: bool = True, record_logprobs: bool = False) -> Completions:
     """G completions for each of Q prompts: prefill each prompt once, share its KV cache.
 
     batch_size bounds the number of completions decoded together (None: all Q*G at once).
@@ -96,6 +96,7 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
     dtype: sample from a copy of the weights in this dtype (e.g. bfloat16: faster on CPUs with
     AVX512-BF16/AMX and on GPUs; lean forward only) and record each token's log-prob under it
     (Completions.logprobs) so that the trainer can correct for the mismatch.
+    record_logprobs: record them in any dtype (asynchronous rollouts: the behaviour policy's).
     speculative: draft tokens by n-gram look-up and verify them with the policy
     (cppo.sampling.speculative; the same distribution, fewer forwards; lean forward only).
     share_prefixes: completions of a question that are identical so far (the same tokens drawn)
@@ -111,8 +112,9 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
         raise ValueError(f"speculative sampling (num_speculative_tokens={speculative.num_tokens}) "
                          f"needs the lean forward, which does not support this model: "
                          f"{lean_forward_for(model)[1] if lean else 'lean=False'}")
-    sample_chunk = (_sample_chunk if lean_forward is None
-                    else functools.partial(_sample_chunk_lean, lean_forward, dtype, speculative))
+    record = record_logprobs or dtype is not None
+    sample_chunk = (functools.partial(_sample_chunk, record) if lean_forward is None
+                    else functools.partial(_sample_chunk_lean, lean_forward, dtype, speculative, record))
     transforms = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       repetition_penalty=repetition_penalty)
     share = share_prefixes and num_generations > 1
@@ -143,7 +145,7 @@ def _prompt_tokens_seen(prompts: PromptBatch, num_generations: int, vocab_size: 
     return seen_tokens(prompts.ids, prompts.mask, vocab_size).repeat_interleave(num_generations, 0)
 
 
-def _sample_chunk(model, prompts, num_generations, max_new_tokens, eos_token_id, pad_token_id, greedy,
+def _sample_chunk(record, model, prompts, num_generations, max_new_tokens, eos_token_id, pad_token_id, greedy,
                   generator, transforms, share) -> Completions:
     """Prefill with the model's own forward, then decode with it: the G completions start as one
     sequence per question (share) or as G copies of its cache."""
@@ -173,14 +175,14 @@ def _sample_chunk(model, prompts, num_generations, max_new_tokens, eos_token_id,
         return out.logits[:, -1]
     first = out.logits[:, -1]
     return _decode(first.repeat_interleave(copies, 0), advance, max_new_tokens,
-                   _eos_tensor(eos_token_id, device), pad_token_id, record=False,
+                   _eos_tensor(eos_token_id, device), pad_token_id, record=record,
                    compact=compact, greedy=greedy, generator=generator,
                    seen=_prompt_tokens_seen(prompts, num_generations, first.shape[-1], transforms),
                    sequence_of=_question_rows(len(prompts), num_generations, first.device) if share else None,
                    **transforms)
 
 
-def _sample_chunk_lean(lean, dtype, speculative, model, prompts, num_generations, max_new_tokens, eos_token_id,
+def _sample_chunk_lean(lean, dtype, speculative, record, model, prompts, num_generations, max_new_tokens, eos_token_id,
                        pad_token_id, greedy, generator, transforms, share) -> Completions:
     """_sample_chunk on cppo.models.lean's forward (weights cast to `dtype` if given, and then
     each token's sampler log-prob recorded), with a preallocated KV cache; with `speculative`
@@ -208,7 +210,7 @@ def _sample_chunk_lean(lean, dtype, speculative, model, prompts, num_generations
                 prompts.mask.repeat_interleave(num_generations, 0),
                 num_generations=num_generations, max_new_tokens=max_new_tokens,
                 eos=_eos_tensor(eos_token_id, device), pad_token_id=pad_token_id,
-                record=dtype is not None, greedy=greedy, transforms=transforms, generator=generator,
+                record=record, greedy=greedy, transforms=transforms, generator=generator,
                 num_speculative_tokens=speculative.num_tokens,
                 prompt_lookup_max=speculative.prompt_lookup_max,
                 prompt_lookup_min=speculative.prompt_lookup_min)
@@ -222,7 +224,7 @@ def _sample_chunk_lean(lean, dtype, speculative, model, prompts, num_generations
             return logits[:, -1]
         seen = _prompt_tokens_seen(prompts, num_generations, logits.shape[-1], transforms)
         return _decode(logits[:, -1].repeat_interleave(copies, 0), advance, max_new_tokens,
-                       _eos_tensor(eos_token_id, device), pad_token_id, record=dtype is not None,
+                       _eos_tensor(eos_token_id, device), pad_token_id, record=record,
                        compact=True, greedy=greedy, generator=generator, seen=seen,
                        sequence_of=_question_rows(len(prompts), num_generations, device) if share else None,
                        **transforms)

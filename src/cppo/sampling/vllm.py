@@ -13,6 +13,7 @@ import os
 import torch
 
 from cppo.errors import ConfigError, VLLMServerError, VLLMUnavailableError
+from cppo.models.loading import dense_dtype_and_shape, dense_weight
 from cppo.parallel.memory import GIB, device_memory_bytes, round_kv_cache_bytes
 from cppo.parallel.processes import drain_collective_threads, free_port
 from cppo.sampling.batches import Completions, PromptBatch, completions_from_token_lists
@@ -50,7 +51,8 @@ def lora_delta(module) -> torch.Tensor | None:
 @contextlib.contextmanager
 def vllm_weights(model):
     """(vLLM name, tensor) of every weight, produced one at a time: a LoRA layer's weight comes
-    with its adapters' delta added (W + scale * B @ A, a new tensor), so the base weights are
+    with its adapters' delta added (W + scale * B @ A, a new tensor; a 4- or 8-bit base
+    dequantised first), so the base weights are
     never touched (merging in place and unmerging would drift them by rounding). The other
     tensors are the live parameters: push them before the context exits."""
     def weights():
@@ -59,7 +61,7 @@ def vllm_weights(model):
                 target = vllm_weight_name(name)
                 if target is None:
                     continue
-                tensor = param.detach()
+                tensor = dense_weight(param, _owner(model, name)).detach()   # dequantised
                 if name.endswith(".base_layer.weight"):
                     layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
                     delta = lora_delta(layer)
@@ -97,9 +99,15 @@ def connect_server(args):
 def server_weight_metadata(model) -> list[tuple[str, str, list[int]]]:
     """(vLLM name, dtype, shape) of every tensor vllm_weights yields, in its order: what TRL's
     VLLMClient.update_named_params announces before it streams them."""
-    return [(target, str(param.dtype).removeprefix("torch."), list(param.shape))
+    return [(target, str(dtype).removeprefix("torch."), shape)
             for name, param in model.named_parameters()
-            if (target := vllm_weight_name(name)) is not None]
+            if (target := vllm_weight_name(name)) is not None
+            for dtype, shape in [dense_dtype_and_shape(param, _owner(model, name))]]
+
+
+def _owner(model, name: str):
+    """The module holding parameter `name`."""
+    return model.get_submodule(name.rpartition(".")[0])
 
 
 def sampling_kwargs(args, sampling: SamplingSettings | None = None) -> dict:
@@ -376,13 +384,15 @@ class VLLMBackend:
 
     def engine_kwargs(self) -> dict:
         args, platform = self.args, self._platform()
-        kwargs = dict(model=self.model.config._name_or_path, skip_tokenizer_init=True,
+        kwargs = dict(model=self.model.config._name_or_path,   # structured outputs read tokens
+                      skip_tokenizer_init=args.vllm_structured_outputs_regex is None,
                       dtype=str(self.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
                       enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True,
                       seed=args.seed, distributed_executor_backend="external_launcher",
                       logprobs_mode="processed_logprobs", disable_log_stats=True,
                       model_impl=args.vllm_model_impl,
-                      tensor_parallel_size=args.vllm_tensor_parallel_size)
+                      tensor_parallel_size=args.vllm_tensor_parallel_size,
+                      revision=args.model_revision, trust_remote_code=args.trust_remote_code)
         if platform.is_cpu():
             kwargs["enforce_eager"] = True   # no inductor compile at start-up
             # a prompt prefilled over two steps has its first sample discarded, and vLLM then
@@ -479,6 +489,10 @@ class VLLMBackend:
         """One vllm.SamplingParams per request: the run's sampling settings (sampling_kwargs),
         num_generations completions of at most its max_tokens, its seed, the EOS ids."""
         common = {**sampling_kwargs(self.args, self.sampling), "n": num_generations}
+        if self.args.vllm_structured_outputs_regex is not None:   # TRL's structured outputs
+            from vllm.sampling_params import StructuredOutputsParams
+            common["structured_outputs"] = StructuredOutputsParams(
+                regex=self.args.vllm_structured_outputs_regex)
         return [self.vllm.SamplingParams(**{**common, "max_tokens": budget}, seed=seed,
                                          stop_token_ids=self.eos_ids, detokenize=False)
                 for budget, seed in zip(max_tokens, seeds)]
@@ -527,7 +541,8 @@ class VLLMBackend:
         """sample_contexts through the server (each process asks for its own contexts; the
         server seeds its own sampling)."""
         kwargs = {**sampling_kwargs(self.args, self.sampling), "n": num_generations, "max_tokens": max(max_tokens)}
-        result = self.client.generate(prompts=contexts, **kwargs)
+        result = self.client.generate(prompts=contexts, **kwargs, structured_outputs_regex=
+                                      self.args.vllm_structured_outputs_regex)
         budgets = [budget for budget in max_tokens for _ in range(num_generations)]
         outputs = [list(ids[:budget]) for ids, budget in zip(result["completion_ids"], budgets)]
         # (N, T, 1) with logprobs=0: the sampled token's; None where vLLM had a NaN
