@@ -7,7 +7,8 @@
 #      it is installed (tests/test_vllm_cuda.py: colocate with sleep mode; the server's NCCL weight
 #      push, which needs a second GPU); where vLLM is absent (the GPU image has none) they skip,
 #   2. the real-shape benchmark in bfloat16 (cppo against TRL's GRPOTrainer; cppo alone without TRL),
-#   3. the paper table on the embedded model (quick mode),
+#   3. the torch_compile benchmark on the embedded model (quick mode, inductor on CUDA),
+#   4. the paper table on the embedded model (quick mode),
 # writing everything under benchmarks/results/gpu/ and, where the variable OUT names a folder (the
 # device tool's), packing it there: gpu_check.tar.gz, summary.txt, tests.log.
 #
@@ -26,7 +27,7 @@
 # timeout_s=330 (the later steps are cut or skipped, summary.txt says which).
 #
 # Elsewhere (a GPU machine with the project's venv and `pip install -e ".[test,bench,vllm]"`):
-#   bash benchmarks/gpu_check.sh        # no gpu_wheels/ folder: installs nothing, runs 1-3
+#   bash benchmarks/gpu_check.sh        # no gpu_wheels/ folder: installs nothing, runs 1-4
 #
 #   bash benchmarks/gpu_check.sh --install-only   # step 0 and the import check only (no GPU needed)
 #   GPU_CHECK_BUDGET=560 (seconds for the whole script), PYTHON=python3, GPU_WHEELS=gpu_wheels,
@@ -147,7 +148,7 @@ print(json.dumps(hardware.describe("cuda"), indent=2))
 PY
 gpu=${PIPESTATUS[0]}
 if (( gpu != 0 )); then
-    echo "no CUDA GPU: steps 1-3 not run" | tee -a "$RES/summary.txt"
+    echo "no CUDA GPU: steps 1-4 not run" | tee -a "$RES/summary.txt"
     exit 1
 fi
 
@@ -162,5 +163,9 @@ systems=()
 step real_shape 180 "$PY" benchmarks/real_shape.py --device cuda --dtype bfloat16 --quick \
     "${systems[@]}" --output "$RES/real_shape"
 
-# 3.
+# 3. torch_compile on the training passes (inductor, CUDA): compile seconds and the speed-up
+step torch_compile 90 "$PY" benchmarks/torch_compile.py --quick --device cuda --threads 4 \
+    --output "$RES/torch_compile"
+
+# 4.
 step cppo_table 150 "$PY" benchmarks/cppo_table.py --quick --output "$RES/cppo_table"

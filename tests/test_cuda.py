@@ -70,6 +70,67 @@ def test_hardware_describes_the_gpu():
     assert info["fast_bfloat16"] == (major >= 8)
 
 
+# --- transformers' speed fields on CUDA (tests/test_trl_speed.py: the CPU side) -------------------
+def test_fp16_training_steps_on_the_gpu(tiny_model_dir, tmp_path):
+    from helpers import make_trainer
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=3, fp16=True)
+    assert trainer.device.type == "cuda" and trainer.learner.scaler is not None
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    summary = trainer.train()
+    assert summary["status"] == "completed" and summary["nonfinite_steps"] == 0
+    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())   # float32 weights
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
+
+
+def test_tf32_is_set_as_transformers_sets_it():
+    if not hardware.cuda_tf32_available():
+        pytest.skip("no TF32 on this GPU (before Ampere)")
+    try:
+        assert hardware.apply_tf32(CPPOConfig(tf32=True)) is True
+        assert torch.backends.cuda.matmul.allow_tf32
+        assert hardware.apply_tf32(CPPOConfig(tf32=False)) is False
+        assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        hardware.apply_tf32(CPPOConfig(tf32=False))
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_torch_compile_inductor_on_the_gpu_matches_eager(tiny_model_dir, lean):
+    from cppo.models.compiled import CompileSettings, compile_seconds
+    from cppo.sampling.logprobs import completion_logprobs
+    model = load_model(tiny_model_dir).cuda().train()
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, model.config.vocab_size, (8, 6), generator=gen).cuda()
+    ids = torch.randint(3, model.config.vocab_size, (8, 7), generator=gen).cuda()
+    mask = (torch.arange(7)[None] < torch.randint(1, 8, (8, 1), generator=gen)).long().cuda()
+    grads = []
+    for settings in (None, CompileSettings("inductor")):
+        torch._dynamo.reset()
+        model.zero_grad()
+        start = compile_seconds()
+        completion_logprobs(model, prompts, torch.ones_like(prompts), ids, mask, lean=lean,
+                            compile=settings).sum().backward()
+        assert (compile_seconds() > start) == (settings is not None)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_liger_kernels_are_applied_on_the_gpu(tiny_model_dir):
+    pytest.importorskip("liger_kernel")
+    from cppo.models.loading import apply_liger_kernels
+    from cppo.sampling.logprobs import completion_logprobs
+    model = load_model(tiny_model_dir).cuda()
+    ids = torch.randint(3, model.config.vocab_size, (4, 6), device="cuda")
+    prompts = torch.randint(3, model.config.vocab_size, (4, 5), device="cuda")
+    ones = torch.ones_like
+    with torch.no_grad():
+        lean = completion_logprobs(model, prompts, ones(prompts), ids, ones(ids))
+        assert apply_liger_kernels(model, CPPOConfig(use_liger_kernel=True), torch.device("cuda"))
+        own = completion_logprobs(model, prompts, ones(prompts), ids, ones(ids), lean=False)
+    torch.testing.assert_close(own, lean, atol=1e-4, rtol=1e-4)
+
+
 def test_qlora_trains_on_the_gpu(untied_model_dir, tmp_path):
     """load_in_4bit on bitsandbytes' CUDA kernels: the 4-bit base on the GPU and unchanged, every
     adapter with a gradient in step 2 (B is 0 at step 1), and the dequantised merged weights

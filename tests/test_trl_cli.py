@@ -129,7 +129,12 @@ seed: 3
 push_to_hub: true
 hub_model_id: me/my-model
 gradient_checkpointing: false
-use_liger_kernel: false
+use_liger_kernel: true
+liger_kernel_config: null
+gradient_checkpointing_kwargs: {{use_reentrant: false}}
+tf32: null
+fp16: false
+torch_compile: false
 dataloader_num_workers: 4
 vllm_importance_sampling_correction: false
 reward_funcs: [helpers:odd_length_reward]
@@ -157,6 +162,7 @@ def test_a_trl_grpo_yaml_runs_and_names_what_it_ignores(tiny_model_dir, tmp_path
     assert cfg["model"] == tiny_model_dir and cfg["save_steps"] == 0 and cfg["eval_steps"] == 0
     assert cfg["torch_dtype"] == "float32" and cfg["importance_sampling_correction"] is False
     assert cfg["progress_bar"] is False and cfg["bf16"] is False and cfg["top_k"] == 0
+    assert cfg["use_liger_kernel"] is True and cfg["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
     assert (tmp_path / "run" / "checkpoint-2").is_dir()
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from cppo.config import CPPOConfig
-from cppo.config.trl_fields import _MISSING, DEFAULTS_DIFFER, MAPPED_DEFAULTS_DIFFER, TRL_FIELDS, translate
+from cppo.config.trl_fields import (_MISSING, DEFAULTS_DIFFER, MACHINERY, MAPPED_DEFAULTS_DIFFER,
+                                    TRL_FIELDS, machinery_kind, translate)
 
 trl = pytest.importorskip("trl")
 
@@ -114,9 +115,54 @@ def test_generation_kwargs_set_the_sampling_fields_over_them_as_in_trl():
                                                         "repetition_penalty": 1.1, "do_sample": True}}
     out, dropped = translate(values, OWN)
     assert out == {"temperature": 0.9, "min_p": 0.1, "repetition_penalty": 1.1} and dropped == {}
-    out, dropped = translate({"generation_kwargs": '{"top_k": 5, "typical_p": 0.9}'}, OWN)
-    assert out == {"top_k": 5} and "typical_p" in dropped["generation_kwargs"]
+    out, dropped = translate({"generation_kwargs": '{"top_k": 5, "use_cache": true}'}, OWN)
+    assert out == {"top_k": 5} and "use_cache" in dropped["generation_kwargs"]
     assert CPPOConfig.from_dict(out).top_k == 5
     from cppo.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"'generation_kwargs' has \['typical_p'\], which change "
+                                          r"the sampled tokens"):   # refused, not dropped
+        translate({"generation_kwargs": {"typical_p": 0.9, "use_cache": True}}, OWN)
     with pytest.raises(ConfigError, match="'generation_kwargs' is '{top_k'"):
         translate({"generation_kwargs": "{top_k"}, OWN)
+
+
+# --- only machinery is ignored (issue #42) ------------------------------------------------------
+# TRL fields that change the model, the loss, the optimizer, the sampled tokens or the data (issue
+# #42 honoured them)
+MUST_BE_HONOURED = (
+    "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
+    "bnb_4bit_quant_storage", "use_dora", "use_rslora", "lora_modules_to_save",
+    "lora_target_parameters", "lora_task_type", "trust_remote_code", "model_revision",
+    "disable_dropout", "cast_lm_head_to_fp32", "router_aux_loss_coef", "steps_per_generation",
+    "chat_template_kwargs", "vllm_structured_outputs_regex", "optim_args", "lr_scheduler_kwargs",
+    "data_seed", "dataset_config", "dataset_streaming")
+MACHINERY_KINDS = ("trainer", "hub", "data loading", "process setup", "logging", "evaluation",
+                   "checkpoints", "generation engine", "not applicable")
+
+
+def ignored_fields() -> set[str]:
+    return {name for name, entry in TRL_FIELDS.items()
+            if entry[0] == "ignored" and not (name in OWN)}
+
+
+def test_every_ignored_field_is_machinery_of_a_known_kind():
+    """An ignored TRL field may only be machinery: it must be listed in MACHINERY, under one of
+    the machinery kinds; one that changes what is trained is honoured, mapped or refused."""
+    assert set(MACHINERY) <= set(MACHINERY_KINDS)
+    listed = [n for names in MACHINERY.values() for n in names]
+    assert len(listed) == len(set(listed)), "a field listed under two kinds"
+    not_machinery = sorted(n for n in ignored_fields() - set(MUST_BE_HONOURED)
+                           if machinery_kind(n) is None)
+    assert not_machinery == [], f"ignored but not machinery: {not_machinery}"
+    assert sorted(set(listed) - ignored_fields()) == [], "MACHINERY lists a field not ignored"
+
+
+def test_the_fields_that_change_training_are_not_ignored():
+    assert sorted(set(MUST_BE_HONOURED) & ignored_fields()) == []
+
+
+def test_a_refused_field_is_an_error_naming_it():
+    from cppo.errors import ConfigError
+    assert translate({"neftune_noise_alpha": None}, OWN) == ({}, {})   # TRL's default: off
+    with pytest.raises(ConfigError, match="'neftune_noise_alpha' is 5.0: NEFTune noise"):
+        translate({"neftune_noise_alpha": 5.0}, OWN)

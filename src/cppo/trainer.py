@@ -35,7 +35,7 @@ from cppo.errors import CallbackError, ConfigError
 from cppo.evaluate import evaluate, sampled_metrics
 from cppo.models.loading import frozen_copy, load_policy
 from cppo.parallel.engines import Engine, pad_rows, resolve_strategy
-from cppo.parallel.hardware import run_dtypes, warn_slow_precision
+from cppo.parallel.hardware import apply_tf32, run_dtypes, warn_slow_precision
 from cppo.parallel.memory import check_run_batches, device_memory_bytes, plan_for_run
 from cppo.parallel.processes import Distributed, launcher_restarts
 from cppo.rewards.runner import RewardRunner, Scores, reward_sources
@@ -79,6 +79,7 @@ class CPPOTrainer:
             reward_funcs, args, getattr(self.rollout_func, "env_rewards", []), reward_processing_classes)
         self.dist = Distributed.from_environment()
         self.device = self.dist.device
+        apply_tf32(args)   # transformers' rule (tf32, torch_compile); CUDA only
         self._load_models(model, processing_class, peft_config)
         self.plan = args.step_plan()   # questions sampled, scored and kept per step
         self.generation_dtype, self.matmul_dtype = run_dtypes(   # 'auto' resolved; args kept
@@ -461,6 +462,8 @@ class CPPOTrainer:
         self.run_state.wall_offset = time.perf_counter() - start_wall
         self.run_state.questions = self.questions.state() if self.rollouts is None else \
             self.rollouts.questions_state(self.questions.state())   # in-flight rounds replay
+        if self.learner.scaler is not None:
+            self.run_state.fp16_scaler = self.learner.scaler.state_dict()
         state = self.run_state.to_dict(config=self.args.to_dict(), world_size=self.dist.world_size,
                                        distributed=self.engine.strategy)
         with self.timer("checkpoint"):
@@ -511,6 +514,8 @@ class CPPOTrainer:
                               plan=self.plan, resumed_from=resumed_from, output_dir=self.output_dir,
                               skipped_data_rows=len(self.task.skipped_rows),
                               asynchronous=self.rollouts and self.rollouts.summary())
+        if self.learner.compile is not None:   # torch_compile: inside the phases' seconds
+            summary["compile_seconds"] = round(self.learner.compile_seconds, 1)
         if self.dist.is_main:
             write_summary(summary, self.output_dir, log.read() if log else [])
         return summary

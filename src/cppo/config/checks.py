@@ -183,6 +183,43 @@ def _check_precision(cfg) -> None:
     check(not (cfg.matmul_dtype == "bfloat16" and cfg.bf16),
           f"'matmul_dtype' is {cfg.matmul_dtype!r} with 'bf16' true; bf16 already autocasts the "
           f"forward passes' matmuls (and more): set one of the two")
+    _check_speed(cfg)
+
+
+def _check_speed(cfg) -> None:
+    """fp16, tf32, torch.compile, liger and gradient checkpointing's keyword arguments, as
+    transformers checks them (cppo.parallel.hardware applies them)."""
+    check(not (cfg.fp16 and cfg.bf16), "'fp16' and 'bf16' are both true; at most one of them "
+          "(transformers refuses both too): set one to false")
+    check(not (cfg.fp16 and cfg.matmul_dtype == "bfloat16"),
+          "'fp16' is true with 'matmul_dtype' bfloat16; fp16 autocasts the matmuls itself: set "
+          "matmul_dtype: none (or auto)")
+    check(not (cfg.fp16 and cfg.torch_dtype in ("float16", "bfloat16")),
+          f"'fp16' is true with 'torch_dtype' {cfg.torch_dtype}; fp16 mixed precision keeps "
+          f"float32 weights (its gradient scaler refuses half-precision gradients): set "
+          f"torch_dtype: float32, or fp16: false")
+    if cfg.tf32:
+        from cppo.parallel.hardware import cuda_tf32_available
+        check(cuda_tf32_available(), "'tf32' is true, but TF32 needs a CUDA GPU of the Ampere "
+              "generation or newer, which this machine does not have (transformers refuses it "
+              "too): set tf32: null (or false)")
+    backend = cfg.torch_compile_backend
+    if backend is not None:
+        import torch._dynamo
+        known = torch._dynamo.list_backends(exclude_tags=())
+        check(backend in known, f"'torch_compile_backend' is {backend!r}; torch.compile's "
+              f"backends here: {', '.join(known)}")
+    for key in ("gradient_checkpointing_kwargs", "liger_kernel_config"):
+        value = getattr(cfg, key)
+        check(value is None or isinstance(value, dict),
+              f"'{key}' is {value!r}; expected a mapping of keyword arguments (or null)")
+    if cfg.gradient_checkpointing_kwargs:
+        import inspect
+        from torch.utils.checkpoint import checkpoint
+        allowed = [n for n in inspect.signature(checkpoint).parameters if n not in ("function", "args", "kwargs")]
+        unknown = sorted(set(cfg.gradient_checkpointing_kwargs) - set(allowed))
+        check(not unknown, f"'gradient_checkpointing_kwargs' has {unknown}, which "
+              f"torch.utils.checkpoint.checkpoint does not take; allowed: {', '.join(allowed)}")
 
 
 def _check_run(cfg) -> None:

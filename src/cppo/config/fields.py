@@ -90,6 +90,36 @@ class CPPOConfig:
         None, "load_in_4bit: the dtype that stores the packed 4-bit weights (TRL name; None: "
         "uint8).", ("uint8", "int8", "float16", "bfloat16", "float32", "float64"))
 
+    # --- speed and precision (transformers' TrainingArguments names and defaults) ----------
+    gradient_checkpointing_kwargs: Optional[dict] = option(
+        None, "Keyword arguments of the model's gradient_checkpointing_enable, e.g. "
+        "{use_reentrant: true} (None: {use_reentrant: false}).")
+    fp16: bool = option(False, "Autocast the training passes to float16 with a gradient scaler "
+                        "(transformers' mixed precision; float32 weights). CUDA; on a CPU it runs "
+                        "as documented but is slow (docs/performance.md). Not with bf16.")
+    tf32: Optional[bool] = option(None, "TensorFloat-32 matmuls and convolutions on CUDA (Ampere "
+                                  "or newer); true on a machine without them is an error, as in "
+                                  "transformers. None: torch's setting (on with torch_compile, as "
+                                  "transformers does, unless fp16).")
+    torch_compile: bool = option(False, "torch.compile the training passes: the lean forward's "
+                                 "per-layer work (projections, norms, RoPE, MLP), or the model's "
+                                 "own forward where the lean forward does not run it; the time "
+                                 "spent compiling is logged (timing/compile) and summed in the "
+                                 "summary. Set by torch_compile_backend or torch_compile_mode.")
+    torch_compile_backend: Optional[str] = option(None, "torch.compile's backend (None with "
+                                                  "torch_compile: inductor).")
+    torch_compile_mode: Optional[str] = option(
+        None, "torch.compile's mode (None: its default).",
+        ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+    use_liger_kernel: bool = option(
+        False, "Liger's fused linear cross-entropy idea: the training passes compute log-probs "
+        "over the LM head in chunks of tokens at every size, never the full logits (lean forward; "
+        "cppo.models.head). On CUDA with liger-kernel installed, liger's kernels (RMSNorm, "
+        "SwiGLU, RoPE) are also applied to the model, for the passes that run its own forward.")
+    liger_kernel_config: Optional[dict] = option(
+        None, "use_liger_kernel: keyword arguments of liger's _apply_liger_kernel_to_instance "
+        "(e.g. {rope: true, swiglu: true, rms_norm: true}); None: liger's defaults.")
+
     # --- data and rewards ------------------------------------------------------------------
     dataset_name: str = option("embedded", "Training data: 'embedded' (the arithmetic task), 'gsm8k', "
                            "'math', a local .jsonl/.json/.parquet file, or a datasets name/dir "

@@ -34,7 +34,8 @@ VLLM = "vLLM engine settings: cppo's vLLM backend uses vLLM's defaults"
 # vllm_enable_sleep_mode, vllm_gpu_memory_utilization, vllm_max_model_length,
 # vllm_tensor_parallel_size, vllm_server_base_url / _host / _port / _timeout, vllm_group_port
 SAMPLER = "cppo's samplers take temperature, top_p, top_k, min_p and repetition_penalty only"
-PRECISION = "not supported; use bf16 (autocast) or torch_dtype"
+EVAL_PRECISION = "the precision of transformers' evaluation loop; " \
+    "cppo's held-out evaluation runs the policy in its training precision"
 LOAD = ("cppo loads models with torch_dtype, attn_implementation, model_revision, "
         "trust_remote_code and TRL's quantisation fields only")
 
@@ -145,6 +146,11 @@ def _reward_model(value, values):
 
 
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_kwargs keys that change how tokens are produced, not which: dropped with a line
+GENERATION_MACHINERY_KEYS = ("use_cache", "cache_implementation", "return_dict_in_generate",
+                             "output_scores", "output_logits", "output_attentions",
+                             "output_hidden_states", "pad_token_id", "disable_compile",
+                             "compile_config", "num_logprobs", "logprobs")
 
 
 def _generation_kwargs(value, _):
@@ -167,9 +173,25 @@ def _generation_kwargs(value, _):
     out = {key: value.pop(key) for key in GENERATION_KEYS if key in value}
     if value.get("do_sample", True) is True:   # cppo samples, as TRL's default
         value.pop("do_sample", None)
+    changing = sorted(set(value) - set(GENERATION_MACHINERY_KEYS))
+    if changing:   # they would change the sampled tokens: refused, not dropped
+        from cppo.errors import ConfigError
+        raise ConfigError(f"'generation_kwargs' has {changing}, which change the sampled tokens "
+                          f"in TRL; {SAMPLER} (set those fields), so remove them")
     if value:
-        out["__ignored__"] = f"keys {sorted(value)}: {SAMPLER}"
+        out["__ignored__"] = f"keys {sorted(value)}: how the sampler runs, not what it samples"
     return out
+
+
+def _refused(name: str, what: str) -> Callable:
+    """A TRL field that changes what is trained and that cppo does not implement: any value but
+    TRL's off (None, False, 0) is a ConfigError, not a silent drop."""
+    def convert(value, _):
+        if value in (None, False, 0):
+            return {}
+        from cppo.errors import ConfigError
+        raise ConfigError(f"'{name}' is {value!r}: {what}; remove it (or set it to null)")
+    return convert
 
 
 def _resume(value, _):
@@ -185,27 +207,26 @@ TRL_FIELDS: dict[str, tuple] = {
     # chat_template_kwargs, vllm_structured_outputs_regex
     "warmup_steps": mapped(_warmup_steps, "-> warmup_ratio (steps / max_steps)"),
     "optim": mapped(_optim, "adamw_* -> AdamW"),
-    "optim_target_modules": ignored("cppo's AdamW trains every trainable parameter", None),
+    "optim_target_modules": ignored("read only by GaLore/APOLLO-style optimizers (optim: galore_*, "
+                                    "apollo_*), which cppo does not run; with adamw_* transformers "
+                                    "does not read it either", None),
     "average_tokens_across_devices": ignored("cppo normalises the loss over all processes' "
                                              "tokens as loss_type says", True),
     "label_smoothing_factor": ignored("no labels in RL", 0.0),
     "auto_find_batch_size": ignored(TRAINER, False),
     # --- precision and memory ------------------------------------------------------------------
     "bf16": mapped(_bf16, "-> bf16 (null, TRL's default, means on in TRL: named, and off)"),
-    "fp16": ignored("fp16 mixed precision is " + PRECISION, False),
-    "bf16_full_eval": ignored(PRECISION, False),
-    "fp16_full_eval": ignored(PRECISION, False),
-    "tf32": ignored("set torch.backends.cuda.matmul.allow_tf32 yourself", None),
-    "activation_checkpointing": ignored("use gradient_checkpointing", None),
-    "activation_checkpointing_kwargs": ignored("use gradient_checkpointing", None),
-    "gradient_checkpointing_kwargs": ignored("cppo checkpoints with use_reentrant=False", None),
-    "torch_compile": ignored(TRAINER, False),
-    "torch_compile_backend": ignored(TRAINER, None),
-    "torch_compile_mode": ignored(TRAINER, None),
-    "use_liger_kernel": ignored("cppo's lean forward plays that part", False),
-    "liger_kernel_config": ignored("cppo's lean forward plays that part", None),
+    "bf16_full_eval": ignored(EVAL_PRECISION, False),
+    "fp16_full_eval": ignored(EVAL_PRECISION, False),
+    "activation_checkpointing": mapped(_not_none("gradient_checkpointing"),
+                                       "-> gradient_checkpointing (the same recompute)"),
+    "activation_checkpointing_kwargs": mapped(_not_none("gradient_checkpointing_kwargs"),
+                                              "-> gradient_checkpointing_kwargs"),
     "use_cache": ignored("the sampler always uses a KV cache; scoring never does", False),
-    "neftune_noise_alpha": ignored("an SFT technique", None),
+    "neftune_noise_alpha": mapped(_refused("neftune_noise_alpha", "NEFTune noise on the input "
+                                           "embeddings changes the policy's log-probs, and cppo "
+                                           "does not add it"),
+                                  "refused: cppo does not add NEFTune noise"),
     "torch_empty_cache_steps": ignored(TRAINER, None),
     # --- logging -------------------------------------------------------------------------------
     "logging_strategy": mapped(_strategy("logging_steps"), "'no' -> logging_steps: 0"),
@@ -260,7 +281,9 @@ TRL_FIELDS: dict[str, tuple] = {
     "hub_always_push": ignored(HUB, False),
     "hub_revision": ignored(HUB, None),
     # --- data ----------------------------------------------------------------------------------
-    "full_determinism": ignored("sampling and selection are seeded by seed", False),
+    "full_determinism": ignored("deterministic kernels are a process setting (call "
+                                "torch.use_deterministic_algorithms in your script); cppo seeds "
+                                "sampling and selection by seed", False),
     "shuffle_dataset": ignored("questions always come in a seeded random order", True),
     "remove_unused_columns": ignored("every dataset column reaches the reward functions", False),
     "label_names": ignored(DATA, None),
@@ -273,7 +296,8 @@ TRL_FIELDS: dict[str, tuple] = {
     "dataloader_prefetch_factor": ignored(DATA, None),
     "dataloader_multiprocessing_context": ignored(DATA, None),
     "dataloader_in_order": ignored(DATA, True),
-    "pad_to_multiple_of": ignored("cppo pads to the longest row", "auto"),
+    "pad_to_multiple_of": ignored("padding is masked out of every pass (it changes shapes, not "
+                                  "values); cppo pads to the longest row", "auto"),
     # --- processes and devices -----------------------------------------------------------------
     "use_cpu": ignored("the device follows the launcher and CUDA availability", False),
     "accelerator_config": ignored(DIST, None),
@@ -324,6 +348,48 @@ TRL_FIELDS: dict[str, tuple] = {
     "vllm_importance_sampling_clip_min": rename("importance_sampling_clip_min"),
     # --- loss variants -------------------------------------------------------------------------
 }
+
+
+# Every ignored field is machinery: it does not change the model, the loss, the optimizer or
+# the sampled tokens. Each has one kind (tests/test_trl_fields.py: an ignored field outside this
+# table fails). A TRL field that does change them is honoured, mapped, or refused (_refused).
+MACHINERY: dict[str, tuple[str, ...]] = {
+    "trainer": ("auto_find_batch_size", "average_tokens_across_devices", "torch_empty_cache_steps",
+                "debug", "skip_memory_metrics", "do_train", "do_eval", "do_predict"),
+    "hub": ("log_completions_hub_repo", "push_to_hub", "hub_token", "hub_private_repo",
+            "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision"),
+    "data loading": ("shuffle_dataset", "remove_unused_columns", "label_names",
+                     "train_sampling_strategy", "length_column_name", "dataloader_drop_last",
+                     "dataloader_num_workers", "dataloader_pin_memory",
+                     "dataloader_persistent_workers", "dataloader_prefetch_factor",
+                     "dataloader_multiprocessing_context", "dataloader_in_order",
+                     "pad_to_multiple_of"),
+    "process setup": ("use_cpu", "accelerator_config", "parallelism_config",
+                      "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
+                      "ddp_static_graph", "ddp_backend", "ddp_timeout", "fsdp", "fsdp_config",
+                      "deepspeed", "ds3_gather_for_generation", "local_rank", "full_determinism",
+                      "ignore_bias_buffers"),
+    "logging": ("logging_first_step", "log_on_each_node", "logging_nan_inf_filter",
+                "include_num_input_tokens_seen", "log_level", "log_level_replica", "project",
+                "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
+                "log_unique_prompts"),
+    "evaluation": ("eval_delay", "per_device_eval_batch_size", "prediction_loss_only",
+                   "eval_on_start", "eval_do_concat_batches", "eval_use_gather_object",
+                   "eval_accumulation_steps", "include_for_metrics", "batch_eval_metrics",
+                   "bf16_full_eval", "fp16_full_eval", "load_best_model_at_end",
+                   "metric_for_best_model", "greater_is_better"),
+    "checkpoints": ("save_only_model", "save_on_each_node", "enable_jit_checkpoint",
+                    "restore_callback_states_from_checkpoint", "ignore_data_skip"),
+    "generation engine": ("use_cache", "cache_implementation",
+                          "use_transformers_continuous_batching",
+                          "transformers_continuous_batching_config", "use_transformers_paged"),
+    "not applicable": ("label_smoothing_factor", "log_multimodal", "optim_target_modules"),
+}
+
+
+def machinery_kind(name: str) -> str | None:
+    """The machinery kind of an ignored TRL field (None: not listed)."""
+    return next((kind for kind, names in MACHINERY.items() if name in names), None)
 
 
 # CPPOConfig fields with TRL's names whose default differs from TRL 1.16's, and why; the

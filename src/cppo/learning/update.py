@@ -17,6 +17,7 @@ from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, add_micro_batch, emp
                                         entropy_bonus_on, micro_batch_loss, step_metrics)
 from cppo.algorithm.loss import router_aux_coef, router_aux_loss
 from cppo.errors import ConfigError
+from cppo.models.compiled import compile_seconds, compile_settings
 from cppo.models.loading import torch_dtype
 from cppo.run.batch import StepBatch
 from cppo.run.optimizer import advance_schedule
@@ -31,6 +32,10 @@ class Learner:
         self.policy, self.reference, self.engine, self.dist = policy, reference, engine, dist
         self.optimizer, self.scheduler, self.args = optimizer, scheduler, args
         self.device, self.matmul_dtype = device, matmul_dtype   # a dtype name or None
+        # speed and precision (transformers' names): torch_compile, use_liger_kernel, fp16
+        self.compile = compile_settings(args)
+        self.compile_seconds, self._compile_mark = 0.0, compile_seconds() if self.compile else 0.0
+        self.scaler = fp16_scaler(args, device, optimizer)
         self.aux_coef = moe_aux_coef(policy, args.router_aux_loss_coef)
 
     def logprobs(self, model, batch: StepBatch, entropies: list | None = None,
@@ -47,12 +52,14 @@ class Learner:
                                    lean=args.lean_forward, entropies=entropies,
                                    entropy_grad=entropies is not None and entropy_bonus_on(args),
                                    matmul_dtype=torch_dtype(self.matmul_dtype),
+                                   compile=self.compile, chunk_head=args.use_liger_kernel,
                                    aux_losses=aux_losses)
 
     def autocast(self):
-        """The one precision of every pass of a step (old policy, reference, policy): bf16
-        autocast when `bf16` is on, so the first iteration's ratio is exactly 1."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16)
+        """The one precision of every pass of a step (old policy, reference, policy): bf16 or
+        fp16 autocast when one is on, so the first iteration's ratio is exactly 1."""
+        return torch.autocast(self.device.type, dtype=torch.float16 if self.args.fp16 else
+                              torch.bfloat16, enabled=self.args.bf16 or self.args.fp16)
 
     @torch.no_grad()
     def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
@@ -81,6 +88,8 @@ class Learner:
         coef = entropy_coef if entropy_bonus_on(args) else 0.0
         totals = self.backward(batch, coef, tokens)
         aux = totals.pop("aux_loss", None)
+        if self.scaler is not None:   # fp16: the gradients unscaled before they are measured
+            self.scaler.unscale_(self.optimizer)
         with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
                      if p.grad is not None]
         grad_norm = self.engine.clip_grad_norm(  # max_norm inf: measure, don't clip
@@ -96,6 +105,9 @@ class Learner:
                                sampler_corrected=batch.sampler_logps is not None)
         if self.aux_coef:   # TRL's metric: the mean over micro-batches and processes
             metrics["aux_loss"] = self.dist.sum(aux or 0.0) / self.dist.world_size
+        metrics.update(self.compile_metrics())
+        if self.scaler is not None:
+            return self.scaled_step(metrics, grad_norm)
         if self.dist.any(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))):
             self.optimizer.zero_grad(set_to_none=True)   # never apply a NaN/inf update
             advance_schedule(self.scheduler, 1)   # the schedule follows the step count
@@ -103,6 +115,29 @@ class Learner:
         self.optimizer.step()
         self.scheduler.step()
         return metrics
+
+    def scaled_step(self, metrics: dict, grad_norm: float) -> dict:
+        """fp16: the gradient scaler's step, as transformers runs it: an overflow (inf/NaN
+        gradients at this loss scale) skips the update and lowers the scale, which is not a
+        non-finite step; a non-finite loss still is one."""
+        self.scaler.step(self.optimizer)   # skipped when the unscaled gradients hold inf/NaN
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = {**metrics, "cppo/fp16_loss_scale": float(self.scaler.get_scale()),
+                   "cppo/fp16_overflow": float(not math.isfinite(grad_norm))}
+        if self.dist.any(not math.isfinite(metrics["loss"])):
+            return {**metrics, "nonfinite": True}
+        return metrics
+
+    def compile_metrics(self) -> dict:
+        """torch_compile: seconds spent compiling since the last step (timing/compile)."""
+        if self.compile is None:
+            return {}
+        now = compile_seconds()
+        took, self._compile_mark = now - self._compile_mark, now
+        self.compile_seconds += took
+        return {"timing/compile": took}
 
     def backward(self, batch: StepBatch, entropy_coef: float, tokens: float | None = None) -> dict:
         """Each micro-batch's loss backward (cppo.algorithm.micro_batch); the step's sums of
@@ -124,9 +159,22 @@ class Learner:
             if aux:   # each process's own, averaged by the engines (TRL)
                 loss = loss + router_aux_loss(aux, self.aux_coef, num_micro)
                 totals["aux_loss"] = totals.get("aux_loss", 0.0) + float(torch.stack(aux).mean()) / num_micro
-            loss.backward()
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             add_micro_batch(totals, {**part, "loss": loss.item() / world})
         return totals
+
+
+def fp16_scaler(args, device: torch.device, optimizer):
+    """fp16: transformers' mixed precision, a gradient scaler over float32 weights (None
+    without fp16). Half-precision trainable weights are refused (the scaler cannot unscale them)."""
+    if not args.fp16:
+        return None
+    half = sorted({str(p.dtype) for group in optimizer.param_groups for p in group["params"]
+                   if p.dtype != torch.float32})
+    if half:
+        raise ConfigError(f"'fp16' is true but the trainable weights are {', '.join(half)}; fp16 "
+                          f"mixed precision keeps float32 weights: set torch_dtype: float32")
+    return torch.amp.GradScaler(device.type)
 
 
 def moe_aux_coef(policy, coef: float | None) -> float:

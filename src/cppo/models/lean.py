@@ -214,6 +214,20 @@ class LeanForward:
         self.scale = model.model.layers[0].self_attn.scaling
         self.rotary = model.model.rotary_emb
         self._frozen: Weights | None = None   # the sampling snapshot inside frozen()
+        # the per-layer work of the training passes (completion_logits); compile_layers swaps in
+        # compiled versions, the sampler's forward (__call__) keeps the eager ones
+        self._layer_qkv, self._layer_finish = self._qkv_packed, self._finish
+        self.compiled_with = None
+
+    def compile_layers(self, settings) -> None:
+        """torch.compile (cppo.models.compiled.CompileSettings) the per-layer work of the
+        training passes: norms, q/k/v and RoPE, output projection and MLP; attention stays eager."""
+        if settings == self.compiled_with:
+            return
+        from cppo.models.compiled import compile_fn
+        self._layer_qkv = self._qkv_packed if settings is None else compile_fn(self._qkv_packed, settings)
+        self._layer_finish = self._finish if settings is None else compile_fn(self._finish, settings)
+        self.compiled_with = settings
 
     @property
     def device(self) -> torch.device:
@@ -442,7 +456,7 @@ class LeanForward:
         allowed = self._allowed(torch.cat([prompt_mask[question], inputs], dim=1),
                                 q_len + torch.arange(t_len - 1, device=h.device))
         for w in weights.layers:
-            qkv = self._qkv_packed(w, h, rope)                           # (M_in, H + 2 H_kv, D)
+            qkv = self._layer_qkv(w, h, rope)                            # (M_in, H + 2 H_kv, D)
             # split, not slices: its backward is one cat, a slice's a zero-filled copy of the whole
             qkv_prompt, qkv_completion = qkv.split([num_prompt_tokens, len(qkv) - num_prompt_tokens])
             qp, kp, vp = self._unpack(qkv_prompt, prompt_slots, num_prompts, q_len)
@@ -456,7 +470,7 @@ class LeanForward:
                     qc, torch.cat([kp.index_select(0, question), kc], dim=2),
                     torch.cat([vp.index_select(0, question), vc], dim=2),
                     allowed).flatten(0, 1).index_select(0, completion_slots))
-            h = self._finish(w, h, torch.cat(attended))
+            h = self._layer_finish(w, h, torch.cat(attended))
         h = h.index_select(0, _predicting_rows(prompt_mask, question, inputs)[completion_mask])
         if not head:
             return self._norm(h, weights.norm), weights.head, weights.head_bias

@@ -264,7 +264,11 @@ def load_policy(model, processing_class, args, device, *, lora: bool, peft_confi
     keep_4bit_layers_trainable(policy)
     if args.gradient_checkpointing:
         # the sampler passes use_cache explicitly, so generation keeps its KV cache
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = checkpointing_kwargs(args)
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if kwargs.get("use_reentrant"):   # reentrant checkpoints pass gradients only to inputs
+            policy.enable_input_require_grads()   # that need them (as TRL does)
+    apply_liger_kernels(policy, args, device)
     if lora:
         from cppo.models.lora import wrap_with_lora
         policy = wrap_with_lora(policy, args, peft_config)
@@ -275,6 +279,30 @@ def load_policy(model, processing_class, args, device, *, lora: bool, peft_confi
     policy.train()
     from cppo.models.tokenizer import with_chat_template_kwargs
     return policy, with_chat_template_kwargs(tokenizer, args.chat_template_kwargs)
+
+
+def checkpointing_kwargs(args) -> dict:
+    """gradient_checkpointing_enable's keyword arguments: gradient_checkpointing_kwargs, or
+    (None) non-reentrant checkpoints."""
+    kwargs = getattr(args, "gradient_checkpointing_kwargs", None)
+    return dict(kwargs) if kwargs is not None else {"use_reentrant": False}
+
+
+def apply_liger_kernels(policy, args, device) -> bool:
+    """use_liger_kernel on CUDA with liger-kernel installed: liger's kernels patched into the
+    model (they run where its own forward runs), with liger_kernel_config as arguments. True when
+    applied. The chunked head (cppo.models.head) is cppo's part and needs nothing here."""
+    if not getattr(args, "use_liger_kernel", False) or torch.device(device).type != "cuda":
+        return False
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        import warnings
+        warnings.warn("use_liger_kernel: liger-kernel is not installed, so only cppo's chunked "
+                      "head applies; `pip install liger-kernel` for liger's kernels", stacklevel=2)
+        return False
+    _apply_liger_kernel_to_instance(model=policy, **(args.liger_kernel_config or {}))
+    return True
 
 
 def frozen_copy(model):

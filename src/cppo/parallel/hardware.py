@@ -129,6 +129,41 @@ def describe(device: torch.device | str = "cpu") -> dict:
     return info
 
 
+def cuda_tf32_available() -> bool:
+    """transformers' is_torch_tf32_available: a CUDA GPU of compute capability 8.0 or newer."""
+    return (torch.cuda.is_available() and torch.version.cuda is not None
+            and torch.cuda.get_device_properties(torch.cuda.current_device()).major >= 8)
+
+
+def tf32_setting(tf32: bool | None, *, torch_compile: bool, fp16: bool, bf16: bool,
+                 available: bool) -> bool | None:
+    """What TF32 is set to (None: left as it is), transformers' rule: tf32 when given; with
+    torch_compile and tf32 None, on unless fp16 (bf16 turns it on regardless); never where the
+    device has no TF32 (a true tf32 there is refused by the config's checks)."""
+    if not available:
+        return None
+    if tf32 is not None:
+        return tf32
+    return True if torch_compile and (not fp16 or bf16) else None
+
+
+def apply_tf32(args) -> bool | None:
+    """Set TF32 for CUDA matmuls and cuDNN as `tf32_setting` says; returns what it set."""
+    setting = tf32_setting(args.tf32, torch_compile=compiling(args), fp16=args.fp16,
+                           bf16=args.bf16, available=cuda_tf32_available())
+    if setting is not None and hasattr(torch.backends, "fp32_precision"):   # torch >= 2.9
+        torch.backends.fp32_precision = "tf32" if setting else "ieee"   # as transformers sets it
+    elif setting is not None:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = setting
+    return setting
+
+
+def compiling(args) -> bool:
+    """transformers' rule: torch_compile, or a torch_compile_backend or torch_compile_mode given."""
+    from cppo.models.compiled import compile_settings
+    return compile_settings(args) is not None
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -145,6 +180,8 @@ def slow_precision_requests(args, device: torch.device | str) -> list[str]:
     asked = []
     if getattr(args, "bf16", False):
         asked.append(("bf16", "true", "bfloat16"))
+    if getattr(args, "fp16", False):
+        asked.append(("fp16", "true", "float16"))
     for key in ("torch_dtype", "generation_dtype", "matmul_dtype"):
         value = getattr(args, key, None)
         if value in LOW_PRECISION:
@@ -225,7 +262,7 @@ def resolve_matmul_dtype(args, policy_dtype: torch.dtype, device, *, lean: tuple
             raise ConfigError(f"'matmul_dtype' is {args.matmul_dtype!r}, which needs the lean "
                               f"forward, but it does not run this model's training passes: {reason}")
         return args.matmul_dtype
-    resolved = None if args.bf16 else auto_matmul_dtype(
+    resolved = None if args.bf16 or args.fp16 else auto_matmul_dtype(
         policy_dtype, device, forward is not None, micro_batch_multiply_adds)
     if resolved and announce:
         print(f"matmul_dtype: auto -> {resolved}: the training passes' Linear matmuls run in "

@@ -67,6 +67,7 @@ class RunState:
     #                                     reward-variance streak, where > 0 (skip_zero_variance_prompts)
     entropy_coef: float | None = None   # use_adaptive_entropy: the coefficient now (None: the config's)
     last_world_entropy: float = float("inf")   # use_adaptive_entropy: the last step's mean entropy
+    fp16_scaler: dict | None = None     # fp16: the gradient scaler's state (its loss scale)
 
     def to_dict(self, **about_run) -> dict[str, Any]:
         """JSON-ready; `about_run` (config, world size, strategy) is written beside it for

@@ -77,6 +77,8 @@ def resume_run(trainer, latest: Path, log):
                      scheduler=trainer.scheduler, engine=trainer.engine, rank=trainer.dist.rank,
                      device=trainer.device)
     trainer.questions.load_state(state.questions)
+    if trainer.learner.scaler is not None and state.fp16_scaler:
+        trainer.learner.scaler.load_state_dict(state.fp16_scaler)
     if log is not None:
         log.truncate_after(state.step)
     if trainer.completions_log is not None:

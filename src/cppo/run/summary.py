@@ -53,6 +53,8 @@ def format_summary(summary: dict, plots: Sequence[Path] = ()) -> str:
         lines.append(f"asynchronous rollouts: staleness mean {a['staleness_mean']} (max "
                      f"{a['staleness_max']}), {a['dropped_stale']} round(s) dropped as stale; "
                      f"busy: generator {pct(a['generator_busy'])}, trainer {pct(a['trainer_busy'])}")
+    if "compile_seconds" in summary:
+        lines.append(f"torch.compile: {summary['compile_seconds']} s compiling (within the phases)")
     if summary.get("skipped_data_rows"):
         lines.append(f"data rows skipped while loading: {summary['skipped_data_rows']}")
     lines.append(f"run directory: {summary['output_dir']} (metrics.jsonl, summary.json"

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cppo.models.compiled import compiled_model
 from cppo.models.head import chunked_logprobs_and_entropy
 from cppo.models.lean import lean_forward_for
 
@@ -33,7 +34,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                         batch_size: int | None = None, lean: bool = True,
                         entropies: list | None = None, packed: bool = True,
                         entropy_grad: bool = False, matmul_dtype: torch.dtype | None = None,
-                        aux_losses: list | None = None) -> Tensor:
+                        aux_losses: list | None = None, compile=None,
+                        chunk_head: bool = False) -> Tensor:
     """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp), of logits
     divided by the sampling temperature (as TRL), with grad if enabled. lean: use cppo.models.lean's forward when it supports the model: each distinct prompt of a
     micro-batch is run once, and with `packed` (the default) every pass but attention, the head
@@ -44,11 +46,18 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     gradient (an entropy bonus in the loss); else they are detached. matmul_dtype (lean forward
     only): the dtype of the decoder layers' Linear matmuls (cppo.models.lean). aux_losses:
     mixture-of-experts models (the model's own forward) are asked for their router logits and
-    each chunk's load-balancing aux_loss (a scalar) is appended to it."""
+    each chunk's load-balancing aux_loss (a scalar) is appended to it. compile: a
+    cppo.models.compiled.CompileSettings (torch_compile) or None. chunk_head (use_liger_kernel):
+    the head in chunks of tokens at every size on the lean packed pass, never the full logits."""
     entropy_of = differentiable_entropy if entropy_grad else (lambda lg: token_entropy(lg.detach()))
     n, out = completion_ids.shape[0], []
     step = n if batch_size is None else batch_size
     lean_forward = lean_forward_for(model)[0] if lean and aux_losses is None else None
+    forward = model
+    if lean_forward is not None:
+        lean_forward.compile_layers(compile)   # None: the eager layers
+    elif compile is not None:
+        forward = compiled_model(model, compile)
     if matmul_dtype is not None and lean_forward is None:
         raise ValueError(f"matmul_dtype {matmul_dtype} needs the lean forward, which does not support "
                          f"this model: {lean_forward_for(model)[1] if lean else 'lean=False'}")
@@ -60,7 +69,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                                              dim=0, return_inverse=True)
             width = prompt_ids.shape[1]
             real = completion_mask[rows].bool()
-            if packed and int(real.sum()) * _vocab_size(model) > HEAD_CHUNK_ABOVE:
+            if packed and (chunk_head or int(real.sum()) * _vocab_size(model) > HEAD_CHUNK_ABOVE):
                 logps, entropy = _chunked_head(lean_forward, prompts, width, question, ids, real,
                                                temperature, matmul_dtype, entropy_grad)
                 out.append(logps)
@@ -71,7 +80,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                                                     ids, completion_mask[rows], packed=packed,
                                                     matmul_dtype=matmul_dtype)
         else:
-            logits = _model_logits(model, prompt_ids[rows], prompt_mask[rows], ids,
+            logits = _model_logits(forward, prompt_ids[rows], prompt_mask[rows], ids,
                                    completion_mask[rows], aux_losses)
         if temperature != 1.0:
             logits = logits / temperature
