@@ -35,10 +35,7 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
                                                eos_token_id=tok.eos_token_id,
                                                pad_token_id=tok.pad_token_id, hidden_size=32,
                                                num_layers=2, num_heads=2, intermediate_size=64))
-    path = tmp_path_factory.mktemp("tiny_model")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return saved(tmp_path_factory, "tiny_model", model, tok)
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +51,22 @@ def untied_model_dir(tmp_path_factory, tiny_tokenizer):
                                num_heads=2, intermediate_size=128)
     config.tie_word_embeddings = False
     model = LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("untied_model")
+    return saved(tmp_path_factory, "untied_model", model, tok)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny random Qwen3-MoE with the task tokenizer, its config's router_aux_loss_coef 0.001."""
+    from helpers.tiny_hf import build_moe
+    tok = tiny_tokenizer
+    model = build_moe(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id)
+    return saved(tmp_path_factory, "tiny_moe", model, tok)
+
+
+def saved(tmp_path_factory, name: str, model, tokenizer) -> str:
+    """The model and its tokenizer saved to a new temporary folder; its path."""
+    path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
-    tok.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return str(path)

@@ -47,15 +47,10 @@ def test_the_scoring_pass_takes_the_chunked_head_above_its_size(tiny_model_dir, 
                                                                  entropy_grad):
     """completion_logprobs with the chunked head (threshold 0) gives the full-logits pass's
     log-probs, entropies and parameter gradients; the full logits are never built."""
-    from cppo.sampling import logprobs, sampler as rollout
-    from cppo.models import load_model, load_tokenizer
+    from cppo.sampling import logprobs
     from cppo.models.lean import LeanForward
-    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    prompts = rollout.encode_prompts(tok, ["37*42=", "1*2="])
-    out = rollout.sample_completions(model, prompts, num_generations=3, max_new_tokens=6,
-                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                     generator=torch.Generator().manual_seed(0))
-    args = (prompts.ids.repeat_interleave(3, 0), prompts.mask.repeat_interleave(3, 0), out.ids, out.mask)
+    from helpers import sampled_for_scoring
+    model, args = sampled_for_scoring(tiny_model_dir)
     results = []
     for threshold in (1 << 62, 0):
         monkeypatch.setattr(logprobs, "HEAD_CHUNK_ABOVE", threshold)

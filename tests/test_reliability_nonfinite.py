@@ -72,9 +72,9 @@ def test_an_isolated_nonfinite_step_is_skipped_and_training_goes_on(tiny_model_d
     seen = []
     real_update = trainer.update
 
-    def update(batch):
+    def update(batch, *rest):
         before = [p.detach().clone() for p in trainer.policy.parameters()]
-        metrics = real_update(batch)
+        metrics = real_update(batch, *rest)
         changed = any(not torch.equal(a, p) for a, p in zip(before, trainer.policy.parameters()))
         seen.append((trainer.run_state.step + 1, metrics.get("nonfinite", False), changed))
         return metrics

@@ -125,18 +125,6 @@ def test_steps_per_generation_with_one_iteration_matches_trl(tiny_model_dir, tmp
     assert_same(trl, cppo, 4)
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory, tiny_tokenizer):
-    """A tiny random Qwen3-MoE with the task tokenizer, its config's router_aux_loss_coef 0.001."""
-    from helpers.tiny_hf import build_moe
-    tok = tiny_tokenizer
-    path = tmp_path_factory.mktemp("tiny_moe")
-    build_moe(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-              bos_token_id=tok.bos_token_id).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
 @pytest.mark.parametrize("coef, loss_type, accumulation", [(None, "dapo", 1), (0.5, "grpo", 2)])
 def test_router_aux_loss_matches_trl(tiny_moe_dir, tmp_path, monkeypatch, coef, loss_type,
                                      accumulation):

@@ -140,17 +140,6 @@ def test_router_aux_loss_coef_on_a_dense_model_is_an_error_before_training(tiny_
     make_trainer(tiny_model_dir, tmp_path / "run", router_aux_loss_coef=0.0)   # 0: off, as TRL
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory, tiny_tokenizer):
-    from helpers.tiny_hf import build_moe
-    tok = tiny_tokenizer
-    path = tmp_path_factory.mktemp("moe")
-    build_moe(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-              bos_token_id=tok.bos_token_id).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
 def test_a_mixture_of_experts_policy_trains_its_router_with_the_load_balancing_loss(
         tiny_moe_dir, tmp_path, monkeypatch):
     """One step of a tiny Qwen3-MoE (float32, transformers' own experts kernel): aux_loss is
@@ -440,3 +429,51 @@ def test_a_trl_yaml_with_these_fields_trains_and_ignores_none_of_them(thinking_m
                                     "chat_template_kwargs", "optim_args")} == {
         "steps_per_generation": 2, "data_seed": 5, "dataset_config": "hard",
         "chat_template_kwargs": {"enable_thinking": False}, "optim_args": "amsgrad=true"}
+
+
+ALL_42_FIELDS = """
+use_peft: true
+load_in_4bit: true
+load_in_8bit: false
+bnb_4bit_quant_type: nf4
+use_bnb_nested_quant: true
+bnb_4bit_quant_storage: uint8
+use_dora: true
+use_rslora: true
+lora_modules_to_save: null
+lora_target_parameters: null
+lora_task_type: CAUSAL_LM
+model_revision: main
+trust_remote_code: false
+disable_dropout: true
+cast_lm_head_to_fp32: true
+use_liger_kernel: true
+liger_kernel_config: null
+gradient_checkpointing_kwargs: {{use_reentrant: false}}
+torch_compile: false
+tf32: null
+fp16: false
+vllm_structured_outputs_regex: null
+"""
+
+
+def test_one_trl_yaml_with_every_field_of_the_issue_runs_and_ignores_none(thinking_model_dir,
+                                                                           dataset_repo, tmp_path,
+                                                                           capsys, monkeypatch):
+    """The loss, generation, optimizer and data fields above together with the model, adapter,
+    quantisation and speed fields TRL users set (QLoRA with DoRA and rsLoRA, dropout off, a
+    float32 head, liger's head): a 2-step run names none of them as ignored. (A vLLM regex needs
+    the vLLM engine: tests/test_vllm_structured.py; a MoE's aux coefficient a MoE model: above.)"""
+    pytest.importorskip("bitsandbytes")
+    from cppo import cli
+    from cppo.config.trl_fields import TRL_FIELDS
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "grpo.yaml"
+    path.write_text((TRL_YAML + ALL_42_FIELDS).format(model=thinking_model_dir, data=dataset_repo,
+                                                      out=tmp_path / "run"))
+    assert cli.main(["train", "--config", str(path), "--pruning_rate", "0"]) == 0
+    err = capsys.readouterr().err
+    named = {line.split()[0] for line in err.splitlines()   # the ignored block's "  key  reason"
+             if line.startswith("  ") and line.split() and line.split()[0] in TRL_FIELDS}
+    assert named == set(), err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2

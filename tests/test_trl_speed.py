@@ -56,15 +56,10 @@ def test_compile_settings_follow_transformers_rule():
 def test_compile_runs_the_training_passes_through_the_backend(tiny_model_dir, lean):
     """Lean forward: its per-layer work is compiled; without it, the model's own forward. The
     log-probs and gradients are the eager pass's."""
-    from cppo.models import load_model, load_tokenizer
     from cppo.models.compiled import CompileSettings
-    from cppo.sampling import logprobs, sampler as rollout
-    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    prompts = rollout.encode_prompts(tok, ["37*42=", "1*2="])
-    out = rollout.sample_completions(model, prompts, num_generations=3, max_new_tokens=6,
-                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                     generator=torch.Generator().manual_seed(0))
-    args = (prompts.ids.repeat_interleave(3, 0), prompts.mask.repeat_interleave(3, 0), out.ids, out.mask)
+    from cppo.sampling import logprobs
+    from helpers import sampled_for_scoring
+    model, args = sampled_for_scoring(tiny_model_dir)
     results = []
     for settings in (None, CompileSettings("cppo_counting")):
         torch._dynamo.reset()   # compiled code is cached per function: start afresh

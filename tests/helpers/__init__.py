@@ -151,3 +151,18 @@ def raising_reward(prompts, completions, completion_ids=None, **kw):
 def nan_reward(prompts, completions, completion_ids=None, **kw):
     """A broken user reward: NaN for every completion."""
     return [float("nan") for _ in completions]
+
+
+def sampled_for_scoring(model_dir: str):
+    """The tiny model and completion_logprobs' arguments (prompt ids, prompt mask, completion
+    ids, completion mask) for 3 sampled completions of each of two prompts (seed 0)."""
+    import torch
+    from cppo.models import load_model, load_tokenizer
+    from cppo.sampling import sampler
+    model, tok = load_model(model_dir), load_tokenizer(model_dir)
+    prompts = sampler.encode_prompts(tok, ["37*42=", "1*2="])
+    out = sampler.sample_completions(model, prompts, num_generations=3, max_new_tokens=6,
+                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                     generator=torch.Generator().manual_seed(0))
+    return model, (prompts.ids.repeat_interleave(3, 0), prompts.mask.repeat_interleave(3, 0),
+                   out.ids, out.mask)

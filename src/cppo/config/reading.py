@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from cppo.config.options import field_types, unwrap_optional
+from cppo.config.options import field_types, json_mapping, unwrap_optional
 from cppo.errors import ConfigError
 
 
@@ -54,23 +54,6 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' must hold a mapping of key: value, "
                           f"got {type(data).__name__}")
     return data
-
-
-
-
-def _mapping(raw, key: str, source: str) -> dict:
-    if isinstance(raw, (list, tuple)) and len(raw) == 1:   # `--name '{...}'`
-        raw = raw[0]
-    if isinstance(raw, str):
-        import json
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{source}: '{key}' is {raw!r}, not a JSON object: {err}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: '{key}' expects a mapping (JSON on the command line), "
-                          f"got {raw!r}")
-    return dict(raw)
 
 
 _TRUE = {"true", "yes", "1", "on"}
@@ -121,7 +104,7 @@ def coerce(fld: dataclasses.Field, raw: Any, *, cls, source: str = "config") -> 
             return None
         raise ConfigError(f"{source}: '{fld.name}' may not be None")
     if tp is dict or typing.get_origin(tp) is dict:   # TRL's command line takes a dict as JSON
-        return _mapping(raw, fld.name, source)
+        return json_mapping(raw, fld.name, source)
     if typing.get_origin(tp) is list:
         (item,) = typing.get_args(tp)
         items = raw   # a list, or "a,b", or (command line) ["a", "b"] / ["a,b"]

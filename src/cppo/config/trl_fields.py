@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from cppo.config.options import json_mapping
+
 _MISSING = object()
 
 # reasons shared by many fields
@@ -158,18 +160,7 @@ def _generation_kwargs(value, _):
     SamplingParams): the keys cppo's samplers know set the fields of those names."""
     if not value:
         return {}
-    if isinstance(value, str):   # TRL's command line takes it as JSON
-        import json
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            from cppo.errors import ConfigError
-            raise ConfigError(f"'generation_kwargs' is {value!r}, not a JSON object: {err}") from None
-    if not isinstance(value, dict):
-        from cppo.errors import ConfigError
-        raise ConfigError(f"'generation_kwargs' is {value!r}; expected a mapping of generation "
-                          f"arguments")
-    value = dict(value)
+    value = json_mapping(value, "generation_kwargs")   # TRL's command line takes it as JSON
     out = {key: value.pop(key) for key in GENERATION_KEYS if key in value}
     if value.get("do_sample", True) is True:   # cppo samples, as TRL's default
         value.pop("do_sample", None)
