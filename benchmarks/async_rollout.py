@@ -13,11 +13,12 @@ Each row is a fresh `cppo train` process; its first steps (the generator's start
 counted. Reported per row: seconds per optimizer step and per training question, the speed-up
 over sync, the overlap bound measured in the sync row of the same run, 1 / max(generation share,
 training share), and the share of that bound reached; mean staleness and rounds dropped as stale.
-`--accuracy` adds held-out greedy accuracy at equal training steps (3 seeds, embedded default).
+`--accuracy` adds held-out greedy accuracy after the same training steps (3 seeds, embedded
+default) to the committed results.
 A projection feeds the measured phase times to a simulator of 1+1 and 4+4 device splits.
 
     python benchmarks/async_rollout.py                       # embedded default and real shape
-    python benchmarks/async_rollout.py --models embedded --accuracy
+    python benchmarks/async_rollout.py --accuracy              # + held-out accuracy, 3 seeds
     python benchmarks/async_rollout.py --real quick          # the small real-shape model
 
 Writes benchmarks/results/async_rollout/results.md and results.json.
@@ -171,7 +172,7 @@ def accuracy_rows() -> list[dict]:
             for seed in SEEDS:
                 out = Path(tempfile.mkdtemp(prefix="cppo_async_acc_"))
                 values = run_config("embedded", "", algorithm, staleness, seed, ACCURACY_STEPS,
-                                    out, eval_steps=ACCURACY_STEPS // 3)
+                                    out)   # held-out accuracy before and after
                 m = measure(values, warm=4)
                 rows.append({"algorithm": algorithm, "mode": mode, "seed": seed,
                              "accuracy": m["accuracy"], "wall_s": m["seconds_per_step"] * ACCURACY_STEPS})
@@ -193,8 +194,13 @@ def write(result: dict) -> None:
                      f"| {100 * r['of_bound']:.0f} % | {r['staleness_mean']:.2f} | "
                      f"{r['dropped_stale']:.0f} |")
     lines += ["", "bound: the sync row's step over the longer of its two sides (the generator's "
-              "sampling seconds per round; the trainer's step less its wait for the round). s/question: per training "
-              "question (CPPO trains on 4x GRPO's questions per step at the embedded default).", ""]
+              "sampling seconds per round; the trainer's step less its wait for the round); "
+              "'of bound' is the speed-up over it. s/question: per training question (CPPO "
+              "samples 4x GRPO's questions per step at the embedded default's P = 0.75, 8x at "
+              "the real shape's P = 0.875). staleness: the trained rounds' mean; short runs "
+              "(the real shape's 6 steps) end before the generator is max_staleness rounds "
+              "ahead. Real shape: real_shape.py's model (--real quick: 4 layers, 32k "
+              "vocabulary, G = 8, 64 new tokens; generation from a bfloat16 copy).", ""]
     if result.get("projection"):
         lines += ["## Projection (simulator fed with the sync rows' phase times)", "",
                   "| model | algorithm | split | sync s/step | async S=2 s/step | speed-up |",
@@ -205,7 +211,9 @@ def write(result: dict) -> None:
         lines.append("")
     if result.get("accuracy"):
         lines += [f"## Held-out greedy accuracy after {ACCURACY_STEPS} steps (embedded default, "
-                  f"seeds {', '.join(map(str, SEEDS))})", "",
+                  f"seeds {', '.join(map(str, SEEDS))}; `{result.get('accuracy_command')}`)", "",
+                  "Equal steps are equal training questions within an algorithm; the wall "
+                  "seconds are each run's training rounds at the measured rate.", "",
                   "| algorithm | mode | accuracy (mean) | per seed | wall s (mean) |",
                   "|---|---|---|---|---|"]
         groups = {}
@@ -225,13 +233,22 @@ def main() -> None:
                         choices=["embedded", "real"])
     parser.add_argument("--real", default="full", choices=["full", "quick"])
     parser.add_argument("--accuracy", action="store_true")
+    parser.add_argument("--render", action="store_true", help="rewrite results.md from results.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
+    if args.render:
+        return write(json.loads((OUT / "results.json").read_text()))
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs 2 cores (trainer on core 0, generator on core 1)")
     import torch
+    if args.accuracy:   # added to the committed speed rows
+        result = json.loads((OUT / "results.json").read_text())
+        result["accuracy"] = accuracy_rows()
+        result["accuracy_command"] = "python benchmarks/async_rollout.py --accuracy"
+        write(result)
+        return print((OUT / "results.md").read_text())
     result = {"cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(),
               "command": "python benchmarks/async_rollout.py " + " ".join(sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d"), "speed": speed_rows(args.models, args.real)}
@@ -240,8 +257,6 @@ def main() -> None:
          "sync": simulate(r["generate_s"], r["train_s"] - r["weight_sync_s"], r["weight_sync_s"], n, 0),
          "async": simulate(r["generate_s"], r["train_s"] - r["weight_sync_s"], r["weight_sync_s"], n, 2)}
         for r in result["speed"] if r["mode"] == "sync" for n in (1, 4)]
-    if args.accuracy:
-        result["accuracy"] = accuracy_rows()
     write(result)
     print((OUT / "results.md").read_text())
 

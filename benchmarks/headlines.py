@@ -169,6 +169,19 @@ def sampling_step(data: dict) -> str:
             + f"-token vocabulary than softmax + cumsum + log-softmax ({cpu(data['machine'])})")
 
 
+def async_rollout(data: dict) -> str:
+    speed = {(r["model"], r["algorithm"], r["mode"]): r for r in data["speed"]}
+    parts = []
+    for model in dict.fromkeys(r["model"] for r in data["speed"]):
+        best = max((r for key, r in speed.items() if key[0] == model and key[1] == "CPPO"
+                    and key[2] != "sync"), key=lambda r: r["speedup"])
+        parts.append(f"{model}: {best['speedup']:.2f}x the synchronous step at "
+                     f"{best['mode'].removeprefix('async ')} ({100 * best['of_bound']:.0f} % of the "
+                     f"overlap bound {best['bound']:.2f}x)")
+    machine = {"cpu": data["cpu"], "cpu_capability": data["capability"]}
+    return f"CPPO, trainer and generator on a core each: {'; '.join(parts)} ({cpu(machine)})"
+
+
 HEADLINES = [
     Headline("`cppo train`, the embedded default (CPPO G = 8, P = 0.75, 600 steps)",
              f"{RESULTS}/default_run/shared_prefixes/results.json",
@@ -201,6 +214,10 @@ HEADLINES = [
              readme=False),
     Headline("A decode step's draw", f"{RESULTS}/sampling_step/results.json",
              "python benchmarks/sampling_step.py", sampling_step, readme=False),
+    Headline("Asynchronous rollouts (async_rollout) on split cores",
+             f"{RESULTS}/async_rollout/results.json",
+             "python benchmarks/async_rollout.py --models embedded real --real quick",
+             async_rollout, readme=False),
 ]
 
 
