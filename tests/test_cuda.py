@@ -165,3 +165,24 @@ def test_qlora_trains_on_the_gpu(untied_model_dir, tmp_path):
     ids = torch.tensor([[5, 6, 7, 8, 9]], device="cuda")
     with torch.no_grad():
         assert (merged(ids).logits - policy.eval()(ids).logits).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_async_rollout_generator_process_on_the_gpu(tiny_model_dir, tmp_path, max_staleness):
+    """async_rollout on CUDA: the generator process receives the staging copy through CUDA IPC
+    (torch.multiprocessing), samples on the GPU and takes the pushed weights; the run trains and
+    every trained round is within max_staleness."""
+    import json
+    from cppo.trainer import CPPOTrainer
+    cfg = CPPOConfig(model=tiny_model_dir, output_dir=str(tmp_path), max_steps=3, num_generations=4,
+                     per_device_train_batch_size=8, pruning_rate=0.5, max_completion_length=5,
+                     eval_steps=0, progress_bar=False, learning_rate=1e-3, async_rollout=True,
+                     max_staleness=max_staleness)
+    with CPPOTrainer(model=load_model(tiny_model_dir), processing_class=load_tokenizer(tiny_model_dir),
+                     reward_funcs=[odd_length_reward], args=cfg, train_dataset=ROWS,
+                     eval_dataset=ROWS[:8]) as trainer:
+        assert trainer.device.type == "cuda"
+        summary = trainer.train()
+    assert summary["status"] == "completed" and summary["steps"] == 3
+    rows = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r]
+    assert max(r["sample/staleness_max"] for r in rows) <= max_staleness
