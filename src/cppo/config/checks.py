@@ -209,10 +209,6 @@ def _check_speed(cfg) -> None:
         known = torch._dynamo.list_backends(exclude_tags=())
         check(backend in known, f"'torch_compile_backend' is {backend!r}; torch.compile's "
               f"backends here: {', '.join(known)}")
-    for key in ("gradient_checkpointing_kwargs", "liger_kernel_config"):
-        value = getattr(cfg, key)
-        check(value is None or isinstance(value, dict),
-              f"'{key}' is {value!r}; expected a mapping of keyword arguments (or null)")
     if cfg.gradient_checkpointing_kwargs:
         import inspect
         from torch.utils.checkpoint import checkpoint
@@ -444,7 +440,8 @@ def _check_trl_knobs(cfg) -> None:
           f"(the model config's)")
     check(cfg.data_seed is None or 0 <= cfg.data_seed < 2**32,
           f"'data_seed' is {cfg.data_seed}; allowed: 0 <= data_seed < 2**32, or None (seed)")
-    for key in ("chat_template_kwargs", "lr_scheduler_kwargs"):
+    for key in ("chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs",
+                "liger_kernel_config"):
         value = getattr(cfg, key)
         check(value is None or (isinstance(value, dict) and all(isinstance(k, str) for k in value)),
               f"'{key}' is {value!r}; expected a mapping of argument names to values")

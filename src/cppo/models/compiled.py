@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass(frozen=True)
 class CompileSettings:
     """torch.compile's backend and mode (None: torch's default mode)."""

@@ -302,9 +302,10 @@ class ServerGenerator(_Generator):
                                       f"({reply.status_code}: {reply.text[:300]}); start it with "
                                       f"VLLM_SERVER_DEV_MODE=1 so that /collective_rpc exists")
             self.backend.client.reset_prefix_cache()
-            if self.loaded is not None:
-                shutil.rmtree(self.loaded[1], ignore_errors=True)
             self.loaded = latest
+            for folder in self.weights_dir.glob("version-*"):   # older pushes, loaded or skipped
+                if int(folder.name.removeprefix("version-")) < latest[0]:
+                    shutil.rmtree(folder, ignore_errors=True)
         return self.loaded[0] if self.loaded is not None else -1
 
     def _run(self) -> None:
