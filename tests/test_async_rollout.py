@@ -113,8 +113,8 @@ def test_no_round_staler_than_the_bound_reaches_the_loss(tiny_model_dir, tmp_pat
 
 
 class FakeGenerator:
-    """GeneratorProcess's interface (submit, receive, push): each task answered in order with
-    the next of `versions` as the version that sampled it."""
+    """ProcessShare's interface (submit, receive, push): each task answered in order with the
+    next of `versions` as the version that sampled it."""
 
     def __init__(self, versions):
         self.versions, self.tasks, self.submitted = iter(versions), deque(), []
@@ -139,11 +139,11 @@ def test_a_stale_round_is_dropped_and_sampled_again():
     (the same round, the same rows); its second arrival (1 behind) is the one trained on."""
     generator = FakeGenerator([2, 4])
     scheduler = RolloutScheduler(generator, lookahead=0, max_staleness=2)
-    draws = iter([([{"q": 0}], [0])])
+    draws = iter([([[{"q": 0}]], [0])])   # one process's rows
     scheduler.fill(0, 10, lambda: next(draws), lambda: {"epoch": 0, "position": 0})
     head, arrival, stale, _ = scheduler.take(version=5)
     assert (arrival.version, stale, scheduler.dropped_stale) == (4, 1, 1)
-    assert [(t.round_index, t.rows) for t in generator.submitted] == [(0, [{"q": 0}])] * 2
+    assert [(t.round_index, t.rows) for t in generator.submitted] == [(0, [[{"q": 0}]])] * 2
     assert head.task.task_id == generator.submitted[1].task_id
 
 
@@ -157,7 +157,7 @@ def test_rounds_are_submitted_ahead_and_the_checkpoint_replays_them():
 
     def take():
         state["position"] = next(position)
-        return [{"q": state["position"]}], [state["position"]]
+        return [[{"q": state["position"]}]], [state["position"]]
     scheduler.fill(0, 10, take, lambda: dict(state))
     assert [t.round_index for t in generator.submitted] == [0, 1, 2]
     scheduler.take(version=0)
@@ -181,7 +181,7 @@ def test_a_resumed_run_replays_the_rounds_in_flight(tiny_model_dir, tmp_path):
 
 
 def _generator_pid(trainer) -> int:
-    return trainer.rollouts.generator.process.pid
+    return trainer.rollouts.generator.generator.process.pid
 
 
 @pytest.mark.parametrize("how", ["killed", "hung"])
@@ -201,7 +201,7 @@ def test_a_generator_that_dies_or_hangs_is_an_error_within_the_heartbeat(tiny_mo
     with trainer, pytest.raises(GeneratorError) as err:
         trainer.train()
     assert ("signal 9" if how == "killed" else "no heartbeat") in str(err.value)
-    assert trainer.rollouts.generator.process.exitcode is not None   # stopped, not left behind
+    assert trainer.rollouts.generator.generator.process.exitcode is not None   # stopped, not left behind
     assert (tmp_path / "run" / "checkpoint-2" / "COMPLETE").exists()
 
 

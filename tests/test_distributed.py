@@ -610,3 +610,110 @@ def test_run_state_round_trips_and_reads_earlier_checkpoints():
     assert ckpt.RunState.from_dict(saved) == state
     earlier = ckpt.RunState.from_dict({"step": 3, "wall_time": 12.5, "counters": {"skipped_steps": 1}})
     assert earlier.wall_offset == 12.5 and earlier.counters["tokens_generated"] == 0
+
+
+# --- asynchronous rollouts under torchrun: 2 training processes, one generator process ----------
+ASYNC_STEPS = 6   # 3 rounds x mu = 2
+
+
+def async_spec(model_dir, output_dir, **extra) -> dict:
+    """spec()'s 2-process ddp run in float64 over 3 rounds (float64: see
+    test_async_rollout.test_max_staleness_0_is_the_synchronous_run), synchronous unless extra
+    says async_rollout."""
+    return spec(model_dir, output_dir, batch=2, scope="global", max_steps=ASYNC_STEPS,
+                torch_dtype="float64", generation_dtype=None, matmul_dtype=None, **extra)
+
+
+def weights_at(run_dir: Path, step: int) -> dict:
+    return load_file(run_dir / f"checkpoint-{step}" / "model.safetensors")
+
+
+def generator_pid(log: Path) -> int:
+    import re
+    return int(re.search(r"generator process \(pid (\d+)\)", log.read_text()).group(1))
+
+
+@pytest.fixture(scope="module")
+def async_runs(tiny_model_dir, tmp_path_factory):
+    """{name: (run dir, torchrun log)}: sync, and async_rollout at max_staleness 0 and 2."""
+    root = tmp_path_factory.mktemp("async")
+    out = {}
+    for name, extra in (("sync", {}), ("async0", dict(async_rollout=True, max_staleness=0)),
+                        ("async2", dict(async_rollout=True, max_staleness=2))):
+        _, log = torchrun(async_spec(tiny_model_dir, root / name, **extra), root / f"{name}.json")
+        out[name] = (root / name, log)
+    return out
+
+
+def test_async_rollout_with_two_trainers_at_max_staleness_0_is_the_synchronous_run(async_runs):
+    """One generator process samples both processes' questions, each part as that process would
+    (its own seeds and padding), and each process trains on its own part: the same questions per
+    process, losses and weights (float64 round-off, 1e-10) as the synchronous 2-process run. A
+    process given the other's part, or the whole round, changes the weights by far more."""
+    (sync, _), (run, log) = async_runs["sync"], async_runs["async0"]
+    assert "2 training processes" in log.read_text()
+    for rank in (0, 1):
+        assert json.loads((run / f"questions-rank{rank}.json").read_text()) == \
+            json.loads((sync / f"questions-rank{rank}.json").read_text())
+    a, b = records(sync), records(run)
+    assert len(a) == len(b) == ASYNC_STEPS // 2
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "kl", "reward"):
+            assert y[key] == pytest.approx(x[key], rel=1e-9, abs=1e-12), key
+    expected, got = weights_at(sync, ASYNC_STEPS), weights_at(run, ASYNC_STEPS)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=1e-10, rtol=0, msg=name)
+
+
+def test_async_rollout_with_two_trainers_trains_on_stale_rounds_within_the_bound(async_runs):
+    """max_staleness 2 (a round sampled one round ahead): both processes take the same arrivals,
+    so they report the same staleness, and no trained round is staler than the bound."""
+    run, _ = async_runs["async2"]
+    figures = [json.loads((run / f"summary-rank{r}.json").read_text())["asynchronous"]
+               for r in (0, 1)]
+    assert figures[0] == {**figures[1], "generator_busy": figures[0]["generator_busy"],
+                          "trainer_busy": figures[0]["trainer_busy"]}
+    assert figures[0]["staleness_max"] == 2 and figures[0]["dropped_stale"] == 0
+    assert max(r["sample/staleness_max"] for r in records(run)) <= 2
+
+
+def test_sigterm_under_torchrun_stops_trainers_and_generator_then_resume_is_identical(
+        async_runs, tiny_model_dir, tmp_path):
+    """SIGTERM to the torchrun agent while rank 1 is inside the second round: both processes
+    finish the round, save checkpoint-4 and exit 143, the generator process ends with them, and
+    --resume replays the third round: the same weights as the uninterrupted run (float64
+    round-off)."""
+    run = tmp_path / "terminated"
+    config = async_spec(tiny_model_dir, run, async_rollout=True, max_staleness=0,
+                        park_at_step=[1, 2])
+    proc, log = torchrun(config, tmp_path / "sigterm.json", wait=False)
+    wait_for(run / "parked-rank1", [proc], [log])
+    generator = generator_pid(log)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=240) != 0, log.read_text()[-3000:]
+    assert [int((run / f"exit-rank{r}").read_text()) for r in (0, 1)] == [143, 143]
+    assert gone(generator) or "State:\tZ" in Path(f"/proc/{generator}/status").read_text()
+    assert ckpt.latest_checkpoint(run) == run / "checkpoint-4"
+    config["config"]["resume"], config["park_at_step"] = True, None
+    torchrun(config, tmp_path / "resume.json")
+    expected, got = weights_at(async_runs["async0"][0], ASYNC_STEPS), weights_at(run, ASYNC_STEPS)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=1e-10, rtol=0, msg=name)
+
+
+def test_a_killed_generator_under_torchrun_is_an_error_on_every_process(tiny_model_dir, tmp_path):
+    """The generator SIGKILLed while rank 0 is inside the second round: rank 0 reports it when it
+    next waits for a round, and rank 1, waiting for its part, gets the same error instead of
+    hanging in the collective; checkpoint-4 stays."""
+    run = tmp_path / "killed"
+    config = async_spec(tiny_model_dir, run, async_rollout=True, max_staleness=0,
+                        park_at_step=[0, 2], save_steps=1)
+    proc, log = torchrun(config, tmp_path / "killed.json", wait=False)
+    wait_for(run / "parked-rank0", [proc], [log])
+    os.kill(generator_pid(log), signal.SIGKILL)
+    (run / "stop-rank0").touch()
+    assert proc.wait(timeout=240) != 0
+    text = log.read_text()
+    assert "GeneratorError: the generator process" in text and "signal 9" in text, text[-3000:]
+    assert "GeneratorError: on the first process: the generator process" in text, text[-3000:]
+    assert (run / "checkpoint-4" / "COMPLETE").exists()

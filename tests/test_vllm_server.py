@@ -177,7 +177,7 @@ def test_async_rollout_trains_with_the_server_as_its_generator(server, tmp_path)
                     if "loss" in r]
             assert [r["step"] for r in rows] == [1, 2, 3]
             assert max(r["sample/staleness_max"] for r in rows) <= 1
-            trainer.rollouts.generator._reload()   # the last push (after step 3) to the server
+            trainer.rollouts.generator.generator._reload()   # the last push (after step 3) to the server
             probe = backend_for(path, url)
             prompts = encode_prompts(probe.tokenizer, PROMPTS, probe.args.max_prompt_length)
             out = probe.generate(prompts, round_index=0)

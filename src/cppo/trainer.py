@@ -209,9 +209,12 @@ class CPPOTrainer:
 
     def arrived_round(self) -> tuple:
         """async_rollout: this round as it arrived from the generator (cppo.sampling.async_rollout)."""
+        def every_process_rows() -> tuple[list[list[dict]], list[int]]:
+            order = self.take_questions()[1]
+            return [self.rows_of(order, rank) for rank in range(self.dist.world_size)], order
         rows, order, prompts, completions, metrics = self.rollouts.next_round(
             self.round_index, (self.total_steps - 1) // self.args.steps_per_round,
-            version=self.run_state.step, take_questions=lambda: self.take_questions()[:2],
+            version=self.run_state.step, take_questions=every_process_rows,
             questions_state=self.questions.state)
         return rows, order, None, prompts, completions, None, metrics
 
@@ -229,8 +232,12 @@ class CPPOTrainer:
                                            self.args.skip_exploration_floor, gen)
         else:
             order, skipped = self.questions.take(want), None
-        mine = order[self.dist.rank * q:(self.dist.rank + 1) * q]
-        return [self.task.train_rows[i] for i in mine], order, skipped
+        return self.rows_of(order, self.dist.rank), order, skipped
+
+    def rows_of(self, order: list[int], rank: int) -> list[dict]:
+        """Process `rank`'s contiguous part of the round's question order, as rows."""
+        q = self.plan.questions_per_step
+        return [self.task.train_rows[i] for i in order[rank * q:(rank + 1) * q]]
 
     def generate(self, rows: list[dict]) -> tuple[PromptBatch, Completions]:
         """G completions per row through the generation backend (cppo.sampling.generation); or,
@@ -413,7 +420,8 @@ class CPPOTrainer:
                               generation_dtype=self.generation_dtype,
                               questions_per_round=self.plan.questions_per_step,
                               backend=self.backend, weights_dir=self.output_dir / ".async_weights",
-                              world_size=self.dist.world_size, rollout_func=self.rollout_func)
+                              dist=self.dist, strategy=self.engine.strategy,
+                              gathered=self.engine.gathered, rollout_func=self.rollout_func)
 
     def _request_stop(self, signum, frame) -> None:
         """SIGINT / SIGTERM handler: the loop stops after this step (cppo.run.signals)."""

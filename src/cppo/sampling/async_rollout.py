@@ -13,12 +13,20 @@ behaviour log-prob, so the trainer can drop a round that is too stale
 max_staleness), takes each round's arrival in order, and keeps what a checkpoint needs (the
 question stream's state before the oldest round not yet trained on, so a resumed run replays
 the in-flight rounds: the same questions, the same seeds).
+
+Under torchrun (N training processes, one generator) the first process holds the generator: a
+round's task carries every process's questions, each process's part is sampled as that process
+would sample it in a synchronous run, and `ProcessShare` hands each process its part of each
+arrival (a scatter). Every process then makes the same decisions (the same arrivals, versions
+and drops), so their schedulers stay in step without further messages.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
+import dataclasses
 import functools
 import multiprocessing.connection
 import os
@@ -34,6 +42,7 @@ from pathlib import Path
 
 import requests
 import torch
+import torch.distributed
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
@@ -53,22 +62,44 @@ POLL_S = 0.2              # how often a waiting trainer checks the generator
 
 @dataclass
 class RolloutTask:
-    """One round to sample: its rows (this process's questions) and the round index that seeds it."""
+    """One round to sample: each training process's rows (its questions, in rank order) and the
+    round index that seeds it."""
 
     task_id: int
     round_index: int
-    rows: list[dict]
+    rows: list[list[dict]]
+
+
+@dataclass
+class Sampled:
+    """A round as the generator sampled it: the policy version that sampled it, each process's
+    prompts (Q rows) and completions (Q x G rows), in rank order, and the seconds it took."""
+
+    task_id: int
+    version: int
+    prompts: list[PromptBatch]
+    completions: list[Completions]
+    seconds: float
+
+    def part(self, rank: int) -> "Arrival":
+        return Arrival(self.task_id, self.version, self.prompts[rank], self.completions[rank],
+                       self.seconds)
 
 
 @dataclass
 class Arrival:
-    """A sampled round: the policy version that sampled it and the seconds the sampling took."""
+    """This process's part of a sampled round: the policy version that sampled it, the prompts
+    (Q rows), completions (Q x G rows) and the seconds the sampling took."""
 
     task_id: int
     version: int
     prompts: PromptBatch
     completions: Completions
     seconds: float
+
+    def to(self, device) -> "Arrival":
+        return dataclasses.replace(self, prompts=self.prompts.to(device),
+                                   completions=self.completions.to(device))
 
 
 @dataclass
@@ -135,8 +166,9 @@ def generator_main(staging, names, lock, version, heartbeat, tasks, results, bui
                     _copy_parameters(model, staging, names)
                     mine = version.value
             start = time.perf_counter()
-            prompts, completions = generation.sample(task.rows, task.round_index)
-            results.put(Arrival(task.task_id, mine, prompts, completions,
+            parts = [dataclasses.replace(generation, rank=rank).sample(rows, task.round_index)
+                     for rank, rows in enumerate(task.rows)]   # as each process would sample
+            results.put(Sampled(task.task_id, mine, [p for p, _ in parts], [c for _, c in parts],
                                 time.perf_counter() - start))
     except Exception:   # the trainer raises it, with the generator's traceback
         results.put(_Failure(traceback.format_exc()))
@@ -149,7 +181,7 @@ class _Generator:
     Subclasses set self.results, self.stale_after, self.heartbeat (a Value: 0 until started),
     self.started, and define _ended() -> str | None, _stop() and `name`."""
 
-    def receive(self) -> Arrival:
+    def receive(self) -> Sampled:
         """The next sampled round. A generator that ended, failed or went heartbeat_stale_after_s
         without a heartbeat raises GeneratorError (never a hang)."""
         while True:
@@ -206,6 +238,9 @@ class GeneratorProcess(_Generator):
                   self.results, build, threads, cpus))
         self.process.start()
         self.name = f"generator process (pid {self.process.pid})"
+        # before multiprocessing's own exit handler, which would wait for a daemon process that
+        # ignores its SIGTERM: a script that never calls close() still ends
+        atexit.register(self.close)
 
     def push(self, policy, version: int) -> float:
         """Copy the policy's trainable weights to the staging copy as `version`; the seconds it took."""
@@ -230,6 +265,7 @@ class GeneratorProcess(_Generator):
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask the process to end after its round (waiting `timeout` s); stop it if it does not."""
+        atexit.unregister(self.close)
         if self.process.exitcode is None and timeout > 0:
             with contextlib.suppress(Exception):
                 self.tasks.put(None)
@@ -314,10 +350,12 @@ class ServerGenerator(_Generator):
                 self.heartbeat.value = time.time()
                 version = self._reload()
                 start = time.perf_counter()
-                prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in task.rows],
-                                         self.args.max_prompt_length)
-                completions = self.backend.generate(prompts, round_index=task.round_index)
-                self.results.put(Arrival(task.task_id, version, prompts, completions,
+                prompts = [encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
+                                          self.args.max_prompt_length) for rows in task.rows]
+                completions = [self.backend.generate(p, round_index=task.round_index,
+                                                     question_offset=rank * len(p))
+                               for rank, p in enumerate(prompts)]   # as each process would
+                self.results.put(Sampled(task.task_id, version, prompts, completions,
                                          time.perf_counter() - start))
                 self.heartbeat.value = 0.0
         except Exception:
@@ -335,6 +373,53 @@ class ServerGenerator(_Generator):
         shutil.rmtree(self.weights_dir, ignore_errors=True)
 
 
+class ProcessShare:
+    """The generator as each training process sees it. Under torchrun the first process holds it
+    (`generator`; None on the others): it submits the rounds (every process's rows), pushes the
+    weights and scatters each sampled round's parts, and each process receives its own on its
+    device. A generator error on the first process reaches every process as the same
+    GeneratorError. One process: the round's only part. gathered: the engine's context that
+    holds the full weights (fsdp), entered by every process around a push."""
+
+    def __init__(self, generator, dist, device, gathered=contextlib.nullcontext) -> None:
+        self.generator, self.dist, self.device, self.gathered = generator, dist, device, gathered
+        self.name = generator.name if generator is not None else "generator of the first process"
+
+    def submit(self, task: RolloutTask) -> None:
+        if self.generator is not None:
+            self.generator.submit(task)
+
+    def receive(self) -> Arrival:
+        if not self.dist.active:
+            return self.generator.receive().part(0)
+        parts = None
+        if self.generator is not None:
+            try:
+                got = self.generator.receive()
+            except GeneratorError as error:
+                self._scatter([_Failure(str(error))] * self.dist.world_size)
+                raise
+            parts = [got.part(rank).to("cpu") for rank in range(self.dist.world_size)]
+        mine = self._scatter(parts)
+        if isinstance(mine, _Failure):
+            raise GeneratorError(f"on the first process: {mine.text}")
+        return mine.to(self.device)
+
+    def _scatter(self, parts: list | None):
+        box = [None]
+        torch.distributed.scatter_object_list(box, parts, src=0)
+        return box[0]
+
+    def push(self, policy, version: int) -> float:
+        """Every process enters (fsdp gathers); the first one pushes. Its seconds (0 elsewhere)."""
+        with self.gathered():
+            return 0.0 if self.generator is None else self.generator.push(policy, version)
+
+    def close(self) -> None:
+        if self.generator is not None:
+            self.generator.close()
+
+
 @dataclass
 class _Pending:
     task: RolloutTask
@@ -347,9 +432,10 @@ class RolloutScheduler:
     """The trainer's side of asynchronous rollouts: rounds submitted ahead, their arrivals, the
     dropped stale ones and the counts the metrics report."""
 
-    generator: GeneratorProcess
+    generator: ProcessShare
     lookahead: int            # rounds submitted beyond the one trained next
     max_staleness: int
+    rank: int = 0             # this process's part of each round
     pending: deque = field(default_factory=deque)   # _Pending, in round order
     arrived: dict = field(default_factory=dict)     # task_id -> Arrival
     next_task: int = 0
@@ -370,8 +456,8 @@ class RolloutScheduler:
 
     def fill(self, round_index: int, last_round: int, take_questions, questions_state) -> None:
         """Submit rounds round_index .. round_index + lookahead (never past last_round) not yet
-        submitted. take_questions() -> (rows, order) draws the next round's questions;
-        questions_state() is the stream's state before it."""
+        submitted. take_questions() -> (each process's rows, order) draws the next round's
+        questions; questions_state() is the stream's state before it."""
         submitted = self.pending[-1].task.round_index if self.pending else round_index - 1
         for r in range(submitted + 1, min(round_index + self.lookahead, last_round) + 1):
             before = questions_state()
@@ -408,12 +494,13 @@ class RolloutScheduler:
 
     def next_round(self, round_index: int, last_round: int, *, version: int, take_questions,
                    questions_state) -> tuple:
-        """Submit the rounds ahead (fill), then take round_index's arrival (take): its rows,
-        question order, prompts, completions and metrics."""
+        """Submit the rounds ahead (fill), then take round_index's arrival (take): this process's
+        rows, the round's question order, this process's prompts, completions and metrics."""
         self.fill(round_index, last_round, take_questions, questions_state)
         head, arrival, stale, waited = self.take(version)
-        return (head.task.rows, head.order, arrival.prompts, arrival.completions,
-                self.metrics(arrival, stale, waited, len(head.task.rows)))
+        rows = head.task.rows[self.rank]
+        return (rows, head.order, arrival.prompts, arrival.completions,
+                self.metrics(arrival, stale, waited, len(rows)))
 
     def questions_state(self, current: dict) -> dict:
         """What a checkpoint stores: the stream's state before the oldest round not trained on
@@ -449,33 +536,51 @@ class RolloutScheduler:
 
 def start_rollouts(policy, tokenizer, args, *, version: int, chunk_size: int,
                    generation_dtype: str | None, questions_per_round: int, backend,
-                   weights_dir: Path, world_size: int, rollout_func) -> RolloutScheduler:
+                   weights_dir: Path, dist, strategy: str, gathered,
+                   rollout_func) -> RolloutScheduler:
     """The generator (cppo's sampler in its own process; with use_vllm, the vLLM server that
-    `backend` talks to) on the policy's weights as `version`, and the trainer's scheduler: rounds
-    ahead as max_staleness, max_inflight_tasks and queue_maxsize allow."""
-    if world_size > 1 or rollout_func is not None:
-        raise ConfigError("'async_rollout' runs one training process with its generator: got "
-                          f"{world_size} processes and rollout_func/tools "
-                          f"{'set' if rollout_func is not None else 'unset'}; launch one process "
-                          "without rollout_func, or set async_rollout: false")
-    if args.use_vllm:
+    `backend` talks to), held by the first training process, on the policy's weights as
+    `version`, and this process's scheduler: rounds ahead as max_staleness,
+    max_inflight_tasks and queue_maxsize allow (questions_per_round: each process's)."""
+    check_async_launch(dist.world_size, strategy, rollout_func)
+    generator = None
+    if dist.is_main and args.use_vllm:
         generator = ServerGenerator(backend, tokenizer, args, weights_dir,
                                     heartbeat_stale_after_s=args.heartbeat_stale_after_s)
-    else:
+    elif dist.is_main:
         build = functools.partial(generator_sampling, tokenizer, args, chunk_size, generation_dtype)
         generator = GeneratorProcess(policy, build,
                                      threads=args.generator_threads or torch.get_num_threads(),
                                      heartbeat_stale_after_s=args.heartbeat_stale_after_s,
                                      cpus=args.generator_cpus)
-    waiting = args.queue_maxsize // (questions_per_round * args.num_generations)
-    in_flight = min(rounds_in_flight(args.max_inflight_tasks, args.max_staleness,
-                                     questions_per_round), 1 + waiting)   # + the one trained next
-    scheduler = RolloutScheduler(generator, lookahead_rounds(args.max_staleness,
-                                                             args.steps_per_round, in_flight),
-                                 args.max_staleness)
+    share = ProcessShare(generator, dist, dist.device, gathered)
+    questions = questions_per_round * dist.world_size
+    waiting = args.queue_maxsize // (questions * args.num_generations)
+    in_flight = min(rounds_in_flight(args.max_inflight_tasks, args.max_staleness, questions),
+                    1 + waiting)   # + the one trained next
+    scheduler = RolloutScheduler(share, lookahead_rounds(args.max_staleness, args.steps_per_round,
+                                                         in_flight),
+                                 args.max_staleness, rank=dist.rank)
     scheduler.sync(policy, version, args.weight_sync_steps)
-    where = "" if args.use_vllm else f" (cores {args.generator_cpus or 'shared'})"
-    print(f"async_rollout: {generator.name}{where}, {scheduler.lookahead} round(s) sampled "
-          f"ahead, max_staleness {args.max_staleness}, weights pushed every "
-          f"{args.weight_sync_steps} step(s)", flush=True)
+    if dist.is_main:
+        where = "" if args.use_vllm else f" (cores {args.generator_cpus or 'shared'})"
+        trainers = f", {dist.world_size} training processes" if dist.active else ""
+        print(f"async_rollout: {share.name}{where}{trainers}, {scheduler.lookahead} round(s) "
+              f"sampled ahead, max_staleness {args.max_staleness}, weights pushed every "
+              f"{args.weight_sync_steps} step(s)", flush=True)
     return scheduler
+
+
+def check_async_launch(world_size: int, strategy: str, rollout_func) -> None:
+    """What async_rollout cannot run with, known once the launch is: a rollout function (it
+    samples inside the trainer) and, under several processes, fsdp (the generator holds a
+    whole copy of the policy, made from the first process's)."""
+    if rollout_func is not None:
+        raise ConfigError("'async_rollout' samples in its generator, so it cannot run a "
+                          "rollout_func or tools (they sample inside the trainer); unset them, or "
+                          "set async_rollout: false")
+    if world_size > 1 and strategy != "ddp":
+        raise ConfigError(f"'async_rollout' with {world_size} training processes needs "
+                          f"distributed: ddp (the generator copies the first process's whole "
+                          f"policy); got distributed: {strategy}. Set distributed: ddp, or "
+                          f"async_rollout: false")

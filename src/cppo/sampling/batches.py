@@ -3,6 +3,7 @@ sampler log-probs."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -73,6 +74,12 @@ class Completions:
     @property
     def lengths(self) -> Tensor:
         return self.mask.sum(-1)
+
+    def to(self, device) -> "Completions":
+        """The same completions with every tensor on `device`."""
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Tensor)})
 
 
 def concat_completions(parts: list[Completions], pad_token_id: int) -> Completions:
