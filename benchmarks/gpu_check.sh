@@ -3,8 +3,9 @@
 #   0. cppo installed on the machine's own torch and transformers, offline, from gpu_wheels/
 #      (what the GPU image lacks: datasets, math-verify, TRL, ...; scripts/gpu_wheels.sh),
 #   1. the tests marked `cuda` (they skip on a CPU-only machine), QLoRA on bitsandbytes' CUDA
-#      kernels and async_rollout's generator process on the GPU (its weights through CUDA IPC)
-#      (tests/test_cuda.py; bitsandbytes from gpu_wheels/), vLLM's CUDA build included where
+#      kernels, async_rollout's generator process on the GPU (its weights through CUDA IPC) and
+#      its vLLM server generator's NCCL push from a GPU snapshot (TRL's client faked, no server)
+#      (tests/test_cuda.py; bitsandbytes, TRL from gpu_wheels/), vLLM's CUDA build included where
 #      it is installed (tests/test_vllm_cuda.py: colocate with sleep mode; the server's NCCL weight
 #      push, which needs a second GPU); where vLLM is absent (the GPU image has none) they skip,
 #   2. the real-shape benchmark in bfloat16 (cppo against TRL's GRPOTrainer; cppo alone without TRL),

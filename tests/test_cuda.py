@@ -186,3 +186,36 @@ def test_async_rollout_generator_process_on_the_gpu(tiny_model_dir, tmp_path, ma
     assert summary["status"] == "completed" and summary["steps"] == 3
     rows = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r]
     assert max(r["sample/staleness_max"] for r in rows) <= max_staleness
+
+
+def test_async_server_generator_pushes_a_gpu_snapshot_over_nccl(tiny_model_dir, tmp_path):
+    """async_rollout's vLLM server generator with the policy on the GPU: a push keeps a snapshot
+    on the GPU (no files) and the thread streams it before its next round, through TRL's
+    VLLMClient protocol (a fake with the real signatures: no vLLM server here), even after the
+    policy changed in place; the round is tagged with the pushed version."""
+    pytest.importorskip("trl")
+    from types import SimpleNamespace
+    from cppo.sampling.async_rollout import RolloutTask, ServerGenerator
+    from cppo.sampling.vllm import VLLMBackend, vllm_weights
+    from helpers.vllm_client import FakeClient
+    model, tok, client = load_model(tiny_model_dir).cuda(), load_tokenizer(tiny_model_dir), FakeClient()
+    args = CPPOConfig(use_vllm=True, vllm_mode="server", num_generations=2, max_completion_length=4)
+    backend = VLLMBackend(model, tok, args, vllm=SimpleNamespace(), client=client, push_weights=False)
+    generator = ServerGenerator(backend, tok, args, tmp_path / "weights", heartbeat_stale_after_s=60.0)
+    try:
+        generator.push(model, 2)
+        with vllm_weights(model) as weights:
+            pushed = [(name, t.detach().clone()) for name, t in weights]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+        generator.submit(RolloutTask(0, 0, [{"prompt": "12*34="}]))
+        assert generator.receive().version == 2
+        assert client.calls[-4:] == ["init_communicator", "update_named_params",
+                                     "reset_prefix_cache", "generate"]
+        assert all(t.device.type == "cuda" for _, t in client.streamed)
+        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(client.streamed, pushed))
+        assert [n for n, _ in client.streamed] == [n for n, _ in pushed]
+        assert not list(tmp_path.rglob("*"))
+    finally:
+        generator.close()

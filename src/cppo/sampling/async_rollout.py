@@ -53,7 +53,7 @@ from cppo.sampling.backends import make_backend
 from cppo.sampling.batches import Completions, PromptBatch
 from cppo.sampling.generation import Generation
 from cppo.sampling.sampler import encode_prompts
-from cppo.sampling.vllm import server_url, vllm_weights
+from cppo.sampling.vllm import server_url, server_weight_metadata, vllm_weights
 
 HEARTBEAT_EVERY_S = 0.5   # how often the generator process says it is alive
 START_S = 600.0           # the longest a generator process may take to start (imports, its model)
@@ -286,23 +286,35 @@ class _Beat:
 
 class ServerGenerator(_Generator):
     """async_rollout with a vLLM server (`use_vllm`, `vllm_mode: server`): a thread of the
-    trainer process sends each round to the server (cppo.sampling.vllm's server backend, no NCCL)
-    and the server generates while the trainer trains. A push writes the policy's weights (LoRA
-    merged, vLLM's names) as safetensors to a new folder under `weights_dir`; before its next
-    round the thread has the server reload them in place (vLLM's `reload_weights` with a
-    `weights_path`, through its `/collective_rpc` route: the server runs with
-    VLLM_SERVER_DEV_MODE=1) and reset its prefix cache. A round is never sampled across a push."""
+    trainer process sends each round to the server (cppo.sampling.vllm's server backend) and the
+    server generates while the trainer trains. A push hands the policy's weights (LoRA merged,
+    vLLM's names) to the thread, which has the server take the newest before its next round
+    (never mid-round) and reset its prefix cache. On CUDA they go over NCCL, TRL's `trl
+    vllm-serve` protocol (VLLMClient: init_communicator once, then update_named_params per
+    push); elsewhere as safetensors in a new folder under `weights_dir`, which the server
+    reloads in place (vLLM's `reload_weights` with a `weights_path`, through its
+    `/collective_rpc` route: the server runs with VLLM_SERVER_DEV_MODE=1).
+
+    backend: a VLLMBackend in server mode built with push_weights=False (make_backend's under
+    async_rollout): the pushes, and the NCCL communicator, are this generator's."""
 
     def __init__(self, backend, tokenizer, args, weights_dir, *, heartbeat_stale_after_s: float) -> None:
-        if getattr(backend.model.config, "tie_word_embeddings", False):
-            raise ConfigError("'async_rollout' with a vLLM server reloads the weights from files, "
-                              "which does not refresh a tied LM head (tie_word_embeddings: true "
-                              "in the model's config); use use_vllm: false (cppo's generator "
-                              "process) for this model")
+        if backend.push_weights:
+            raise ValueError("ServerGenerator pushes the weights itself: build its backend with "
+                             "push_weights=False")
         self.backend, self.tokenizer, self.args = backend, tokenizer, args
+        if not self._push_over_nccl and getattr(backend.model.config, "tie_word_embeddings", False):
+            # (over NCCL the server's tied head shares the embedding's storage, which the push
+            # refreshes; vLLM's CPU build keeps a repacked copy of the head that a reload leaves)
+            raise ConfigError("'async_rollout' with a vLLM server reloads the weights from files "
+                              "off CUDA, which does not refresh a tied LM head "
+                              "(tie_word_embeddings: true in the model's config); use "
+                              "use_vllm: false (cppo's generator process) for this model")
         self.weights_dir = Path(weights_dir)
         self.url = server_url(args)
-        self.lock, self.latest, self.loaded = threading.Lock(), None, None   # (version, folder)
+        # latest: (version, folder or (metadata, tensors)) pushed and not yet sent; loaded: the
+        # server's version (-1: the weights it started with)
+        self.lock, self.latest, self.loaded, self.communicating = threading.Lock(), None, -1, False
         # the heartbeat: when the round being sampled started (0: idle); no start-up to allow for
         self.heartbeat, self.started, self.stale_after = _Beat(), float("inf"), heartbeat_stale_after_s
         self.tasks, self.results = queue.Queue(), queue.Queue()
@@ -310,39 +322,67 @@ class ServerGenerator(_Generator):
         self.thread = threading.Thread(target=self._run, daemon=True, name="cppo-server-generator")
         self.thread.start()
 
+    @property
+    def _push_over_nccl(self) -> bool:
+        """Whether pushes go over NCCL (the policy on CUDA) rather than through files."""
+        return self.backend.push_device().type == "cuda"
+
     def push(self, policy, version: int) -> float:
-        """Write the policy's weights for the server as `version`; the seconds it took."""
+        """Hand the policy's weights to the thread as `version`; the seconds it took. NCCL: a
+        snapshot on the policy's device that the trainer's next steps leave as it is:
+        (metadata, tensors), metadata a (vLLM name, dtype, shape) per tensor
+        (server_weight_metadata), tensors a (vLLM name, clone of the weight, shape as announced)
+        per weight vllm_weights yields, in that order. Files: weights_dir/version-<version>/
+        model.safetensors."""
         start = time.perf_counter()
-        folder = self.weights_dir / f"version-{version}"
-        folder.mkdir(parents=True, exist_ok=True)
-        with vllm_weights(policy) as weights:
-            save_file({name: t.detach().contiguous().cpu() for name, t in weights},
-                      str(folder / "model.safetensors"))
+        if self._push_over_nccl:
+            with vllm_weights(policy) as weights:
+                tensors = [(name, t.detach().clone()) for name, t in weights]
+            if tensors and tensors[0][1].is_cuda:   # the sender packs on streams of its own
+                torch.cuda.current_stream(tensors[0][1].device).synchronize()
+            pushed = (server_weight_metadata(policy), tensors)
+        else:
+            pushed = self.weights_dir / f"version-{version}"
+            pushed.mkdir(parents=True, exist_ok=True)
+            with vllm_weights(policy) as weights:
+                save_file({name: t.detach().contiguous().cpu() for name, t in weights},
+                          str(pushed / "model.safetensors"))
         with self.lock:
-            self.latest = (version, folder)
+            self.latest = (version, pushed)   # a push not yet sent is replaced, never sent
         return time.perf_counter() - start
 
     def submit(self, task: RolloutTask) -> None:
         self.tasks.put(task)
 
     def _reload(self) -> int:
-        """Have the server take the newest pushed weights (if newer than its own); their version."""
+        """Have the server take the newest pushed weights, if any came since the last; the
+        server's version."""
         with self.lock:
-            latest = self.latest
-        if latest is not None and latest != self.loaded:
+            latest, self.latest = self.latest, None
+        if latest is None:
+            return self.loaded
+        version, pushed = latest
+        client = self.backend.client
+        if self._push_over_nccl:
+            if not self.communicating:
+                client.init_communicator(device=self.backend.push_device())
+                self.communicating = True
+            metadata, tensors = pushed
+            client.update_named_params(metadata, iter(tensors))
+        else:
             reply = requests.post(f"{self.url}/collective_rpc", timeout=self.stale_after, json={
                 "method": "reload_weights",
-                "kwargs": {"weights_path": str(latest[1]), "is_checkpoint_format": True}})
+                "kwargs": {"weights_path": str(pushed), "is_checkpoint_format": True}})
             if reply.status_code != 200:
                 raise VLLMServerError(f"the vLLM server at {self.url} refused the weights "
                                       f"({reply.status_code}: {reply.text[:300]}); start it with "
                                       f"VLLM_SERVER_DEV_MODE=1 so that /collective_rpc exists")
-            self.backend.client.reset_prefix_cache()
-            self.loaded = latest
             for folder in self.weights_dir.glob("version-*"):   # older pushes, loaded or skipped
-                if int(folder.name.removeprefix("version-")) < latest[0]:
+                if int(folder.name.removeprefix("version-")) < version:
                     shutil.rmtree(folder, ignore_errors=True)
-        return self.loaded[0] if self.loaded is not None else -1
+        client.reset_prefix_cache()
+        self.loaded = version
+        return version
 
     def _run(self) -> None:
         try:

@@ -133,6 +133,6 @@ def make_backend(model, tokenizer, args, chunk_size: int | None = None,
     sampling = sampling or SamplingSettings.of(args)
     if args.use_vllm:
         from cppo.sampling.vllm import VLLMBackend
-        return VLLMBackend(model, tokenizer, args, sampling=sampling,   # async: pushed from files
+        return VLLMBackend(model, tokenizer, args, sampling=sampling,   # async: the generator pushes
                            push_weights=not getattr(args, "async_rollout", False))
     return TransformersBackend(model, tokenizer, args, chunk_size, sampling, generation_dtype)
