@@ -56,7 +56,7 @@ def assert_streamed(client, expected) -> None:
 
 
 def round_of(generator, task_id: int):
-    generator.submit(RolloutTask(task_id, task_id, [{"prompt": "12*34="}, {"prompt": "5+6="}]))
+    generator.submit(RolloutTask(task_id, task_id, [[{"prompt": "12*34="}, {"prompt": "5+6="}]]))
     return generator.receive()
 
 
@@ -103,7 +103,7 @@ def test_a_push_during_a_round_waits_for_the_next(tiny_model_dir, tmp_path, on_c
     client.generate = slow_generate
     try:
         generator.push(policy, 0)
-        generator.submit(RolloutTask(0, 0, [{"prompt": "12*34="}]))
+        generator.submit(RolloutTask(0, 0, [[{"prompt": "12*34="}]]))
         assert sampling.wait(60)
         change_in_place(policy, 0.5)
         generator.push(policy, 1)

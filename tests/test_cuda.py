@@ -209,7 +209,7 @@ def test_async_server_generator_pushes_a_gpu_snapshot_over_nccl(tiny_model_dir, 
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.5)
-        generator.submit(RolloutTask(0, 0, [{"prompt": "12*34="}]))
+        generator.submit(RolloutTask(0, 0, [[{"prompt": "12*34="}]]))
         assert generator.receive().version == 2
         assert client.calls[-4:] == ["init_communicator", "update_named_params",
                                      "reset_prefix_cache", "generate"]
