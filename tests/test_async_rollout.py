@@ -225,6 +225,18 @@ def test_bad_async_settings_name_the_field_and_the_fix(values, names):
         assert name in str(err.value)
 
 
+def test_async_launches_it_cannot_run_name_the_fix():
+    """Several processes under fsdp (the generator copies a whole policy) and a rollout function
+    (it samples in the trainer): errors naming the field and the fix; ddp and one process run."""
+    with pytest.raises(ConfigError, match="2 training processes needs distributed: ddp.*got "
+                                          "distributed: fsdp"):
+        async_rollout.check_async_launch(2, "fsdp", None)
+    with pytest.raises(ConfigError, match="rollout_func or tools.*async_rollout: false"):
+        async_rollout.check_async_launch(1, "ddp", lambda prompts, trainer: {})
+    async_rollout.check_async_launch(2, "ddp", None)
+    async_rollout.check_async_launch(1, "fsdp", None)
+
+
 @pytest.mark.parametrize("stop", ["ctrl_c", "sigterm"])
 def test_ctrl_c_and_sigterm_stop_both_sides_with_a_checkpoint(tiny_model_dir, tmp_path, stop):
     """`cppo train` with async_rollout parked in step 4 of 6: Ctrl-C (SIGINT to the whole process
