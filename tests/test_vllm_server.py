@@ -193,3 +193,32 @@ def test_async_rollout_trains_with_the_server_as_its_generator(server, tmp_path)
         requests.post(f"{url}/collective_rpc", timeout=120, json={
             "method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}})
         requests.post(f"{url}/reset_prefix_cache", timeout=30)
+
+
+def test_async_rollout_under_torchrun_shares_the_server_between_two_trainers(server, tmp_path):
+    """2 training processes (torchrun, ddp) with the server as their one generator: the first
+    process's thread sends both processes' questions each round and pushes the weights; both
+    train 4 steps on the same arrivals (the same staleness figures) and end cleanly."""
+    import json
+    import requests
+    from test_distributed import spec, torchrun
+    path, url = server
+    run = tmp_path / "run"
+    config = spec(path, run, batch=2, scope="global", max_steps=4, async_rollout=True,
+                  max_staleness=2, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+                  vllm_server_timeout=10, max_prompt_length=64, post_run=False)
+    try:
+        _, log = torchrun(config, tmp_path / "server.json")
+    finally:
+        requests.post(f"{url}/collective_rpc", timeout=120, json={
+            "method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}})
+        requests.post(f"{url}/reset_prefix_cache", timeout=30)
+    assert "vLLM server generator" in log.read_text() and "2 training processes" in log.read_text()
+    summaries = [json.loads((run / f"summary-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(s["status"], s["steps"]) for s in summaries] == [("completed", 4)] * 2
+    figures = [{k: v for k, v in s["asynchronous"].items() if not k.endswith("_busy")}
+               for s in summaries]
+    assert figures[0] == figures[1] and figures[0]["staleness_max"] <= 2
+    drawn = [json.loads((run / f"questions-rank{r}.json").read_text()) for r in (0, 1)]
+    assert drawn[0] != drawn[1]   # each process its own questions
+    assert not (run / ".async_weights").exists()   # the pushes' folders removed at the end

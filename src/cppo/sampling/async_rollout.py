@@ -321,6 +321,7 @@ class ServerGenerator(_Generator):
         self.name = f"vLLM server generator ({self.url})"
         self.thread = threading.Thread(target=self._run, daemon=True, name="cppo-server-generator")
         self.thread.start()
+        atexit.register(self.close)   # a script that never calls close() leaves no weights behind
 
     @property
     def _push_over_nccl(self) -> bool:
@@ -408,6 +409,7 @@ class ServerGenerator(_Generator):
         """A thread cannot be stopped: it is left to end with the process (a daemon)."""
 
     def close(self, timeout: float = 10.0) -> None:
+        atexit.unregister(self.close)
         self.tasks.put(None)
         self.thread.join(timeout)
         shutil.rmtree(self.weights_dir, ignore_errors=True)
