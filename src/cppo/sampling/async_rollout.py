@@ -62,13 +62,15 @@ class RolloutTask:
 
 @dataclass
 class Arrival:
-    """A sampled round: the policy version that sampled it and the seconds the sampling took."""
+    """A sampled round: the policy version that sampled it, the seconds the sampling took and
+    the seconds the generator waited for the task before (idle_seconds: 0 for its first task)."""
 
     task_id: int
     version: int
     prompts: PromptBatch
     completions: Completions
     seconds: float
+    idle_seconds: float = 0.0
 
 
 @dataclass
@@ -127,17 +129,18 @@ def generator_main(staging, names, lock, version, heartbeat, tasks, results, bui
             heartbeat.value = time.time()
     heartbeat.value = time.time()
     threading.Thread(target=beat, daemon=True).start()
-    generation, mine = build(model, _WholeModel()), -1
+    generation, mine, done = build(model, _WholeModel()), -1, None   # done: the last round's end
     try:
         while (task := tasks.get()) is not None:
+            idle = 0.0 if done is None else time.perf_counter() - done
             with lock:
                 if version.value != mine:
                     _copy_parameters(model, staging, names)
                     mine = version.value
             start = time.perf_counter()
             prompts, completions = generation.sample(task.rows, task.round_index)
-            results.put(Arrival(task.task_id, mine, prompts, completions,
-                                time.perf_counter() - start))
+            done = time.perf_counter()
+            results.put(Arrival(task.task_id, mine, prompts, completions, done - start, idle))
     except Exception:   # the trainer raises it, with the generator's traceback
         results.put(_Failure(traceback.format_exc()))
     finally:
@@ -431,9 +434,14 @@ class RolloutScheduler:
                 "sample/rollout_queue_size": float(sum(len(a.completions.ids)
                                                        for a in self.arrived.values())),
                 "rollout/inflight": float(len(self.pending) * questions_per_round),
-                "perf/rollout_wait_s": waited,
+                "perf/rollout_wait_s": waited, "rollout/generator_idle_s": arrival.idle_seconds,
                 "cppo/generator_busy": min(1.0, self.generator_seconds / elapsed),
                 "cppo/trainer_busy": max(0.0, 1.0 - self.wait_seconds / elapsed)}
+
+    @property
+    def rounds_taken(self) -> int:
+        """Rounds handed to the trainer this session."""
+        return len(self.staleness_seen)
 
     def summary(self) -> dict:
         """The session's figures for summary.json: staleness, rounds dropped, busy shares."""
