@@ -54,6 +54,12 @@ ALGORITHMS = {"GRPO": 0.0, "CPPO": None}   # None: the model's CPPO pruning rate
 STEPS = {"embedded": (40, 5), "real": (6, 2)}   # (steps run, first steps not counted)
 ACCURACY_STEPS, SEEDS = 150, (42, 1, 2)
 EVAL_EVERY, EQUAL_WALL_STALENESS = 10, 2   # --equal-wall and --auto
+WALL_NOTE = ("Wall time: a run's training rounds after its first (summary train_seconds less "
+             "the first round, which waits for the generator's start-up; evaluations and "
+             "checkpoints are not in it). The budget and the seconds per step come from runs "
+             "without evaluations; wall s is the reported run's own, with its evaluations, "
+             "during which an asynchronous generator keeps sampling ahead, so it may come in "
+             "under the budget.")
 TARGET_SHARE = 0.95   # --auto's default target: this share of the fixed-P runs' final accuracy
 
 
@@ -163,13 +169,21 @@ def steps_for(budget_s: float, seconds_per_step: float) -> int:
     return max(2, 1 + round(budget_s / seconds_per_step))
 
 
+def unevaluated(values: dict, steps: int, cache: dict) -> dict:
+    """`values` run for `steps` steps without held-out evaluations: the budgets and seconds per
+    step come from these (while an asynchronous trainer evaluates, its generator samples the
+    next rounds, time the clock leaves out)."""
+    return clocked({**values, "eval_steps": 0, "max_steps": steps,
+                    "output_dir": tempfile.mkdtemp(prefix="cppo_async_pilot_")}, cache)
+
+
 def equal_wall_run(values: dict, budget_s: float, steps: int, cache: dict) -> dict:
-    """`values` run for `budget_s` of training rounds: a pilot of `steps` steps (no evaluations)
-    measures its seconds per step, then the run itself takes as many steps as fill the budget."""
-    pilot = clocked({**values, "eval_steps": 0, "max_steps": steps,
-                     "output_dir": tempfile.mkdtemp(prefix="cppo_async_pilot_")}, cache)
-    return clocked({**values, "max_steps": steps_for(budget_s, pilot["seconds_per_step"]),
-                    "output_dir": tempfile.mkdtemp(prefix="cppo_async_wall_")}, cache)
+    """`values` run for `budget_s` of training rounds: a run of `steps` steps without
+    evaluations measures its seconds per step, then the run itself takes as many steps as fill
+    the budget."""
+    pilot = unevaluated(values, steps, cache)
+    run = clocked({**values, "max_steps": steps_for(budget_s, pilot["seconds_per_step"])}, cache)
+    return {**run, "budget_s": budget_s}
 
 
 def time_to(target: float, run: dict) -> float | None:
@@ -178,6 +192,7 @@ def time_to(target: float, run: dict) -> float | None:
 
 
 def wall_values(algorithm: str, staleness: int, seed: int, steps: int, **extra) -> dict:
+    """One run's config, held-out accuracy every EVAL_EVERY steps, in a new folder."""
     values = run_config("embedded", "", algorithm, staleness, seed, steps,
                         Path(tempfile.mkdtemp(prefix="cppo_async_acc_")), eval_steps=EVAL_EVERY)
     return {**values, **extra}
@@ -189,10 +204,12 @@ def equal_wall_rows(steps: int, seeds, cache: dict) -> list[dict]:
     rows = []
     for algorithm in ALGORITHMS:
         for seed in seeds:
-            sync = clocked(wall_values(algorithm, 0, seed, steps), cache)
-            runs = {"sync": sync, f"async S={EQUAL_WALL_STALENESS}": equal_wall_run(
-                wall_values(algorithm, EQUAL_WALL_STALENESS, seed, steps), sync["clock_s"], steps,
-                cache)}
+            sync = wall_values(algorithm, 0, seed, steps)
+            budget = unevaluated(sync, steps, cache)["clock_s"]
+            runs = {"sync": {**clocked(sync, cache), "budget_s": budget},
+                    f"async S={EQUAL_WALL_STALENESS}": equal_wall_run(
+                        wall_values(algorithm, EQUAL_WALL_STALENESS, seed, steps), budget, steps,
+                        cache)}
             for mode, run in runs.items():
                 rows.append({"algorithm": algorithm, "mode": mode, "seed": seed, **run})
                 print(f"equal wall {algorithm} {mode} seed {seed}: {run['accuracy']} after "
@@ -205,9 +222,10 @@ def auto_rows(steps: int, seeds, cache: dict) -> list[dict]:
     pruning_rate auto for the same wall time."""
     rows = []
     for seed in seeds:
-        fixed = clocked(wall_values("CPPO", EQUAL_WALL_STALENESS, seed, steps), cache)
-        auto = equal_wall_run(wall_values("CPPO", EQUAL_WALL_STALENESS, seed, steps,
-                                          pruning_rate="auto"), fixed["clock_s"], steps, cache)
+        values = wall_values("CPPO", EQUAL_WALL_STALENESS, seed, steps)
+        budget = unevaluated(values, steps, cache)["clock_s"]
+        fixed = {**clocked(values, cache), "budget_s": budget}
+        auto = equal_wall_run({**values, "pruning_rate": "auto"}, budget, steps, cache)
         for arm, run in (("fixed P", fixed), ("auto", auto)):
             rows.append({"arm": arm, "seed": seed, **run})
             print(f"auto: {arm} seed {seed}: {run['accuracy']} after {run['steps']} steps, "
@@ -349,16 +367,15 @@ def equal_wall_section(result: dict) -> list[str]:
     lines = ["", f"## Held-out greedy accuracy at equal wall time (embedded default, seeds "
              f"{', '.join(map(str, e['seeds']))}; `{e['command']}`; {e['date']})", "",
              f"Each asynchronous run (max_staleness {EQUAL_WALL_STALENESS}) gets the wall time its "
-             f"synchronous run took for {e['steps']} steps: its max_steps is that time over the "
-             f"seconds per step a {e['steps']}-step run of it measured. Wall time: the training "
-             f"rounds after the first (summary train_seconds, without evaluations and "
-             f"checkpoints). More steps are more training questions.", "",
-             "| algorithm | mode | accuracy (mean) | per seed | steps (mean) | wall s (mean) |",
-             "|---|---|---|---|---|---|"]
+             f"synchronous run took for {e['steps']} steps (budget): its max_steps is that time "
+             f"over the seconds per step a {e['steps']}-step run of it measured. {WALL_NOTE} More "
+             f"steps are more training questions.", "",
+             "| algorithm | mode | accuracy (mean) | per seed | steps (mean) | budget s (mean) | "
+             "wall s (mean) |", "|---|---|---|---|---|---|---|"]
     for (algorithm, mode), rs in grouped(e["rows"], "algorithm", "mode").items():
         lines.append(f"| {algorithm} | {mode} | {mean_of(100 * r['accuracy'] for r in rs)} % | "
-                     f"{per_seed(rs)} | "
-                     f"{statistics.fmean(r['steps'] for r in rs):.0f} | "
+                     f"{per_seed(rs)} | {statistics.fmean(r['steps'] for r in rs):.0f} | "
+                     f"{statistics.fmean(r['budget_s'] for r in rs):.1f} | "
                      f"{statistics.fmean(r['clock_s'] for r in rs):.1f} |")
     return lines
 
@@ -375,12 +392,12 @@ def auto_section(result: dict) -> list[str]:
              f"auto` (rounds planned for pruning_rate_start 0.75, the rate within [0.5, 0.9375]) "
              f"gets the same wall time, through its max_steps from a {a['steps']}-step run of "
              f"it. Time to target: the wall time at the first held-out evaluation (every "
-             f"{EVAL_EVERY} steps) at or above {100 * target:.1f} % ({a['target_rule']}); "
-             f"'not reached' counts none. Wall time as above. auto's rate depends on the "
-             f"measured timing, so its runs are not reproducible step for step.", "",
-             "| arm | accuracy (mean) | per seed | steps (mean) | wall s (mean) | mean P | "
-             "kept/step (mean) | time to target s (mean of reached) | reached |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"{EVAL_EVERY} steps) at or above {100 * target:.1f} % ({a['target_rule']}), on the "
+             f"run's wall time; 'reached' counts the runs that got there. {WALL_NOTE} auto's rate "
+             f"depends on the measured timing, so its runs are not reproducible step for step.",
+             "", "| arm | accuracy (mean) | per seed | steps (mean) | budget s (mean) | wall s "
+             "(mean) | mean P | kept/step (mean) | time to target s (mean of reached) | reached |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for (arm,), rs in grouped(a["rows"], "arm").items():
         times = [time_to(target, r) for r in rs]
         rate = "0.75" if arm == "fixed P" else \
@@ -388,6 +405,7 @@ def auto_section(result: dict) -> list[str]:
         lines.append(f"| {arm} | {mean_of(100 * r['accuracy'] for r in rs)} % | "
                      f"{per_seed(rs)} | "
                      f"{statistics.fmean(r['steps'] for r in rs):.0f} | "
+                     f"{statistics.fmean(r['budget_s'] for r in rs):.1f} | "
                      f"{statistics.fmean(r['clock_s'] for r in rs):.1f} | {rate} | "
                      f"{mean_of(r['kept_mean'] for r in rs)} | {mean_of(times)} | "
                      f"{sum(t is not None for t in times)}/{len(times)} |")
