@@ -136,7 +136,7 @@ def assert_kept_follows_the_rate(records: list[dict]) -> None:
 
 def slow_reward(prompts, completions, completion_ids=None, **kw):
     """The trainer's side made slow: the generator process waits for its next task."""
-    time.sleep(0.15)
+    time.sleep(0.3)
     return [float(len(c) % 2) for c in completions]
 
 
