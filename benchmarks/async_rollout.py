@@ -15,13 +15,23 @@ over sync, the overlap bound measured in the sync row of the same run, 1 / max(g
 training share), and the share of that bound reached; mean staleness and rounds dropped as stale.
 `--accuracy` adds held-out greedy accuracy after the same training steps (3 seeds, embedded
 default) to the committed results.
+`--equal-wall` gives each asynchronous row (max_staleness 2) the wall time its synchronous row
+took for ACCURACY_STEPS steps, and `--auto` gives `pruning_rate: auto` the wall time CPPO at the
+fixed P took (embedded default, 3 seeds, held-out accuracy every EVAL_EVERY steps): accuracy at
+equal wall time and the wall time to a target accuracy. The wall time is the run's training
+rounds (summary train_seconds, which leaves out the evaluations and checkpoints) after its first
+round (the generator's start-up); a run gets an equal budget through its max_steps, from the
+seconds per step a run of the same config measured (so its learning-rate schedule ends where
+its budget does).
 A projection feeds the measured phase times to a simulator of 1+1 and 4+4 device splits.
 
     python benchmarks/async_rollout.py                       # embedded default and real shape
     python benchmarks/async_rollout.py --accuracy              # + held-out accuracy, 3 seeds
+    python benchmarks/async_rollout.py --equal-wall --auto     # + accuracy at equal wall time
     python benchmarks/async_rollout.py --real quick          # the small real-shape model
 
-Writes benchmarks/results/async_rollout/results.md and results.json.
+Writes benchmarks/results/async_rollout/results.md and results.json (--out: elsewhere); each
+mode replaces its own sections and keeps the others.
 """
 
 from __future__ import annotations
@@ -43,6 +53,14 @@ MODES = {"sync": 0, "async S=1": 1, "async S=2": 2, "async S=4": 4}
 ALGORITHMS = {"GRPO": 0.0, "CPPO": None}   # None: the model's CPPO pruning rate
 STEPS = {"embedded": (40, 5), "real": (6, 2)}   # (steps run, first steps not counted)
 ACCURACY_STEPS, SEEDS = 150, (42, 1, 2)
+EVAL_EVERY, EQUAL_WALL_STALENESS = 10, 2   # --equal-wall and --auto
+WALL_NOTE = ("Wall time: a run's training rounds after its first (summary train_seconds less "
+             "the first round, which waits for the generator's start-up; evaluations and "
+             "checkpoints are not in it). The budget and the seconds per step come from runs "
+             "without evaluations; wall s is the reported run's own, with its evaluations, "
+             "during which an asynchronous generator keeps sampling ahead, so it may come in "
+             "under the budget.")
+TARGET_SHARE = 0.95   # --auto's default target: this share of the fixed-P runs' final accuracy
 
 
 def cpu_model() -> str:
@@ -117,6 +135,104 @@ def measure(values: dict, warm: int) -> dict:
             "accuracy": summary.get("accuracy_after"), "evaluations": evals}
 
 
+def first_round_seconds(out: Path) -> float:
+    """The first round's phases (the generator's start-up is in its wait), from metrics.jsonl."""
+    first = next(json.loads(line) for line in open(out / "metrics.jsonl") if '"loss"' in line)
+    return sum(v for k, v in first.items() if k.startswith("timing/"))
+
+
+def clocked(values: dict, cache: dict) -> dict:
+    """Run one config (once per cache: the same values give the same row) and read its clock:
+    training-round seconds after the first round, at the end and at each evaluation."""
+    key = json.dumps({k: v for k, v in values.items() if k != "output_dir"}, sort_keys=True)
+    if key in cache:
+        return cache[key]
+    measure(values, warm=1)
+    out = Path(values["output_dir"])
+    summary = json.loads((out / "summary.json").read_text())
+    start = first_round_seconds(out)
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    rates = [r["cppo/pruning_rate"] for r in records if "cppo/pruning_rate" in r]
+    kept = [r["cppo/completions_kept"] for r in records if "cppo/completions_kept" in r]
+    cache[key] = {"steps": summary["steps"], "accuracy": summary["accuracy_after"],
+                  "clock_s": summary["train_seconds"] - start,
+                  "seconds_per_step": (summary["train_seconds"] - start) / max(1, summary["steps"] - 1),
+                  "evaluations": [(h["step"], max(0.0, h["train_seconds"] - start), h["accuracy"])
+                                  for h in summary["history"] if h["step"] > 0],
+                  "pruning_rate_mean": statistics.fmean(rates) if rates else None,
+                  "kept_mean": statistics.fmean(kept) if kept else None}
+    return cache[key]
+
+
+def steps_for(budget_s: float, seconds_per_step: float) -> int:
+    """max_steps whose training rounds fill budget_s at seconds_per_step (the first round apart)."""
+    return max(2, 1 + round(budget_s / seconds_per_step))
+
+
+def unevaluated(values: dict, steps: int, cache: dict) -> dict:
+    """`values` run for `steps` steps without held-out evaluations: the budgets and seconds per
+    step come from these (while an asynchronous trainer evaluates, its generator samples the
+    next rounds, time the clock leaves out)."""
+    return clocked({**values, "eval_steps": 0, "max_steps": steps,
+                    "output_dir": tempfile.mkdtemp(prefix="cppo_async_pilot_")}, cache)
+
+
+def equal_wall_run(values: dict, budget_s: float, steps: int, cache: dict) -> dict:
+    """`values` run for `budget_s` of training rounds: a run of `steps` steps without
+    evaluations measures its seconds per step, then the run itself takes as many steps as fill
+    the budget."""
+    pilot = unevaluated(values, steps, cache)
+    run = clocked({**values, "max_steps": steps_for(budget_s, pilot["seconds_per_step"])}, cache)
+    return {**run, "budget_s": budget_s}
+
+
+def time_to(target: float, run: dict) -> float | None:
+    """The clock at the first evaluation at or above `target` (None: never reached)."""
+    return next((clock for _, clock, acc in run["evaluations"] if acc >= target), None)
+
+
+def wall_values(algorithm: str, staleness: int, seed: int, steps: int, **extra) -> dict:
+    """One run's config, held-out accuracy every EVAL_EVERY steps, in a new folder."""
+    values = run_config("embedded", "", algorithm, staleness, seed, steps,
+                        Path(tempfile.mkdtemp(prefix="cppo_async_acc_")), eval_steps=EVAL_EVERY)
+    return {**values, **extra}
+
+
+def equal_wall_rows(steps: int, seeds, cache: dict) -> list[dict]:
+    """Per algorithm and seed: sync for `steps` steps, and async (max_staleness 2) for the same
+    wall time."""
+    rows = []
+    for algorithm in ALGORITHMS:
+        for seed in seeds:
+            sync = wall_values(algorithm, 0, seed, steps)
+            budget = unevaluated(sync, steps, cache)["clock_s"]
+            runs = {"sync": {**clocked(sync, cache), "budget_s": budget},
+                    f"async S={EQUAL_WALL_STALENESS}": equal_wall_run(
+                        wall_values(algorithm, EQUAL_WALL_STALENESS, seed, steps), budget, steps,
+                        cache)}
+            for mode, run in runs.items():
+                rows.append({"algorithm": algorithm, "mode": mode, "seed": seed, **run})
+                print(f"equal wall {algorithm} {mode} seed {seed}: {run['accuracy']} after "
+                      f"{run['steps']} steps, {run['clock_s']:.1f} s", flush=True)
+    return rows
+
+
+def auto_rows(steps: int, seeds, cache: dict) -> list[dict]:
+    """Per seed: CPPO at the embedded default's P (async, max_staleness 2) for `steps` steps, and
+    pruning_rate auto for the same wall time."""
+    rows = []
+    for seed in seeds:
+        values = wall_values("CPPO", EQUAL_WALL_STALENESS, seed, steps)
+        budget = unevaluated(values, steps, cache)["clock_s"]
+        fixed = {**clocked(values, cache), "budget_s": budget}
+        auto = equal_wall_run({**values, "pruning_rate": "auto"}, budget, steps, cache)
+        for arm, run in (("fixed P", fixed), ("auto", auto)):
+            rows.append({"arm": arm, "seed": seed, **run})
+            print(f"auto: {arm} seed {seed}: {run['accuracy']} after {run['steps']} steps, "
+                  f"{run['clock_s']:.1f} s, mean P {run['pruning_rate_mean']}", flush=True)
+    return rows
+
+
 def bound(sync: dict) -> tuple[float, float]:
     """Generation share of a synchronous step (the generator's sampling seconds per round over
     the step) and the overlap bound 1 / max(generation share, training share): a step cannot
@@ -180,15 +296,15 @@ def accuracy_rows() -> list[dict]:
     return rows
 
 
-def write(result: dict) -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "results.json").write_text(json.dumps(result, indent=1))
+def write(result: dict, out: Path = OUT) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
     lines = [f"# Asynchronous rollouts on split hardware (trainer: core 0, generator: core 1)\n",
-             f"CPU: {result['cpu']}, torch capability {result['capability']}; command: "
-             f"`{result['command']}`; {result['date']}.\n",
+             f"CPU: {result.get('cpu')}, torch capability {result.get('capability')}; command: "
+             f"`{result.get('command')}`; {result.get('date')}.\n",
              "| model | algorithm | mode | s/step | s/question | speed-up | bound | of bound | "
              "staleness | dropped |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["speed"]:
+    for r in result.get("speed", []):
         lines.append(f"| {r['model']} | {r['algorithm']} | {r['mode']} | {r['seconds_per_step']:.3f} "
                      f"| {r['seconds_per_question']:.4f} | {r['speedup']:.2f}x | {r['bound']:.2f}x "
                      f"| {100 * r['of_bound']:.0f} % | {r['staleness_mean']:.2f} | "
@@ -224,7 +340,76 @@ def write(result: dict) -> None:
             lines.append(f"| {algorithm} | {mode} | {100 * statistics.fmean(accs):.1f} % | "
                          f"{', '.join(f'{100 * a:.1f}' for a in accs)} | "
                          f"{statistics.fmean(r['wall_s'] for r in rs):.0f} |")
-    (OUT / "results.md").write_text("\n".join(lines) + "\n")
+    lines += equal_wall_section(result) + auto_section(result)
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def mean_of(values) -> str:
+    values = [v for v in values if v is not None]
+    return f"{statistics.fmean(values):.1f}" if values else "n/a"
+
+
+def per_seed(rows: list[dict]) -> str:
+    return ", ".join(f"{100 * r['accuracy']:.1f}" for r in rows)
+
+
+def grouped(rows: list[dict], *keys: str) -> dict:
+    groups = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return groups
+
+
+def equal_wall_section(result: dict) -> list[str]:
+    if not result.get("equal_wall"):
+        return []
+    e = result["equal_wall"]
+    lines = ["", f"## Held-out greedy accuracy at equal wall time (embedded default, seeds "
+             f"{', '.join(map(str, e['seeds']))}; `{e['command']}`; {e['date']})", "",
+             f"Each asynchronous run (max_staleness {EQUAL_WALL_STALENESS}) gets the wall time its "
+             f"synchronous run took for {e['steps']} steps (budget): its max_steps is that time "
+             f"over the seconds per step a {e['steps']}-step run of it measured. {WALL_NOTE} More "
+             f"steps are more training questions.", "",
+             "| algorithm | mode | accuracy (mean) | per seed | steps (mean) | budget s (mean) | "
+             "wall s (mean) |", "|---|---|---|---|---|---|---|"]
+    for (algorithm, mode), rs in grouped(e["rows"], "algorithm", "mode").items():
+        lines.append(f"| {algorithm} | {mode} | {mean_of(100 * r['accuracy'] for r in rs)} % | "
+                     f"{per_seed(rs)} | {statistics.fmean(r['steps'] for r in rs):.0f} | "
+                     f"{statistics.fmean(r['budget_s'] for r in rs):.1f} | "
+                     f"{statistics.fmean(r['clock_s'] for r in rs):.1f} |")
+    return lines
+
+
+def auto_section(result: dict) -> list[str]:
+    if not result.get("auto"):
+        return []
+    a = result["auto"]
+    target = a["target"]
+    lines = ["", f"## pruning_rate: auto against the fixed P at equal wall time (embedded default, "
+             f"async max_staleness {EQUAL_WALL_STALENESS}, seeds {', '.join(map(str, a['seeds']))}; "
+             f"`{a['command']}`; {a['date']})", "",
+             f"CPPO at the embedded default's P = 0.75 runs {a['steps']} steps; `pruning_rate: "
+             f"auto` (rounds planned for pruning_rate_start 0.75, the rate within [0.5, 0.9375]) "
+             f"gets the same wall time, through its max_steps from a {a['steps']}-step run of "
+             f"it. Time to target: the wall time at the first held-out evaluation (every "
+             f"{EVAL_EVERY} steps) at or above {100 * target:.1f} % ({a['target_rule']}), on the "
+             f"run's wall time; 'reached' counts the runs that got there. {WALL_NOTE} auto's rate "
+             f"depends on the measured timing, so its runs are not reproducible step for step.",
+             "", "| arm | accuracy (mean) | per seed | steps (mean) | budget s (mean) | wall s "
+             "(mean) | mean P | kept/step (mean) | time to target s (mean of reached) | reached |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (arm,), rs in grouped(a["rows"], "arm").items():
+        times = [time_to(target, r) for r in rs]
+        rate = "0.75" if arm == "fixed P" else \
+            f"{statistics.fmean(r['pruning_rate_mean'] for r in rs):.3f}"
+        lines.append(f"| {arm} | {mean_of(100 * r['accuracy'] for r in rs)} % | "
+                     f"{per_seed(rs)} | "
+                     f"{statistics.fmean(r['steps'] for r in rs):.0f} | "
+                     f"{statistics.fmean(r['budget_s'] for r in rs):.1f} | "
+                     f"{statistics.fmean(r['clock_s'] for r in rs):.1f} | {rate} | "
+                     f"{mean_of(r['kept_mean'] for r in rs)} | {mean_of(times)} | "
+                     f"{sum(t is not None for t in times)}/{len(times)} |")
+    return lines
 
 
 def main() -> None:
@@ -233,32 +418,58 @@ def main() -> None:
                         choices=["embedded", "real"])
     parser.add_argument("--real", default="full", choices=["full", "quick"])
     parser.add_argument("--accuracy", action="store_true")
+    parser.add_argument("--equal-wall", action="store_true",
+                        help="sync against async (max_staleness 2) at equal wall time")
+    parser.add_argument("--auto", action="store_true",
+                        help="pruning_rate auto against the fixed P at equal wall time")
+    parser.add_argument("--steps", type=int, default=ACCURACY_STEPS,
+                        help="--equal-wall / --auto: the reference runs' steps")
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    parser.add_argument("--target", type=float, default=None, help="--auto: the target accuracy "
+                        f"(default: {TARGET_SHARE} x the fixed-P runs' mean final accuracy)")
+    parser.add_argument("--out", type=Path, default=OUT, help="where results.json/.md go")
     parser.add_argument("--render", action="store_true", help="rewrite results.md from results.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
+    existing = args.out / "results.json"
+    result = json.loads(existing.read_text()) if existing.exists() else {}   # kept, section by section
     if args.render:
-        return write(json.loads((OUT / "results.json").read_text()))
+        return write(result, args.out)
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs 2 cores (trainer on core 0, generator on core 1)")
     import torch
-    if args.accuracy:   # added to the committed speed rows
-        result = json.loads((OUT / "results.json").read_text())
-        result["accuracy"] = accuracy_rows()
-        result["accuracy_command"] = "python benchmarks/async_rollout.py --accuracy"
-        write(result)
-        return print((OUT / "results.md").read_text())
-    result = {"cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(),
-              "command": "python benchmarks/async_rollout.py " + " ".join(sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d"), "speed": speed_rows(args.models, args.real)}
+    command = "python benchmarks/async_rollout.py " + " ".join(sys.argv[1:])
+    if args.accuracy or args.equal_wall or args.auto:   # added to the committed speed rows
+        seeds, cache, today = [int(s) for s in args.seeds.split(",")], {}, time.strftime("%Y-%m-%d")
+        if args.accuracy:
+            result["accuracy"] = accuracy_rows()
+            result["accuracy_command"] = command
+        if args.equal_wall:
+            result["equal_wall"] = {"rows": equal_wall_rows(args.steps, seeds, cache),
+                                    "steps": args.steps, "seeds": seeds, "command": command,
+                                    "date": today}
+        if args.auto:
+            rows = auto_rows(args.steps, seeds, cache)
+            final = statistics.fmean(r["accuracy"] for r in rows if r["arm"] == "fixed P")
+            rule = (f"{TARGET_SHARE} x the fixed-P runs' mean final accuracy"
+                    if args.target is None else "given")
+            result["auto"] = {"rows": rows, "steps": args.steps, "seeds": seeds,
+                              "command": command, "date": today, "target_rule": rule,
+                              "target": TARGET_SHARE * final if args.target is None else args.target}
+        write(result, args.out)
+        return print((args.out / "results.md").read_text())
+    result.update({"cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(),
+                   "command": command, "date": time.strftime("%Y-%m-%d"),
+                   "speed": speed_rows(args.models, args.real)})
     result["projection"] = [
         {"model": r["model"], "algorithm": r["algorithm"], "split": f"{n}+{n}",
          "sync": simulate(r["generate_s"], r["train_s"] - r["weight_sync_s"], r["weight_sync_s"], n, 0),
          "async": simulate(r["generate_s"], r["train_s"] - r["weight_sync_s"], r["weight_sync_s"], n, 2)}
         for r in result["speed"] if r["mode"] == "sync" for n in (1, 4)]
-    write(result)
-    print((OUT / "results.md").read_text())
+    write(result, args.out)
+    print((args.out / "results.md").read_text())
 
 
 if __name__ == "__main__":

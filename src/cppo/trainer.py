@@ -24,6 +24,7 @@ import torch
 from cppo.algorithm import (adapted_entropy_coef, applied_entropy_coef, mix_into_reference,
                             recompute_advantages_on_kept)
 from cppo.algorithm.advantages import round_advantages
+from cppo.algorithm.balance import AUTO, balanced_pruning_rate
 from cppo.algorithm.selection import GLOBAL_SCOPE, round_keep_mask, rule_traits
 from cppo.algorithm.allocation import total_steps
 from cppo.algorithm.two_stage import completions_to_keep
@@ -172,6 +173,8 @@ class CPPOTrainer:
         args, timer = self.args, self.timer
         with timer("generate"):
             rows, order, skipped, prompts, completions, two_stage, rollout = self.rollout_round()
+        if args.pruning_rate == AUTO:   # this round's rate, from how long each side waited
+            rollout["cppo/pruning_rate"] = self.balance_pruning(rollout)
         with timer("score"):
             scores = self.score(rows, completions)
             if args.skip_zero_variance_prompts:
@@ -217,6 +220,22 @@ class CPPOTrainer:
             version=self.run_state.step, take_questions=every_process_rows,
             questions_state=self.questions.state)
         return rows, order, None, prompts, completions, None, metrics
+
+    def balance_pruning(self, rollout: dict) -> float:
+        """pruning_rate auto: the rate this round's selection applies (kept in the run state),
+        moved from the last round's by the trainer's wait for this round and the generator's
+        wait for its task (cppo.algorithm.balance). A session's first round keeps it: the
+        generator's start-up is in that wait."""
+        args, state = self.args, self.run_state
+        rate = args.pruning_rate_start if state.pruning_rate is None else state.pruning_rate
+        if self.rollouts.rounds_taken > 1:
+            rate = balanced_pruning_rate(
+                rate, trainer_wait=rollout["perf/rollout_wait_s"],
+                generator_idle=rollout["rollout/generator_idle_s"],
+                round_seconds=rollout["rollout/duration_s"], low=args.pruning_rate_min,
+                high=args.pruning_rate_max)
+        state.pruning_rate = rate
+        return rate
 
     def take_questions(self) -> tuple[list[dict], list[int], int | None]:
         """This process's slice of the round's questions, the round's question indices (all
@@ -283,9 +302,10 @@ class CPPOTrainer:
         if args.pruning_rate == 0:
             return torch.ones_like(advantages, dtype=torch.bool)
         key = -1 if args.selection_scope == GLOBAL_SCOPE else -1 - self.dist.rank
+        auto = self.run_state.pruning_rate if args.pruning_rate == AUTO else None   # the rate now
         return round_keep_mask(
             advantages, rewards, rule=args.selection_rule, scope=args.selection_scope,
-            num_keep=completions_to_keep(self.plan, advantages.shape[0], args.num_generations),
+            num_keep=completions_to_keep(self.plan, advantages.shape[0], args.num_generations, auto),
             generator=torch.Generator().manual_seed(chunk_seed(args.seed, self.round_index, key)),
             rank=self.dist.rank, world_size=self.dist.world_size, gather=self.dist.gather)
 

@@ -65,6 +65,16 @@ def check_pruning(pruning_rate: float, group_size: int) -> None:
                          f"{group_size}")
 
 
+def completions_kept(questions: int, group_size: int, pruning_rate: float, *,
+                     question_scope: bool) -> int:
+    """Completions kept of `questions` x `group_size` scored at P = pruning_rate (module doc's
+    allocation=False counts): max(1, round(G (1-P))) per question (scope 'question'), or
+    max(1, round(Q G (1-P))) over the step."""
+    if question_scope:
+        return questions * max(1, _round_half_up(group_size * (1.0 - pruning_rate)))
+    return max(1, _round_half_up(questions * group_size * (1.0 - pruning_rate)))
+
+
 def questions_per_chunk(chunk_size: int | None, group_size: int, num_questions: int) -> int:
     """Questions decoded together when at most `chunk_size` completions fit (None: all
     `num_questions`): whole groups, rounded down, at least one question."""
@@ -107,7 +117,7 @@ def plan_step(
 
     if not allocation:
         questions = questions_from_whole_groups()
-        kept = questions * keep_per_question if question_scope else max(1, _round_half_up(batch * keep_fraction))
+        kept = completions_kept(questions, group_size, pruning, question_scope=question_scope)
         return StepShape(questions, batch, kept, keep_per_question if question_scope else None)
 
     if question_scope:

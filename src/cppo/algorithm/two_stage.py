@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from cppo.algorithm.allocation import completions_kept
 from cppo.algorithm.skipping import zero_variance_groups
 
 
@@ -41,10 +42,16 @@ def balanced_continued(keep: Tensor, draws: Tensor) -> Tensor:
     return out
 
 
-def completions_to_keep(plan, questions: int, group_size: int) -> int:
+def completions_to_keep(plan, questions: int, group_size: int,
+                        pruning_rate: float | None = None) -> int:
     """Completions the selection keeps when a step planned as `plan` (a StepShape) scores only
     `questions` groups: the plan's count when all are there; otherwise keep_per_question each
-    (scope 'question'), or the plan's count capped at what there is (scope 'step')."""
+    (scope 'question'), or the plan's count capped at what there is (scope 'step').
+    pruning_rate (pruning_rate: auto): the rate now, applied to the groups there are in the
+    plan's scope, whatever the plan's own rate."""
+    if pruning_rate is not None:
+        return completions_kept(questions, group_size, pruning_rate,
+                                question_scope=plan.keep_per_question is not None)
     if questions == plan.questions_per_step:
         return plan.completions_kept
     if plan.keep_per_question is not None:

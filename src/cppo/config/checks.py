@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cppo.algorithm import (SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, check_pruning, local_scope,
                             rule_traits)
+from cppo.algorithm.balance import AUTO
 from cppo.config.options import field_types, unwrap_optional
 from cppo.errors import ConfigError, VLLMUnavailableError
 
@@ -110,11 +111,7 @@ def validate(cfg) -> None:
     """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
     check_fields(cfg)
     check(cfg.num_generations >= 1, f"'num_generations' is {cfg.num_generations}; must be >= 1")
-    try:
-        check_pruning(cfg.pruning_rate, cfg.num_generations)
-    except ValueError as err:
-        key = "num_generations" if 0.0 <= cfg.pruning_rate < 1.0 else "pruning_rate"
-        raise ConfigError(f"'{key}' is {getattr(cfg, key)}: {err}") from None
+    _check_pruning(cfg)
     check(cfg.per_device_train_batch_size >= 1,
           f"'per_device_train_batch_size' is {cfg.per_device_train_batch_size}; must be >= 1")
     check(cfg.gradient_accumulation_steps >= 1,
@@ -133,6 +130,35 @@ def validate(cfg) -> None:
     _check_trl_knobs(cfg)
     _check_plan(cfg)
     _check_async(cfg)
+
+
+def _check_pruning(cfg) -> None:
+    """pruning_rate: a rate in [0, 1) (G >= 2 to prune), or 'auto' with async_rollout, moving
+    within [pruning_rate_min, pruning_rate_max] from pruning_rate_start (cppo.algorithm.balance)."""
+    auto = cfg.pruning_rate == AUTO
+    check(auto or not isinstance(cfg.pruning_rate, str),
+          f"'pruning_rate' is {cfg.pruning_rate!r}; allowed: a number in [0, 1), or "
+          f"'{AUTO}' (with async_rollout)")
+    low, start, high = cfg.pruning_rate_min, cfg.pruning_rate_start, cfg.pruning_rate_max
+    check(0.0 <= low < high < 1.0,
+          f"'pruning_rate_min' is {low} and 'pruning_rate_max' {high}; need 0 <= "
+          f"pruning_rate_min < pruning_rate_max < 1 (1 would prune every completion)")
+    check(low <= start <= high, f"'pruning_rate_start' is {start}; must lie within "
+          f"[pruning_rate_min, pruning_rate_max] = [{low}, {high}]")
+    rate = high if auto else cfg.pruning_rate
+    try:
+        check_pruning(rate, cfg.num_generations)
+    except ValueError as err:
+        key = "num_generations" if 0.0 <= rate < 1.0 else "pruning_rate"
+        raise ConfigError(f"'{key}' is {getattr(cfg, key)}: {err}") from None
+    if not auto:
+        return
+    check(cfg.async_rollout, f"'pruning_rate' is '{AUTO}', which balances training against the "
+          f"generator process of asynchronous rollouts; set async_rollout: true, or a number for "
+          f"pruning_rate (e.g. {start}, pruning_rate_start)")
+    check(not cfg.use_vllm, f"'pruning_rate' is '{AUTO}' with use_vllm: auto measures cppo's "
+          f"generator process, not a vLLM server; set use_vllm: false, or a number for "
+          f"pruning_rate (e.g. {start})")
 
 
 def _check_sampling(cfg) -> None:

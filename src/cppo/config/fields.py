@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import yaml
 
 from cppo.algorithm import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS,
                             SELECTION_RULES, SELECTION_SCOPES, StepShape, local_scope,
                             plan_step)
+from cppo.algorithm.balance import AUTO
 from cppo.algorithm.sampler_correction import IMPORTANCE_SAMPLING_MODES
 from cppo.config.checks import validate
 from cppo.config.options import option
@@ -381,8 +382,21 @@ class CPPOConfig:
         "router logits.")
 
     # --- CPPO ------------------------------------------------------------------------------
-    pruning_rate: float = option(0.75, "P: fraction of completions pruned (smallest |A| first) "
-                             "before any forward pass. 0: plain GRPO.")
+    pruning_rate: Union[float, str] = option(
+        0.75, "P: fraction of completions pruned (smallest |A| first) before any forward pass. "
+        "0: plain GRPO. 'auto' (async_rollout, cppo's generator process): each round's "
+        "questions are planned for pruning_rate_start, and the share of them kept moves every "
+        "round within [pruning_rate_min, pruning_rate_max]: less pruning when the trainer waited "
+        "for the round, more when the generator waited for the trainer (docs/asynchronous.md); "
+        "the run then depends on timing.")
+    pruning_rate_min: float = option(0.5, "pruning_rate auto: the lowest pruning rate (the "
+                                     "most completions kept).", at_least=0)
+    pruning_rate_max: float = option(0.9375, "pruning_rate auto: the highest pruning rate (the "
+                                     "fewest completions kept).", at_least=0)
+    pruning_rate_start: float = option(0.75, "pruning_rate auto: the rate the rounds' questions "
+                                       "are planned for (as pruning_rate would plan them) and the "
+                                       "first round prunes at; within [pruning_rate_min, "
+                                       "pruning_rate_max].", at_least=0)
     allocation: bool = option(True, "Dynamic completion allocation: sample more questions so that "
                           "kept completions fill the update batch.")
     selection_rule: str = option("largest_abs", "Which completions to keep.", SELECTION_RULES)
@@ -485,12 +499,17 @@ class CPPOConfig:
                     vespo=dict(k_pos=self.vespo_k_pos, lambda_pos=self.vespo_lambda_pos,
                                k_neg=self.vespo_k_neg, lambda_neg=self.vespo_lambda_neg))
 
+    @property
+    def planned_pruning_rate(self) -> float:
+        """The rate the step plan is made for: pruning_rate, or pruning_rate_start when auto."""
+        return self.pruning_rate_start if self.pruning_rate == AUTO else self.pruning_rate
+
     def step_plan(self) -> StepShape:
         """Questions sampled, completions scored and kept per generation round (algorithm/allocation):
         per optimizer step unless steps_per_generation makes a round several steps' slices."""
         return plan_step(completions_per_update=self.completions_per_update *
                          self.updates_per_generation,
-                         group_size=self.num_generations, pruning_rate=self.pruning_rate,
+                         group_size=self.num_generations, pruning_rate=self.planned_pruning_rate,
                          allocation=self.allocation,
                          scope=local_scope(self.selection_scope))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -116,4 +117,12 @@ def coerce(fld: dataclasses.Field, raw: Any, *, cls, source: str = "config") -> 
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{source}: '{fld.name}' expects a list of {item.__name__}, got {raw!r}")
         return [_scalar(item, v, fld.name, source) for v in items]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):   # e.g. a number or 'auto'
+        for member in typing.get_args(tp):
+            try:
+                return _scalar(member, raw, fld.name, source)
+            except ConfigError:
+                continue
+        names = " or ".join(t.__name__ for t in typing.get_args(tp))
+        raise ConfigError(f"{source}: '{fld.name}' expects {names}, got {raw!r}")
     return _scalar(tp, raw, fld.name, source)

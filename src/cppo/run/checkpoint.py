@@ -68,6 +68,7 @@ class RunState:
     entropy_coef: float | None = None   # use_adaptive_entropy: the coefficient now (None: the config's)
     last_world_entropy: float = float("inf")   # use_adaptive_entropy: the last step's mean entropy
     fp16_scaler: dict | None = None     # fp16: the gradient scaler's state (its loss scale)
+    pruning_rate: float | None = None   # pruning_rate auto: the last round's (None: none yet)
 
     def to_dict(self, **about_run) -> dict[str, Any]:
         """JSON-ready; `about_run` (config, world size, strategy) is written beside it for

@@ -73,29 +73,33 @@ class RolloutTask:
 @dataclass
 class Sampled:
     """A round as the generator sampled it: the policy version that sampled it, each process's
-    prompts (Q rows) and completions (Q x G rows), in rank order, and the seconds it took."""
+    prompts (Q rows) and completions (Q x G rows), in rank order, the seconds it took and the
+    seconds the generator waited for the task (Arrival)."""
 
     task_id: int
     version: int
     prompts: list[PromptBatch]
     completions: list[Completions]
     seconds: float
+    idle_seconds: float = 0.0
 
     def part(self, rank: int) -> "Arrival":
         return Arrival(self.task_id, self.version, self.prompts[rank], self.completions[rank],
-                       self.seconds)
+                       self.seconds, self.idle_seconds)
 
 
 @dataclass
 class Arrival:
     """This process's part of a sampled round: the policy version that sampled it, the prompts
-    (Q rows), completions (Q x G rows) and the seconds the sampling took."""
+    (Q rows), completions (Q x G rows), the seconds the sampling took and the seconds the
+    generator waited for the task before (idle_seconds: 0 for its first task)."""
 
     task_id: int
     version: int
     prompts: PromptBatch
     completions: Completions
     seconds: float
+    idle_seconds: float = 0.0
 
     def to(self, device) -> "Arrival":
         return dataclasses.replace(self, prompts=self.prompts.to(device),
@@ -158,9 +162,10 @@ def generator_main(staging, names, lock, version, heartbeat, tasks, results, bui
             heartbeat.value = time.time()
     heartbeat.value = time.time()
     threading.Thread(target=beat, daemon=True).start()
-    generation, mine = build(model, _WholeModel()), -1
+    generation, mine, done = build(model, _WholeModel()), -1, None   # done: the last round's end
     try:
         while (task := tasks.get()) is not None:
+            idle = 0.0 if done is None else time.perf_counter() - done
             with lock:
                 if version.value != mine:
                     _copy_parameters(model, staging, names)
@@ -168,8 +173,9 @@ def generator_main(staging, names, lock, version, heartbeat, tasks, results, bui
             start = time.perf_counter()
             parts = [dataclasses.replace(generation, rank=rank).sample(rows, task.round_index)
                      for rank, rows in enumerate(task.rows)]   # as each process would sample
+            done = time.perf_counter()
             results.put(Sampled(task.task_id, mine, [p for p, _ in parts], [c for _, c in parts],
-                                time.perf_counter() - start))
+                                done - start, idle))
     except Exception:   # the trainer raises it, with the generator's traceback
         results.put(_Failure(traceback.format_exc()))
     finally:
@@ -560,9 +566,14 @@ class RolloutScheduler:
                 "sample/rollout_queue_size": float(sum(len(a.completions.ids)
                                                        for a in self.arrived.values())),
                 "rollout/inflight": float(len(self.pending) * questions_per_round),
-                "perf/rollout_wait_s": waited,
+                "perf/rollout_wait_s": waited, "rollout/generator_idle_s": arrival.idle_seconds,
                 "cppo/generator_busy": min(1.0, self.generator_seconds / elapsed),
                 "cppo/trainer_busy": max(0.0, 1.0 - self.wait_seconds / elapsed)}
+
+    @property
+    def rounds_taken(self) -> int:
+        """Rounds handed to the trainer this session."""
+        return len(self.staleness_seen)
 
     def summary(self) -> dict:
         """The session's figures for summary.json: staleness, rounds dropped, busy shares."""
