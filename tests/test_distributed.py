@@ -639,7 +639,9 @@ def async_runs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
     out = {}
     for name, extra in (("sync", {}), ("async0", dict(async_rollout=True, max_staleness=0)),
-                        ("async2", dict(async_rollout=True, max_staleness=2))):
+                        ("async2", dict(async_rollout=True, max_staleness=2,
+                                        pruning_rate="auto", pruning_rate_start=0.5,
+                                        pruning_rate_min=0.25))):
         _, log = torchrun(async_spec(tiny_model_dir, root / name, **extra), root / f"{name}.json")
         out[name] = (root / name, log)
     return out
@@ -667,10 +669,12 @@ def test_async_rollout_with_two_trainers_at_max_staleness_0_is_the_synchronous_r
 
 def test_async_rollout_with_two_trainers_trains_on_stale_rounds_within_the_bound(async_runs):
     """max_staleness 2 (a round sampled one round ahead): both processes take the same arrivals,
-    so they report the same staleness, and no trained round is staler than the bound."""
+    so they report the same staleness, and no trained round is staler than the bound. With
+    pruning_rate auto both prune at the first process's rate (each waited its own time)."""
     run, _ = async_runs["async2"]
-    figures = [json.loads((run / f"summary-rank{r}.json").read_text())["asynchronous"]
-               for r in (0, 1)]
+    summaries = [json.loads((run / f"summary-rank{r}.json").read_text()) for r in (0, 1)]
+    assert summaries[0]["pruning_rate_last"] == summaries[1]["pruning_rate_last"]
+    figures = [s["asynchronous"] for s in summaries]
     assert figures[0] == {**figures[1], "generator_busy": figures[0]["generator_busy"],
                           "trainer_busy": figures[0]["trainer_busy"]}
     assert figures[0]["staleness_max"] == 2 and figures[0]["dropped_stale"] == 0

@@ -225,7 +225,7 @@ class CPPOTrainer:
         """pruning_rate auto: the rate this round's selection applies (kept in the run state),
         moved from the last round's by the trainer's wait for this round and the generator's
         wait for its task (cppo.algorithm.balance). A session's first round keeps it: the
-        generator's start-up is in that wait."""
+        generator's start-up is in that wait. Under torchrun the first process's rate, on all."""
         args, state = self.args, self.run_state
         rate = args.pruning_rate_start if state.pruning_rate is None else state.pruning_rate
         if self.rollouts.rounds_taken > 1:
@@ -234,8 +234,8 @@ class CPPOTrainer:
                 generator_idle=rollout["rollout/generator_idle_s"],
                 round_seconds=rollout["rollout/duration_s"], low=args.pruning_rate_min,
                 high=args.pruning_rate_max)
-        state.pruning_rate = rate
-        return rate
+        state.pruning_rate = self.dist.broadcast_object(rate)   # each process waited its own
+        return state.pruning_rate
 
     def take_questions(self) -> tuple[list[dict], list[int], int | None]:
         """This process's slice of the round's questions, the round's question indices (all
