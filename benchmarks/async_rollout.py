@@ -259,32 +259,55 @@ def simulate(generate_s: float, train_s: float, sync_s: float, devices: int, sta
     return trained[-1] / steps
 
 
-def speed_rows(models: list[str], real: str) -> list[dict]:
+def median_run(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda m: m["seconds_per_step"])[len(runs) // 2]
+
+
+def speed_rows(models: list[str], reals: list[str], repeats: int = 1) -> list[dict]:
+    """Each row run `repeats` times, the modes interleaved (the machine's drift spreads over
+    all of them); a row reports its median run, the median speed-up over the sync run of the
+    same repeat and the range of those speed-ups and of their share of that repeat's bound.
+    Rows are labelled 'embedded' or 'real <shape>'."""
     rows = []
-    for model in models:
+    for model, real in [(m, r) for m in models for r in (reals if m == "real" else [""])]:
         steps, warm = STEPS[model]
+        label = f"{model} {real}".strip()
         for algorithm in ALGORITHMS:
-            measured = {}
-            for mode, staleness in MODES.items():
-                out = Path(tempfile.mkdtemp(prefix="cppo_async_"))
-                values = run_config(model, real, algorithm, staleness, 42, steps, out)
-                measured[mode] = measure(values, warm)
-                print(f"{model} {algorithm} {mode}: {measured[mode]['seconds_per_step']:.3f} s/step",
-                      flush=True)
-            share, limit = bound(measured["sync"])
-            for mode, m in measured.items():
-                speedup = measured["sync"]["seconds_per_step"] / m["seconds_per_step"]
-                rows.append({"model": model, "algorithm": algorithm, "mode": mode, **m,
+            runs = {mode: [] for mode in MODES}
+            for _ in range(repeats):
+                for mode, staleness in MODES.items():
+                    out = Path(tempfile.mkdtemp(prefix="cppo_async_"))
+                    values = run_config(model, real, algorithm, staleness, 42, steps, out)
+                    runs[mode].append(measure(values, warm))
+                    print(f"{label} {algorithm} {mode}: "
+                          f"{runs[mode][-1]['seconds_per_step']:.3f} s/step", flush=True)
+            share, limit = bound(median_run(runs["sync"]))
+            limits = [bound(sync)[1] for sync in runs["sync"]]
+            for mode, measured in runs.items():
+                speedups = [sync["seconds_per_step"] / m["seconds_per_step"]
+                            for sync, m in zip(runs["sync"], measured)]
+                shares = [up / lim for up, lim in zip(speedups, limits)]
+                m, speedup = median_run(measured), statistics.median(speedups)
+                rows.append({"model": label, "algorithm": algorithm, "mode": mode, **m,
                              "seconds_per_question": m["seconds_per_step"] / m["questions_per_step"],
                              "speedup": speedup, "generation_share": share, "bound": limit,
-                             "of_bound": speedup / limit})
+                             "of_bound": statistics.median(shares), "repeats": repeats,
+                             "speedup_range": [min(speedups), max(speedups)],
+                             "of_bound_range": [min(shares), max(shares)]})
     return rows
 
 
-def accuracy_rows() -> list[dict]:
+def staleness_of(mode: str) -> int:
+    """A row's max_staleness from its mode's name ('sync': 0, 'async S=2': 2)."""
+    return 0 if mode == "sync" else int(mode.rpartition("=")[2])
+
+
+def accuracy_rows(modes: dict) -> list[dict]:
+    """Held-out accuracy after ACCURACY_STEPS steps, per algorithm, mode ({name: staleness}) and
+    seed."""
     rows = []
     for algorithm in ALGORITHMS:
-        for mode, staleness in MODES.items():
+        for mode, staleness in modes.items():
             for seed in SEEDS:
                 out = Path(tempfile.mkdtemp(prefix="cppo_async_acc_"))
                 values = run_config("embedded", "", algorithm, staleness, seed, ACCURACY_STEPS,
@@ -299,15 +322,21 @@ def accuracy_rows() -> list[dict]:
 def write(result: dict, out: Path = OUT) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1))
+    repeats = max([r.get("repeats", 1) for r in result.get("speed", [])] or [1])
     lines = [f"# Asynchronous rollouts on split hardware (trainer: core 0, generator: core 1)\n",
              f"CPU: {result.get('cpu')}, torch capability {result.get('capability')}; command: "
-             f"`{result.get('command')}`; {result.get('date')}.\n",
+             f"{', '.join(f'`{c}`' for c in result.get('commands') or [result.get('command')])}; "
+             f"{result.get('date')}.\n",
              "| model | algorithm | mode | s/step | s/question | speed-up | bound | of bound | "
              "staleness | dropped |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("speed", []):
+        ranged = r.get("repeats", 1) > 1 and r["mode"] != "sync"
+        up = f" ({r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f})" if ranged else ""
+        share = (f" ({100 * r['of_bound_range'][0]:.0f}-{100 * r['of_bound_range'][1]:.0f})"
+                 if ranged else "")
         lines.append(f"| {r['model']} | {r['algorithm']} | {r['mode']} | {r['seconds_per_step']:.3f} "
-                     f"| {r['seconds_per_question']:.4f} | {r['speedup']:.2f}x | {r['bound']:.2f}x "
-                     f"| {100 * r['of_bound']:.0f} % | {r['staleness_mean']:.2f} | "
+                     f"| {r['seconds_per_question']:.4f} | {r['speedup']:.2f}x{up} | {r['bound']:.2f}x "
+                     f"| {100 * r['of_bound']:.0f} %{share} | {r['staleness_mean']:.2f} | "
                      f"{r['dropped_stale']:.0f} |")
     lines += ["", "bound: the sync row's step over the longer of its two sides (the generator's "
               "sampling seconds per round; the trainer's step less its wait for the round); "
@@ -316,7 +345,11 @@ def write(result: dict, out: Path = OUT) -> None:
               "the real shape's P = 0.875). staleness: the trained rounds' mean; short runs "
               "(the real shape's 6 steps) end before the generator is max_staleness rounds "
               "ahead. Real shape: real_shape.py's model (--real quick: 4 layers, 32k "
-              "vocabulary, G = 8, 64 new tokens; generation from a bfloat16 copy).", ""]
+              "vocabulary, G = 8, 64 new tokens; --real full: the 0.12B model, G = 16; "
+              "generation from a bfloat16 copy)." + (
+                  f" Each row ran {repeats} times, the modes interleaved: s/step is the median "
+                  f"run's, speed-up and 'of bound' the median of the speed-ups over the same "
+                  f"repeat's sync run (their range in brackets)." if repeats > 1 else ""), ""]
     if result.get("projection"):
         lines += ["## Projection (simulator fed with the sync rows' phase times)", "",
                   "| model | algorithm | split | sync s/step | async S=2 s/step | speed-up |",
@@ -326,8 +359,11 @@ def write(result: dict, out: Path = OUT) -> None:
                          f"{p['async']:.3f} | {p['sync'] / p['async']:.2f}x |")
         lines.append("")
     if result.get("accuracy"):
+        commands = ", ".join(f"`{c}`" for c in result.get("accuracy_commands")
+                             or [result.get("accuracy_command")])
         lines += [f"## Held-out greedy accuracy after {ACCURACY_STEPS} steps (embedded default, "
-                  f"seeds {', '.join(map(str, SEEDS))}; `{result.get('accuracy_command')}`)", "",
+                  f"seeds {', '.join(map(str, SEEDS))}; "
+                  f"{commands})", "",
                   "Equal steps are equal training questions within an algorithm; the wall "
                   "seconds are each run's training rounds at the measured rate.", "",
                   "| algorithm | mode | accuracy (mean) | per seed | wall s (mean) |",
@@ -416,8 +452,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["embedded", "real"],
                         choices=["embedded", "real"])
-    parser.add_argument("--real", default="full", choices=["full", "quick"])
+    parser.add_argument("--real", nargs="+", default=["full"], choices=["full", "quick"])
     parser.add_argument("--accuracy", action="store_true")
+    parser.add_argument("--staleness", type=int, nargs="+", default=None,
+                        help="--accuracy: only these max_staleness values (rows added to the "
+                        "committed ones), e.g. 8 16 to see where staleness costs accuracy")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="speed rows: runs of each row, interleaved; the table gives the "
+                        "median and the range of each speed-up")
     parser.add_argument("--equal-wall", action="store_true",
                         help="sync against async (max_staleness 2) at equal wall time")
     parser.add_argument("--auto", action="store_true",
@@ -443,9 +485,13 @@ def main() -> None:
     command = "python benchmarks/async_rollout.py " + " ".join(sys.argv[1:])
     if args.accuracy or args.equal_wall or args.auto:   # added to the committed speed rows
         seeds, cache, today = [int(s) for s in args.seeds.split(",")], {}, time.strftime("%Y-%m-%d")
-        if args.accuracy:
-            result["accuracy"] = accuracy_rows()
-            result["accuracy_command"] = command
+        if args.accuracy:   # the modes run now replace their rows; the others' stay
+            modes = {f"async S={s}": s for s in args.staleness} if args.staleness else MODES
+            kept = [r for r in result.get("accuracy", []) if r["mode"] not in modes]
+            result["accuracy"] = sorted(kept + accuracy_rows(modes), key=lambda r: (
+                list(ALGORITHMS).index(r["algorithm"]), staleness_of(r["mode"])))
+            earlier = result.pop("accuracy_command", None)   # results written before commands
+            result.setdefault("accuracy_commands", [earlier] if earlier else []).append(command)
         if args.equal_wall:
             result["equal_wall"] = {"rows": equal_wall_rows(args.steps, seeds, cache),
                                     "steps": args.steps, "seeds": seeds, "command": command,
@@ -460,14 +506,21 @@ def main() -> None:
                               "target": TARGET_SHARE * final if args.target is None else args.target}
         write(result, args.out)
         return print((args.out / "results.md").read_text())
+    # the models run now replace their rows; the others' stay, with the commands that ran them
+    speed = speed_rows(args.models, args.real, args.repeats)
+    labels = {r["model"] for r in speed}
+    earlier = [r for r in result.get("speed", []) if r["model"] not in labels]
+    commands = [c for c in result.get("commands") or [result.get("command")]
+                if c and earlier and c != command]
     result.update({"cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(),
-                   "command": command, "date": time.strftime("%Y-%m-%d"),
-                   "speed": speed_rows(args.models, args.real)})
-    result["projection"] = [
+                   "commands": [*commands, command], "date": time.strftime("%Y-%m-%d"),
+                   "speed": earlier + speed})
+    result.pop("command", None)
+    result["projection"] = [p for p in result.get("projection", []) if p["model"] not in labels] + [
         {"model": r["model"], "algorithm": r["algorithm"], "split": f"{n}+{n}",
          "sync": simulate(r["generate_s"], r["train_s"] - r["weight_sync_s"], r["weight_sync_s"], n, 0),
          "async": simulate(r["generate_s"], r["train_s"] - r["weight_sync_s"], r["weight_sync_s"], n, 2)}
-        for r in result["speed"] if r["mode"] == "sync" for n in (1, 4)]
+        for r in speed if r["mode"] == "sync" for n in (1, 4)]
     write(result, args.out)
     print((args.out / "results.md").read_text())
 
