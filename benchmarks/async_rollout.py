@@ -29,9 +29,15 @@ A projection feeds the measured phase times to a simulator of 1+1 and 4+4 device
     python benchmarks/async_rollout.py --accuracy              # + held-out accuracy, 3 seeds
     python benchmarks/async_rollout.py --equal-wall --auto     # + accuracy at equal wall time
     python benchmarks/async_rollout.py --real quick          # the small real-shape model
+    python benchmarks/async_rollout.py --models embedded real --real quick --repeats 3
+    python benchmarks/async_rollout.py --models real --real full --staleness 2   # rows added
+    python benchmarks/async_rollout.py --accuracy --staleness 8 16             # rows added
 
 Writes benchmarks/results/async_rollout/results.md and results.json (--out: elsewhere); each
-mode replaces its own sections and keeps the others.
+mode replaces its own sections and keeps the others; speed rows replace those of the models run
+(labelled 'embedded', 'real quick', 'real full'), accuracy rows those of the modes run.
+`--repeats N` runs each speed row N times, the modes interleaved, and reports the median run with
+the range of its speed-ups.
 """
 
 from __future__ import annotations
@@ -263,7 +269,8 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda m: m["seconds_per_step"])[len(runs) // 2]
 
 
-def speed_rows(models: list[str], reals: list[str], repeats: int = 1) -> list[dict]:
+def speed_rows(models: list[str], reals: list[str], repeats: int = 1,
+               modes: dict = MODES) -> list[dict]:
     """Each row run `repeats` times, the modes interleaved (the machine's drift spreads over
     all of them); a row reports its median run, the median speed-up over the sync run of the
     same repeat and the range of those speed-ups and of their share of that repeat's bound.
@@ -273,9 +280,9 @@ def speed_rows(models: list[str], reals: list[str], repeats: int = 1) -> list[di
         steps, warm = STEPS[model]
         label = f"{model} {real}".strip()
         for algorithm in ALGORITHMS:
-            runs = {mode: [] for mode in MODES}
+            runs = {mode: [] for mode in modes}
             for _ in range(repeats):
-                for mode, staleness in MODES.items():
+                for mode, staleness in modes.items():
                     out = Path(tempfile.mkdtemp(prefix="cppo_async_"))
                     values = run_config(model, real, algorithm, staleness, 42, steps, out)
                     runs[mode].append(measure(values, warm))
@@ -455,8 +462,9 @@ def main() -> None:
     parser.add_argument("--real", nargs="+", default=["full"], choices=["full", "quick"])
     parser.add_argument("--accuracy", action="store_true")
     parser.add_argument("--staleness", type=int, nargs="+", default=None,
-                        help="--accuracy: only these max_staleness values (rows added to the "
-                        "committed ones), e.g. 8 16 to see where staleness costs accuracy")
+                        help="only these max_staleness values: with --accuracy, rows added "
+                        "to the committed ones (e.g. 8 16: where staleness costs accuracy); for "
+                        "speed rows, sync and these")
     parser.add_argument("--repeats", type=int, default=1,
                         help="speed rows: runs of each row, interleaved; the table gives the "
                         "median and the range of each speed-up")
@@ -507,7 +515,9 @@ def main() -> None:
         write(result, args.out)
         return print((args.out / "results.md").read_text())
     # the models run now replace their rows; the others' stay, with the commands that ran them
-    speed = speed_rows(args.models, args.real, args.repeats)
+    modes = {"sync": 0, **{f"async S={s}": s for s in args.staleness}} if args.staleness \
+        else MODES
+    speed = speed_rows(args.models, args.real, args.repeats, modes)
     labels = {r["model"] for r in speed}
     earlier = [r for r in result.get("speed", []) if r["model"] not in labels]
     commands = [c for c in result.get("commands") or [result.get("command")]
