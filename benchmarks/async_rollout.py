@@ -354,9 +354,10 @@ def write(result: dict, out: Path = OUT) -> None:
               "ahead. Real shape: real_shape.py's model (--real quick: 4 layers, 32k "
               "vocabulary, G = 8, 64 new tokens; --real full: the 0.12B model, G = 16; "
               "generation from a bfloat16 copy)." + (
-                  f" Each row ran {repeats} times, the modes interleaved: s/step is the median "
-                  f"run's, speed-up and 'of bound' the median of the speed-ups over the same "
-                  f"repeat's sync run (their range in brackets)." if repeats > 1 else ""), ""]
+                  f" Rows with a range in brackets ran {repeats} times, the modes interleaved: "
+                  f"s/step is the median run's, speed-up and 'of bound' the median of the "
+                  f"speed-ups over the same repeat's sync run (their range in brackets); the "
+                  f"others ran once." if repeats > 1 else ""), ""]
     if result.get("projection"):
         lines += ["## Projection (simulator fed with the sync rows' phase times)", "",
                   "| model | algorithm | split | sync s/step | async S=2 s/step | speed-up |",
