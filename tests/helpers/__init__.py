@@ -23,6 +23,17 @@ PARK_ENV = "CPPO_TEST_PARK_RUN"   # see park_in_training
 MARGINS_ENV = "CPPO_MARGINS"       # see note_margin
 
 
+def assert_config_error_names(values: dict, names: list[str]) -> None:
+    """CPPOConfig(**values) raises a ConfigError whose text holds each of `names`."""
+    import pytest
+    from cppo.config import CPPOConfig
+    from cppo.errors import ConfigError
+    with pytest.raises(ConfigError) as err:
+        CPPOConfig(**values)
+    for name in names:
+        assert name in str(err.value), name
+
+
 def closeness(got, expected, *, atol: float, rtol: float) -> float:
     """max |got - expected| / (atol + rtol |expected|): torch.testing.assert_close passes at <= 1."""
     diff = (got.double() - expected.double()).abs()
