@@ -140,16 +140,18 @@ def slow_reward(prompts, completions, completion_ids=None, **kw):
 def test_a_stalled_generator_raises_the_rate_the_run_prunes_at(tiny_model_dir, tmp_path):
     """The generator process samples a round far faster than the trainer scores it (a slow
     reward): it waits for tasks, so the logged rate rises from pruning_rate_start, and each
-    round keeps round(Q G (1 - P)) completions at the rate it logged. Rounds 0 and 1 are
-    submitted together (one round ahead), so the generator waits first before round 2; round 1
-    may move either way by the trainer's few milliseconds of taking it from the queue."""
+    round keeps round(Q G (1 - P)) completions at the rate it logged. (The exact moves, round by
+    round, are test_a_waiting_trainer_lowers_the_rate_to_its_bound's, with a generator that
+    does not depend on the machine's timing.)"""
     with make_trainer(tiny_model_dir, tmp_path / "run", reward=slow_reward, max_steps=6,
                       max_staleness=1, **AUTO) as trainer:
         trainer.train()
     records = auto_records(tmp_path / "run")
     rates = [r["cppo/pruning_rate"] for r in records]
-    assert rates[0] == 0.5 and rates[-1] > 0.6, rates   # the first round: the start
-    assert all(b >= a for a, b in zip(rates[1:], rates[2:])) and rates[2] > rates[1], rates
+    # the first round keeps the start; then the generator's waits push the rate up (how much
+    # each round moves follows the machine's timing: a busy machine may let one round's move
+    # go a little either way, so the test asks for the rise over the run, not round by round)
+    assert rates[0] == 0.5 and rates[-1] > 0.6 and max(rates) <= 0.75, rates
     assert_kept_follows_the_rate(records)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["pruning_rate_last"] == pytest.approx(rates[-1], abs=1e-4)
