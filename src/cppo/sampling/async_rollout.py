@@ -52,7 +52,6 @@ from cppo.errors import ConfigError, GeneratorError, VLLMServerError
 from cppo.sampling.backends import make_backend
 from cppo.sampling.batches import Completions, PromptBatch
 from cppo.sampling.generation import Generation
-from cppo.sampling.sampler import encode_prompts
 from cppo.sampling.vllm import server_url, server_weight_metadata, vllm_weights
 
 HEARTBEAT_EVERY_S = 0.5   # how often the generator process says it is alive
@@ -130,6 +129,15 @@ def generator_sampling(tokenizer, args, chunk_size: int, generation_dtype: str |
                       args.num_generations, args.max_prompt_length, args.seed)
 
 
+def sample_round(generation: Generation, task: RolloutTask
+                 ) -> tuple[list[PromptBatch], list[Completions]]:
+    """Each process's prompts and completions of the task's round, sampled as that process would
+    sample them in a synchronous run (its rank's seeds, its own padding)."""
+    parts = [dataclasses.replace(generation, rank=rank).sample(rows, task.round_index)
+             for rank, rows in enumerate(task.rows)]
+    return [p for p, _ in parts], [c for _, c in parts]
+
+
 def trainable_names(model) -> list[str]:
     """The parameters an optimizer step changes: the ones a push copies."""
     return [name for name, p in model.named_parameters() if p.requires_grad]
@@ -171,11 +179,9 @@ def generator_main(staging, names, lock, version, heartbeat, tasks, results, bui
                     _copy_parameters(model, staging, names)
                     mine = version.value
             start = time.perf_counter()
-            parts = [dataclasses.replace(generation, rank=rank).sample(rows, task.round_index)
-                     for rank, rows in enumerate(task.rows)]   # as each process would sample
+            prompts, completions = sample_round(generation, task)
             done = time.perf_counter()
-            results.put(Sampled(task.task_id, mine, [p for p, _ in parts], [c for _, c in parts],
-                                done - start, idle))
+            results.put(Sampled(task.task_id, mine, prompts, completions, done - start, idle))
     except Exception:   # the trainer raises it, with the generator's traceback
         results.put(_Failure(traceback.format_exc()))
     finally:
@@ -308,7 +314,9 @@ class ServerGenerator(_Generator):
         if backend.push_weights:
             raise ValueError("ServerGenerator pushes the weights itself: build its backend with "
                              "push_weights=False")
-        self.backend, self.tokenizer, self.args = backend, tokenizer, args
+        self.backend = backend
+        self.generation = Generation(backend, tokenizer, _WholeModel(), torch.device("cpu"), 0,
+                                     args.num_generations, args.max_prompt_length, args.seed)
         if not self._push_over_nccl and getattr(backend.model.config, "tie_word_embeddings", False):
             # (over NCCL the server's tied head shares the embedding's storage, which the push
             # refreshes; vLLM's CPU build keeps a repacked copy of the head that a reload leaves)
@@ -397,11 +405,7 @@ class ServerGenerator(_Generator):
                 self.heartbeat.value = time.time()
                 version = self._reload()
                 start = time.perf_counter()
-                prompts = [encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
-                                          self.args.max_prompt_length) for rows in task.rows]
-                completions = [self.backend.generate(p, round_index=task.round_index,
-                                                     question_offset=rank * len(p))
-                               for rank, p in enumerate(prompts)]   # as each process would
+                prompts, completions = sample_round(self.generation, task)
                 self.results.put(Sampled(task.task_id, version, prompts, completions,
                                          time.perf_counter() - start))
                 self.heartbeat.value = 0.0
