@@ -35,14 +35,17 @@ class StepShape:
     completions_kept: int
     keep_per_question: int | None
 
-    @property
-    def group_size(self) -> int:
+    def _group_size(self) -> int:
         return self.completions_scored // self.questions_per_step
 
-    @property
-    def effective_pruning_rate(self) -> float:
+    def _effective_pruning_rate(self) -> float:
         """Fraction of scored completions that are pruned: 1 - kept / scored."""
         return 1.0 - self.completions_kept / self.completions_scored
+
+    # properties written as calls: mutmut does not mutate a decorated function
+    group_size = property(_group_size, doc="Completions scored per question.")
+    effective_pruning_rate = property(_effective_pruning_rate,
+                                      doc="Fraction of scored completions that are pruned: 1 - kept / scored.")
 
 
 def _round_half_up(value: float) -> int:

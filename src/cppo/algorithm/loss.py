@@ -50,7 +50,6 @@ def importance_ratio(logps: Tensor, old_logps: Tensor, completion_mask: Tensor |
     return torch.exp((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
 
 
-@torch.no_grad()
 def gamma_weights(advantages: Tensor, log_ratio: Tensor, completion_mask: Tensor,
                   sampling_weights: Tensor | None = None, *, k_pos: float = 2.0,
                   lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
@@ -68,6 +67,10 @@ def gamma_weights(advantages: Tensor, log_ratio: Tensor, completion_mask: Tensor
     k = torch.where(nonneg, k_pos, k_neg)
     lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+# decorators written as calls: mutmut does not mutate a decorated function (benchmarks/mutation.py)
+gamma_weights = torch.no_grad()(gamma_weights)
 
 
 def per_token_policy_loss(
@@ -180,7 +183,6 @@ def _policy_term(term: str, ratio: Tensor, advantages: Tensor, logps: Tensor, ol
     return -phi * advantages * logps
 
 
-@torch.no_grad()
 def _clip_stats(term: str, ratio: Tensor, advantages: Tensor, logps: Tensor, epsilon_low: float,
                 epsilon_high: float) -> dict[str, Tensor]:
     """(N, T) bool: where the ratio was clipped low and high, and either (cispo: high only)."""
@@ -192,6 +194,9 @@ def _clip_stats(term: str, ratio: Tensor, advantages: Tensor, logps: Tensor, eps
         is_high_clipped = ((ratio > 1.0 + epsilon_high) & (advantages > 0)).expand_as(logps)
     return {"is_low_clipped": is_low_clipped, "is_high_clipped": is_high_clipped,
             "is_region_clipped": is_low_clipped | is_high_clipped}
+
+
+_clip_stats = torch.no_grad()(_clip_stats)
 
 
 def importance_weights(policy_logps: Tensor, sampler_logps: Tensor, clip_max: float) -> Tensor:

@@ -29,7 +29,6 @@ def is_sequence_mode(mode: str) -> bool:
     return mode.startswith("sequence")
 
 
-@torch.no_grad()
 def sampler_importance_weights(policy_logps: Tensor, sampler_logps: Tensor, completion_mask: Tensor,
                                mode: str = "token_truncate", clip_min: float | None = None,
                                clip_max: float | None = 3.0) -> Tensor:
@@ -55,7 +54,10 @@ def sampler_importance_weights(policy_logps: Tensor, sampler_logps: Tensor, comp
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
-@torch.no_grad()
+# decorators written as calls: mutmut does not mutate a decorated function
+sampler_importance_weights = torch.no_grad()(sampler_importance_weights)
+
+
 def sampler_correction_stats(policy_logps: Tensor, sampler_logps: Tensor, completion_mask: Tensor,
                              weights: Tensor) -> dict[str, Tensor]:
     """What TRL logs of the correction, as (sum, count, min, max) pieces one can reduce over
@@ -74,3 +76,6 @@ def sampler_correction_stats(policy_logps: Tensor, sampler_logps: Tensor, comple
                 f"{name}_min": values.min() if values.numel() else inf,
                 f"{name}_max": values.max() if values.numel() else -inf}
     return {**pieces(ratio, "ratio"), **pieces(delta, "logp_diff")}
+
+
+sampler_correction_stats = torch.no_grad()(sampler_correction_stats)

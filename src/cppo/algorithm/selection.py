@@ -119,19 +119,16 @@ def keep_highest_scores(scores: Tensor, *, num_keep: int, scope: str) -> Tensor:
     return keep_mask.view(num_questions, group_size)
 
 
-@register_rule("largest_abs")
 def keep_largest_abs_advantage(advantages, rewards, *, num_keep, scope, generator):
     """CPPO: keep the completions with the largest |A|; all-equal groups (A = 0) go first."""
     return keep_highest_scores(advantages.abs(), num_keep=num_keep, scope=scope)
 
 
-@register_rule("smallest_abs")
 def keep_smallest_abs_advantage(advantages, rewards, *, num_keep, scope, generator):
     """Ablation: keep the completions with the smallest |A|."""
     return keep_highest_scores(-advantages.abs(), num_keep=num_keep, scope=scope)
 
 
-@register_rule("random")
 def keep_random(advantages, rewards, *, num_keep, scope, generator):
     """Ablation: keep a uniformly random subset (reproducible with a seeded generator)."""
     device = generator.device if generator is not None else advantages.device
@@ -139,7 +136,6 @@ def keep_random(advantages, rewards, *, num_keep, scope, generator):
     return keep_highest_scores(scores.to(advantages.device), num_keep=num_keep, scope=scope)
 
 
-@register_rule("max_variance", scopes=("question",), advantages_on_kept=True)
 def keep_max_reward_variance(advantages, rewards, *, num_keep, scope, generator):
     """PODS: per question keep the m rewards of maximum variance = the i highest + m - i lowest.
 
@@ -165,6 +161,13 @@ def keep_max_reward_variance(advantages, rewards, *, num_keep, scope, generator)
     keep_mask = torch.zeros_like(rewards, dtype=torch.bool)
     keep_mask.scatter_(1, ascending, keep_sorted)
     return keep_mask
+
+
+# the built-in rules, registered by calls (mutmut does not mutate a decorated function)
+register_rule("largest_abs")(keep_largest_abs_advantage)
+register_rule("smallest_abs")(keep_smallest_abs_advantage)
+register_rule("random")(keep_random)
+register_rule("max_variance", scopes=("question",), advantages_on_kept=True)(keep_max_reward_variance)
 
 
 def _is_int(value) -> bool:
