@@ -309,17 +309,21 @@ def test_router_aux_loss_and_coefficient():
 
 def test_off_policy_mask_by_hand():
     # mean KL(sampler || policy) = mean(sampler - logp) over the mask; threshold 0.3
-    logps = torch.zeros(5, 2, dtype=D)
+    logps = torch.full((6, 2), -1.0, dtype=D)
     sampler = t([[0.5, 0.5],     # A > 0, KL 0.5: kept (only negative advantages are masked)
                  [0.5, 0.5],     # A < 0, KL 0.5 > 0.3: masked
                  [0.1, 0.1],     # A < 0, KL 0.1: kept
                  [-0.5, -0.5],   # A < 0, KL -0.5 (policy above the sampler): kept
-                 [0.3, 9.0]])    # A < 0, KL over the first token only = 0.3: kept (<=)
-    mask = t([[1, 1], [1, 1], [1, 1], [1, 1], [1, 0]])
-    advantages = t([1.0, -1.0, -1.0, -1.0, -1.0])
+                 [0.25, 9.0],    # A < 0, KL over the first token only = 0.25: kept
+                 [0.5, -9.0]])   # A < 0, KL over the first token only = 0.5: masked
+    sampler = sampler - 1.0      # log-probs of -1 + the KL above
+    mask = t([[1, 1], [1, 1], [1, 1], [1, 1], [1, 0], [1, 0]])
+    advantages = t([1.0, -1.0, -1.0, -1.0, -1.0, -1.0])
     keep = off_policy_mask(advantages, logps, sampler, mask, 0.3)
-    assert keep.dtype == D and keep.shape == (5, 1)
-    assert keep.flatten().tolist() == [1.0, 0.0, 1.0, 1.0, 1.0]
+    assert keep.dtype == D and keep.shape == (6, 1)
+    assert keep.flatten().tolist() == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    # the threshold is inclusive: a mean KL of exactly 0.25 is kept at 0.25
+    assert off_policy_mask(t([-1.0]), t([[0.0]]), t([[0.25]]), t([[1.0]]), 0.25).item() == 1.0
     # A = 0 counts as non-negative; NaN sampler log-probs count as KL 0; an empty row has KL 0
     keep = off_policy_mask(t([0.0, -1.0, -1.0]), torch.zeros(3, 2, dtype=D),
                            t([[5.0, 5.0], [float("nan"), 0.2], [5.0, 5.0]]),
