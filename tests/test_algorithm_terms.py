@@ -129,6 +129,10 @@ def test_vespo_gamma_weights_clamps_and_sampling_weights():
     weights = gamma_weights(advantages, log_ratio, mask, k_pos=1.0, lambda_pos=1e-3)
     low = LN(1e-8)
     torch.testing.assert_close(weights[:2], t([[phi(10.0, True, 1.0, 1e-3)], [phi(low, True, 1.0, 1e-3)]]))
+    # the lower token clamp: -25 counts as -20, so log w = -20 + 10
+    below = gamma_weights(t([[1.0]]), t([[-25.0, 10.0]]), torch.ones(1, 2, dtype=D), k_pos=1.0,
+                          lambda_pos=1e-3)
+    torch.testing.assert_close(below, t([[phi(-10.0, True, 1.0, 1e-3)]]))
     zero_lambda = gamma_weights(advantages[2:], log_ratio[2:], mask[2:], k_pos=1.0, lambda_pos=0.0)
     torch.testing.assert_close(zero_lambda, t([[phi(1.0, True, 1.0, 1e-4)]]), rtol=1e-9, atol=0)
     # sampling weights fold into w: log w = sum(log-ratios) + sum(log weights clamped to [log 1e-8, 20])
