@@ -11,7 +11,19 @@ LONGEST_FIRST = ("test_distributed.py", "test_cpu_paths.py", "test_vllm_engine.p
                  "test_reliability_crash.py", "test_vllm_server.py", "test_trl_differential.py")
 
 
+# The files that also run in the README's plain install (no extras, the newest dependencies pip
+# resolves): .ci/run runs `pytest -m plain_install` there. The trainer, config, checkpoints,
+# evaluation, rewards and data; what needs an extra inside them is skipped where it is missing.
+PLAIN_INSTALL = ("test_install.py", "test_config.py", "test_trainer.py", "test_task.py",
+                 "test_rewards_answers.py", "test_rewards_math.py", "test_reliability_outputs.py",
+                 "test_reliability_errors.py", "test_eval_user_data.py", "test_data_loaders.py")
+
+
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in PLAIN_INSTALL:
+            item.add_marker(pytest.mark.plain_install)
+
     def rank(item):
         name = item.path.name
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)

@@ -1,6 +1,6 @@
 """cppo: fast GRPO fine-tuning with Completion Pruning (CPPO) and Exact Causal Attention (ECA)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"   # the one place: pyproject.toml and `cppo --version` read it
 
 __all__ = ["CPPOConfig", "CPPOTrainer", "__version__"]
 

@@ -1,7 +1,8 @@
 """`cppo` command line: train | eval | pretrain | bench | export-data.
 
 Every field of a command's config dataclass is a `--name value` option; `cppo train` also takes
-`--config run.yaml` (command-line values override the file).
+`--config run.yaml` (command-line values override the file). `--dry_run` resolves and checks a
+command's config (and what it needs from this machine: extras, paths), prints it and exits 0.
 """
 
 from __future__ import annotations
@@ -80,6 +81,20 @@ def _add_fields(parser: argparse.ArgumentParser, cls) -> None:
                            help=text.replace("%", "%%"))
 
 
+def _add_dry_run(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dry_run", action="store_true", default=False,
+                        help="Resolve and check the config (values, extras, paths), print it as "
+                        "YAML and exit without loading a model or training.")
+
+
+def print_config(cfg, command: str) -> int:
+    """--dry_run's answer: the config that would run, as YAML on stdout; exit code 0."""
+    import yaml
+    print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), end="")
+    print(f"cppo {command}: dry run: the config above is valid; nothing was run", file=sys.stderr)
+    return 0
+
+
 def _add_trl_fields(parser: argparse.ArgumentParser, cls) -> None:
     """TRL's field names that cppo maps or ignores (cppo.config.trl_fields), accepted but not listed."""
     from cppo.config.trl_fields import TRL_FIELDS
@@ -95,23 +110,29 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cppo", description="Fast GRPO fine-tuning with completion pruning (CPPO).",
         allow_abbrev=False,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from importlib.metadata import version   # cppo.__version__, through the installed metadata
+    parser.add_argument("--version", action="version", version=f"cppo {version('cppo')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train = sub.add_parser("train", allow_abbrev=False, help="GRPO/CPPO training (no arguments: the embedded default)",
                            description="Train with GRPO + completion pruning. With no arguments: "
                            "CPPO (G=8, P=0.75) with allocation on the shipped tiny model and task.")
     train.add_argument("--config", default=None, help="YAML file of field: value (overridden by "
                        "command-line options).")
+    _add_dry_run(train)
     _add_fields(train, CPPOConfig)
     _add_trl_fields(train, CPPOConfig)
     ev = sub.add_parser("eval", allow_abbrev=False, help="held-out greedy accuracy and pass@k of a model")
+    _add_dry_run(ev)
     _add_fields(ev, EvalConfig)
     from cppo.pretrain import PretrainConfig
     pre = sub.add_parser("pretrain", allow_abbrev=False, help="supervised pretraining of the tiny base model")
+    _add_dry_run(pre)
     _add_fields(pre, PretrainConfig)
     bench = sub.add_parser("bench", allow_abbrev=False, help="the CPPO paper table on the embedded task "
                            "(benchmarks/cppo_table.py)", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     exp = sub.add_parser("export-data", allow_abbrev=False, help="write the embedded task as jsonl for other tools")
+    _add_dry_run(exp)
     _add_fields(exp, ExportConfig)
     return parser
 
@@ -147,6 +168,10 @@ def train_config(args) -> CPPOConfig:
 
 def cmd_train(args) -> int:
     cfg = train_config(args)
+    if args.dry_run:
+        from cppo.config.startup import check_startup
+        check_startup(cfg, output_dir="probe")
+        return print_config(cfg, "train")
     from cppo.trainer import EXIT_CODES, train
     summary = train(cfg)
     return EXIT_CODES.get(summary.get("status"), 1)
@@ -155,6 +180,13 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     cfg = build_dataclass(EvalConfig, _overrides(args, EvalConfig), source="command line",
                           command="eval")
+    from cppo.config.startup import check_readable, writable_directory
+    if cfg.model != "embedded":
+        check_readable("model", cfg.model, kinds="'embedded', a local model directory or a hub id")
+    if cfg.output_json:
+        writable_directory("output_json", str(Path(cfg.output_json).parent), keep=not args.dry_run)
+    if args.dry_run:
+        return print_config(cfg, "eval")
     from cppo.data.sources import TaskSource, load_task
     from cppo.evaluate import evaluate
     from cppo.parallel.memory import eval_batch_size
@@ -190,6 +222,10 @@ def cmd_pretrain(args) -> int:
     from cppo.pretrain import PretrainConfig, command_line, pretrain
     cfg = build_dataclass(PretrainConfig, _overrides(args, PretrainConfig),
                           source="command line", command="pretrain")
+    from cppo.config.startup import writable_directory
+    writable_directory("output_dir", cfg.output_dir, keep=not args.dry_run)
+    if args.dry_run:
+        return print_config(cfg, "pretrain")
     report = pretrain(cfg, command=command_line())
     ev = report["eval"]
     print(f"pretrained in {report['train_seconds']} s: greedy {100 * ev['greedy_accuracy']:.1f}%, "
@@ -201,6 +237,10 @@ def cmd_export(args) -> int:
     from cppo.data import arithmetic
     cfg = build_dataclass(ExportConfig, _overrides(args, ExportConfig), source="command line",
                           command="export-data")
+    from cppo.config.startup import writable_directory
+    writable_directory("output", str(Path(cfg.output).parent), keep=not args.dry_run)
+    if args.dry_run:
+        return print_config(cfg, "export-data")
     problems = arithmetic.generate(cfg.task_level, cfg.split, n=cfg.n, seed=cfg.seed)
     path = arithmetic.export_jsonl(problems, cfg.output)
     print(f"wrote {len(problems)} {cfg.split} problems (level {cfg.task_level}) to {path}")

@@ -18,7 +18,12 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it and what is allowed."""
 
 
-class VLLMUnavailableError(ConfigError, ImportError):
+class MissingExtraError(ConfigError, ImportError):
+    """A field needs an optional package that is not installed; the message names the extra
+    (`pip install "cppo[...]"`)."""
+
+
+class VLLMUnavailableError(MissingExtraError):
     """use_vllm is on but vLLM cannot be imported; the message names the extra to install."""
 
 

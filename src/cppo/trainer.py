@@ -30,6 +30,7 @@ from cppo.algorithm.allocation import total_steps
 from cppo.algorithm.two_stage import completions_to_keep
 from cppo.config import CPPOConfig
 from cppo.config.checks import check_generation_batch_size
+from cppo.config.startup import check_startup
 from cppo.data.questions import QuestionStream, draw_skipping, next_streaks
 from cppo.data.sources import run_task
 from cppo.errors import CallbackError, ConfigError
@@ -38,7 +39,7 @@ from cppo.models.loading import frozen_copy, load_policy
 from cppo.parallel.engines import Engine, pad_rows, resolve_strategy
 from cppo.parallel.hardware import apply_tf32, run_dtypes, warn_slow_precision
 from cppo.parallel.memory import check_run_batches, device_memory_bytes, plan_for_run
-from cppo.parallel.processes import Distributed, launcher_restarts
+from cppo.parallel.processes import Distributed, first_process, launcher_restarts
 from cppo.rewards.runner import RewardRunner, Scores, reward_sources
 from cppo.run import checkpoint as ckpt
 from cppo.run.batch import StepBatch, kept_batch
@@ -50,7 +51,7 @@ from cppo.run.metrics import Round, round_counts, round_metrics
 from cppo.run.signals import EXIT_CODES, stop_handlers, stop_request
 from cppo.run.saving import checkpoint_to_resume, resume_run, save_pretrained_folder, save_run
 from cppo.run.summary import run_summary, write_summary
-from cppo.run.tracking import MetricsLog, MetricsWindow, PhaseTimer, check_report_to
+from cppo.run.tracking import MetricsLog, MetricsWindow, PhaseTimer
 from cppo.sampling.async_rollout import RolloutScheduler, start_rollouts
 from cppo.sampling.backends import make_backend, speculation_slots
 from cppo.sampling.batches import Completions, PromptBatch
@@ -75,7 +76,8 @@ class CPPOTrainer:
         self.args = args = args or CPPOConfig()
         self.rollout_func = rollout_function(rollout_func, tools, environment_factory,
                                              args.max_tool_calling_iterations, args.two_stage_generations)
-        check_report_to(args.report_to)   # a tracker's missing library, before any loading
+        check_startup(args, model=model, own_data=train_dataset is not None,   # before loading
+                      output_dir="create" if first_process() else "skip")
         funcs, weights, reward_processing_classes = reward_sources(   # environments' get_reward too
             reward_funcs, args, getattr(self.rollout_func, "env_rewards", []), reward_processing_classes)
         self.dist = Distributed.from_environment()

@@ -316,9 +316,9 @@ class CPPOConfig:
         None, "async_rollout: torch threads of the generator process (None: the trainer's).",
         at_least=1)
     generator_cpus: Optional[list[int]] = option(
-        None, "async_rollout: the CPU cores the generator process runs on, e.g. [1] (None: the "
-        "trainer's); with the trainer pinned to the others (taskset), the two sides do not "
-        "compete for cores.")
+        None, "async_rollout: the CPU cores the generator process runs on, e.g. "
+        "`--generator_cpus 1` or `--generator_cpus 2 3` (YAML: [1]; None: the trainer's); with "
+        "the trainer pinned to the others (taskset), the two sides do not compete for cores.")
 
     # --- GRPO loss -------------------------------------------------------------------------
     beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.")

@@ -51,18 +51,19 @@ def unwrap_optional(tp) -> tuple[Any, bool]:
 
 
 def json_mapping(raw, key: str, source: str | None = None) -> dict:
-    """A mapping field's value: a dict, or its JSON text (the command line's form; a one-item
-    list of it too); anything else is a ConfigError naming `key` (and `source`)."""
+    """A mapping field's value: a dict, or its JSON (or YAML flow) text (the command line's form;
+    a one-item list of it too); anything else is a ConfigError naming `key` (and `source`)."""
     from cppo.errors import ConfigError
     where = f"{source}: " if source else ""
     if isinstance(raw, (list, tuple)) and len(raw) == 1:   # `--name '{...}'`
         raw = raw[0]
-    if isinstance(raw, str):
-        import json
+    if isinstance(raw, str):   # JSON, or YAML's flow form as the help shows it: {a: 1}
+        import yaml
         try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{where}'{key}' is {raw!r}, not a JSON object: {err}") from None
+            raw = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{where}'{key}' is {raw!r}, not a JSON object: "
+                              f"{str(err).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}'{key}' expects a mapping (JSON on the command line), "
                           f"got {raw!r}")

@@ -45,10 +45,16 @@ def build_dataclass(cls, values: dict[str, Any], *, source: str = "config", comm
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file '{path}' is a directory; give a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist")
     try:
         data = yaml.safe_load(path.read_text()) or {}
+    except OSError as err:
+        raise ConfigError(f"config file '{path}' cannot be read ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file '{path}' is not text: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file '{path}' is not valid YAML: {err}") from None
     if not isinstance(data, dict):
@@ -108,9 +114,12 @@ def coerce(fld: dataclasses.Field, raw: Any, *, cls, source: str = "config") -> 
         return json_mapping(raw, fld.name, source)
     if typing.get_origin(tp) is list:
         (item,) = typing.get_args(tp)
-        items = raw   # a list, or "a,b", or (command line) ["a", "b"] / ["a,b"]
+        items = raw   # a list, or "a,b", or "[a, b]", or (command line) ["a", "b"] / ["a,b"]
         if isinstance(raw, str):
             items = [raw]
+        if isinstance(items, (list, tuple)):   # `--generator_cpus '[1]'`: YAML's flow list, quoted
+            items = [s.strip()[1:-1] if isinstance(s, str) and s.strip()[:1] == "[" and
+                     s.strip()[-1:] == "]" else s for s in items]
         if isinstance(items, (list, tuple)):
             items = [s for v in items for s in ((p.strip() for p in v.split(","))
                                                 if isinstance(v, str) else [v]) if s != ""]

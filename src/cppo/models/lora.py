@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cppo.errors import ConfigError
+from cppo.errors import ConfigError, MissingExtraError
 
 PEFT_MISSING = "use_peft needs peft: pip install 'cppo[peft]'"
 
@@ -18,7 +18,7 @@ def _peft():
     try:
         import peft
     except ImportError as err:
-        raise ImportError(f"{PEFT_MISSING} (import failed: {err})") from err
+        raise MissingExtraError(f"{PEFT_MISSING} (import failed: {err})") from err
     return peft
 
 

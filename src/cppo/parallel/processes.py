@@ -306,6 +306,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def first_process(environ=os.environ) -> bool:
+    """This is the launch's first process (RANK 0, or no launcher), before any group starts."""
+    return int(environ.get("RANK", "0")) == 0
+
+
 def launcher_restarts(environ=os.environ) -> int:
     """How many times torchrun (or `accelerate launch`) has restarted this worker group
     (`--max-restarts`): 0 on the first start."""

@@ -40,7 +40,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import requests
 import torch
 import torch.distributed
 import torch.multiprocessing as mp
@@ -385,6 +384,7 @@ class ServerGenerator(_Generator):
             metadata, tensors = pushed
             client.update_named_params(metadata, iter(tensors))
         else:
+            import requests   # with trl, which the server's client needs (connect_server)
             reply = requests.post(f"{self.url}/collective_rpc", timeout=self.stale_after, json={
                 "method": "reload_weights",
                 "kwargs": {"weights_path": str(pushed), "is_checkpoint_format": True}})
