@@ -137,7 +137,13 @@ CASES = [
     ("generation_batch_size", ["--generation_batch_size", "0"], "'generation_batch_size' is 0; must be >= 1"),
     ("seed_range", ["--seed", str(2**64)], "'seed' is 18446744073709551616; allowed: 0 <= seed < 2**32"),
     ("output_dir_is_file", ["--output_dir", "{file}"], "which is a file; give a directory"),
+    ("output_dir_below_a_file", ["--output_dir", "{file}/run"],
+     "'output_dir' is '{file}/run': cannot create or write this directory ({file} is a file, "
+     "not a directory)"),
+    ("output_dir_not_creatable", ["--output_dir", "/proc/cppo-run"],
+     "'output_dir' is '/proc/cppo-run': cannot create or write this directory"),
     ("config_missing", ["--config", "{missing}"], "does not exist"),
+    ("config_is_a_directory", ["--config", "{model}"], "is a directory; give a YAML file"),
     ("config_not_yaml", ["--config", "{broken_yaml}"], "is not valid YAML"),
     ("config_unknown_key", ["--config", "{typo_yaml}"], "unknown key 'learning_rat'; did you mean 'learning_rate'"),
     ("model_missing", ["--model", "{missing}"], "could not load model '{missing}': no such directory"),
@@ -168,6 +174,13 @@ CASES = [
 ]
 
 
+# start-up failures: what the machine lacks (paths, extras) is found before any model loads
+BEFORE_LOADING = {"output_dir_is_file", "output_dir_below_a_file", "output_dir_not_creatable",
+                  "config_missing", "config_is_a_directory", "config_not_yaml",
+                  "config_unknown_key", "model_missing", "model_pickle_only", "data_missing",
+                  "vllm_missing"}
+
+
 def base_args(env, tmp_path) -> list[str]:
     return ["train", "--model", env["model"], "--dataset_name", env["good"],
             "--reward_funcs", "helpers:odd_length_reward", "--output_dir", str(tmp_path / "run"),
@@ -177,19 +190,25 @@ def base_args(env, tmp_path) -> list[str]:
 
 
 @pytest.mark.parametrize("extra, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_cli_error(env, tmp_path, capsys, monkeypatch, extra, message):
+def test_cli_error(env, tmp_path, capsys, monkeypatch, extra, message, request):
     started = []
     import cppo.trainer
     monkeypatch.setattr(cppo.trainer.CPPOTrainer, "training_round",
                         lambda self: started.append(1) or pytest.fail("a training step started"))
     monkeypatch.setitem(sys.modules, "vllm", None)   # as where vLLM is not installed
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)   # ... and bitsandbytes
+    loaded = []   # start-up failures (paths, extras) are found before any model loads
+    original_load = cppo.trainer.load_policy
+    monkeypatch.setattr(cppo.trainer, "load_policy",
+                        lambda *a, **k: loaded.append(1) or original_load(*a, **k))
     args = base_args(env, tmp_path) + [a.format(**env) for a in extra]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "cppo train: error: " in err and message.format(**env) in err, err
     assert not started
     assert "Traceback" not in err
+    if request.node.callspec.id in BEFORE_LOADING:
+        assert not loaded, "a start-up failure was found only after the model loaded"
 
 
 def test_poisoned_checkpoint_never_runs_its_payload(env, tmp_path, capfd):

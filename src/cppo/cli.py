@@ -181,8 +181,8 @@ def cmd_eval(args) -> int:
     cfg = build_dataclass(EvalConfig, _overrides(args, EvalConfig), source="command line",
                           command="eval")
     from cppo.config.startup import check_readable, writable_directory
-    if cfg.model != "embedded":
-        check_readable("model", cfg.model, kinds="'embedded', a local model directory or a hub id")
+    from cppo.models.loading import resolve_model_path
+    check_readable("model", resolve_model_path(cfg.model))   # a missing path: ModelLoadError
     if cfg.output_json:
         writable_directory("output_json", str(Path(cfg.output_json).parent), keep=not args.dry_run)
     if args.dry_run:

@@ -15,7 +15,6 @@ from cppo.errors import ConfigError, MissingExtraError
 # field switched on -> (module it imports, the extra that installs it); bitsandbytes is checked
 # where the model loads (cppo.models.loading), after the rules of load_in_4bit / 8bit themselves
 FIELD_EXTRAS = {"use_peft": ("peft", "peft")}
-DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")   # cppo.data.loaders reads these files
 
 
 def require_module(module: str, extra: str, why: str) -> None:
@@ -36,19 +35,10 @@ def check_extras(cfg) -> None:
     check_report_to(cfg.report_to)
 
 
-def looks_local(name: str) -> bool:
-    """A value the user wrote as a path (not a hub id or a registry name)."""
-    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
-
-
-def check_readable(field: str, name: str, *, kinds: str) -> None:
-    """A path-like `name` exists and can be read; `kinds`: what the field takes, for the message."""
+def check_readable(field: str, name: str) -> None:
+    """A path `name` that exists can be read (the loaders say what a missing one should be)."""
     path = Path(name).expanduser()
-    if not (looks_local(name) or name.endswith(DATASET_SUFFIXES)):
-        return
-    if not path.exists():
-        raise ConfigError(f"'{field}' is {name!r}: no such file or directory (give {kinds})")
-    if not os.access(path, os.R_OK):
+    if path.exists() and not os.access(path, os.R_OK):
         raise ConfigError(f"'{field}' is {name!r}: cannot be read (permission denied)")
 
 
@@ -82,12 +72,13 @@ def check_startup(cfg, *, model=None, own_data: bool = False, output_dir: str = 
     "skip" it (a process other than the first, which writes nothing there)."""
     check_extras(cfg)
     name = cfg.model if model is None else model if isinstance(model, (str, Path)) else None
-    if name is not None and str(name) != "embedded":
-        check_readable("model", str(name), kinds="'embedded', a local model directory or a hub id")
+    if name is not None:
+        from cppo.models.loading import resolve_model_path
+        check_readable("model", resolve_model_path(str(name)))   # a missing path: ModelLoadError
     if not own_data:
-        check_readable("dataset_name", cfg.dataset_name,
-                       kinds="a .jsonl / .json / .parquet file, a directory of them, a hub id, "
-                             "or 'embedded', 'gsm8k', 'math'")
+        from cppo.data.sources import check_dataset_source
+        check_dataset_source(cfg.dataset_name)
+        check_readable("dataset_name", cfg.dataset_name)
     # (an output_dir that is a file is refused with the config: cppo.config.checks)
     if output_dir != "skip":
         writable_directory("output_dir", cfg.output_dir, keep=output_dir == "create")

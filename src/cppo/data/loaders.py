@@ -123,6 +123,14 @@ def load_prompt_dataset(
 
 # --- reading --------------------------------------------------------------------------------------
 
+def check_local_source(source: str) -> None:
+    """FileNotFoundError for a source written as a path (a data file's suffix, or ./ / ~) that
+    does not exist; a hub id or a registry name passes."""
+    if (source.endswith(FILE_SUFFIXES) or source.startswith((".", "/", "~"))) and \
+            not Path(source).expanduser().exists():
+        raise FileNotFoundError(f"dataset file or directory not found: {source}")
+
+
 def _read_source(source: str, split: str, config: str | None = None, streaming: bool = False):
     """-> (rows, column names, description for messages, format implied by a hub alias or None)."""
     path = Path(source).expanduser()
@@ -142,8 +150,7 @@ def _read_source(source: str, split: str, config: str | None = None, streaming: 
     if path.is_file():
         rows = _read_file(path)
         return rows, _column_names(rows), str(path), None
-    if source.endswith(FILE_SUFFIXES) or source.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"dataset file or directory not found: {source}")
+    check_local_source(source)
     repo, subset, fmt = HUB_SOURCES.get(source, (source, None, None))
     return _load_dataset(source, repo, config or subset, split, streaming, fmt)
 

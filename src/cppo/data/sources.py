@@ -183,7 +183,7 @@ def load_task(source: TaskSource, tokenizer=None, *, train_split: bool = True) -
         try:
             held_out = load(cfg.dataset_name, cfg.eval_dataset_split, cfg.eval_num_questions)
         except (ValueError, FileNotFoundError) as err:
-            raise ConfigError(f"dataset_name '{cfg.dataset_name}': {err}") from err
+            raise dataset_error(cfg.dataset_name, err) from err
         return TaskData(train_rows=[], eval_rows=[dict(r) for r in held_out.dataset],
                         accuracy_reward=ACCURACY_REWARDS.get(held_out.format),
                         skipped_rows=list(held_out.skipped_rows),
@@ -191,7 +191,7 @@ def load_task(source: TaskSource, tokenizer=None, *, train_split: bool = True) -
     try:
         train = load(cfg.dataset_name, cfg.dataset_split, cfg.num_train_questions)
     except (ValueError, FileNotFoundError) as err:   # the loader's message names file, row, column
-        raise ConfigError(f"dataset_name '{cfg.dataset_name}': {err}") from err
+        raise dataset_error(cfg.dataset_name, err) from err
     skipped = list(train.skipped_rows)
     evaluation, eval_skipped = _held_out(cfg, load, train.source)
     rows = [dict(r) for r in train.dataset]
@@ -200,6 +200,20 @@ def load_task(source: TaskSource, tokenizer=None, *, train_split: bool = True) -
     return TaskData(train_rows=rows, eval_rows=evaluation, accuracy_reward=accuracy,
                     skipped_rows=skipped + eval_skipped,
                     description=f"{cfg.dataset_name} ({train.format} format)")
+
+
+def dataset_error(name: str, err: Exception) -> ConfigError:
+    """A loader's error (its message names the file, row or column) as dataset_name's."""
+    return ConfigError(f"dataset_name '{name}': {err}")
+
+
+def check_dataset_source(name: str) -> None:
+    """Before any loading: a dataset_name written as a path exists (ConfigError otherwise)."""
+    from cppo.data.loaders import check_local_source
+    try:
+        check_local_source(name)
+    except FileNotFoundError as err:
+        raise dataset_error(name, err) from None
 
 
 def _eval_source(name: str, train_split: str, eval_split: str) -> str | None:
