@@ -66,6 +66,23 @@ def test_lookahead_keeps_a_round_within_max_staleness_and_the_in_flight_cap(
     assert got == ahead and isinstance(got, int)
 
 
+@pytest.mark.parametrize("max_staleness, num_iterations, weight_sync_steps, ahead", [
+    (1, 1, 2, 0),    # weights up to 1 version old already: no room to run ahead
+    (2, 1, 2, 1),    # one version of lag, one round ahead
+    (3, 1, 2, 2),
+    (4, 2, 3, 1),    # (4 - 2) // 2
+    (2, 1, 3, 0),    # the lag takes all of max_staleness
+    (0, 1, 1, 0),
+])
+def test_lookahead_leaves_room_for_the_weights_lag_between_pushes(
+        max_staleness, num_iterations, weight_sync_steps, ahead):
+    """A round sampled with weights weight_sync_steps - 1 versions behind and trained k rounds
+    later is k x num_iterations + weight_sync_steps - 1 stale: within max_staleness."""
+    got = lookahead_rounds(max_staleness, num_iterations, 10, weight_sync_steps)
+    assert got == ahead
+    assert got * num_iterations + weight_sync_steps - 1 <= max_staleness
+
+
 @pytest.mark.parametrize("step, last_push, every, due", [
     (3, 2, 1, True),    # every step: one step since the last push
     (2, 2, 1, False),   # pushed at this version already

@@ -90,3 +90,21 @@ def test_a_steady_run_keeps_the_bounds_rounds_in_flight_and_drops_none(
     assert [r["sample/dropped_stale_total"] for r in records] == [0] * ROUNDS
     figures = json.load(open(tmp_path / "run" / "summary.json"))["asynchronous"]
     assert (figures["staleness_max"], figures["dropped_stale"]) == (ahead, 0)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_pushes_every_second_step_drop_nothing(tiny_model_dir, tmp_path, inline_generator,
+                                               max_staleness):
+    """weight_sync_steps 2: the generator's weights lag up to one version between pushes, and the
+    lookahead leaves room for it, so no round comes back too stale to train on (running
+    max_staleness rounds ahead regardless dropped and resampled every other round)."""
+    with make_trainer(tiny_model_dir, tmp_path / "run", max_steps=ROUNDS, async_rollout=True,
+                      max_staleness=max_staleness, weight_sync_steps=2,
+                      generation_dtype=None, matmul_dtype=None) as trainer:
+        trainer.train()
+    [generator] = inline_generator.made
+    assert len(generator.submitted) == ROUNDS   # each round sampled once
+    records = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
+    assert [r["sample/dropped_stale_total"] for r in records] == [0] * ROUNDS
+    assert max(r["sample/staleness_max"] for r in records) <= max_staleness
+    assert max(r["sample/staleness_max"] for r in records) >= 1   # it did run ahead / lag

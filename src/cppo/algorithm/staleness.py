@@ -29,11 +29,16 @@ def rounds_in_flight(max_inflight_tasks: int, max_staleness: int, questions_per_
     return max(1, max_inflight_tasks // questions_per_round)
 
 
-def lookahead_rounds(max_staleness: int, num_iterations: int, in_flight: int) -> int:
+def lookahead_rounds(max_staleness: int, num_iterations: int, in_flight: int,
+                     weight_sync_steps: int = 1) -> int:
     """Rounds submitted beyond the one trained next: as many as keep a group within
-    max_staleness when the weights are pushed after every round, at most in_flight - 1.
-    max_staleness 0: none, so each round is sampled by the policy that trains on it."""
-    return min(max_staleness // num_iterations, in_flight - 1)
+    max_staleness, at most in_flight - 1. A round k rounds ahead is trained on k x
+    num_iterations versions later, and the weights it was sampled with may already lag
+    weight_sync_steps - 1 versions (pushes come every weight_sync_steps steps), so
+    k <= (max_staleness - (weight_sync_steps - 1)) / num_iterations. max_staleness 0: none, so
+    each round is sampled by the policy that trains on it."""
+    room = max(0, max_staleness - (weight_sync_steps - 1))
+    return min(room // num_iterations, in_flight - 1)
 
 
 def push_due(step: int, last_push: int, weight_sync_steps: int) -> bool:

@@ -616,7 +616,7 @@ def start_rollouts(policy, tokenizer, args, *, version: int, chunk_size: int,
     in_flight = min(rounds_in_flight(args.max_inflight_tasks, args.max_staleness, questions),
                     1 + waiting)   # + the one trained next
     scheduler = RolloutScheduler(share, lookahead_rounds(args.max_staleness, args.steps_per_round,
-                                                         in_flight),
+                                                         in_flight, args.weight_sync_steps),
                                  args.max_staleness, rank=dist.rank)
     scheduler.sync(policy, version, args.weight_sync_steps)
     if dist.is_main:
