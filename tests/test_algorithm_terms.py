@@ -408,3 +408,11 @@ def test_sampler_correction_stats_by_hand():
     empty = sampler_correction_stats(policy, sampler, torch.zeros(2, 3, dtype=D), weights)
     assert empty["ratio_count"].item() == 0 and empty["ratio_min"].item() == math.inf
     assert empty["ratio_max"].item() == -math.inf and empty["logp_diff_sum"].item() == 0.0
+
+
+def test_top_entropy_quantile_one_keeps_every_token_of_float64_entropies():
+    """The threshold is a float32 quantile; entropies are compared in float32 too, so 1.0 keeps
+    the lowest token (0.1 in float64 is below its float32 rounding: it was dropped)."""
+    from cppo.algorithm.masks import high_entropy_mask
+    entropies = torch.tensor([[0.1, 0.3, 0.7]], dtype=torch.float64)
+    assert high_entropy_mask(entropies, torch.ones(1, 3), 1.0).all()

@@ -21,7 +21,7 @@ def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, top_entropy_qu
     if pool.numel() == 0:
         return torch.zeros_like(mask)
     threshold = torch.quantile(pool, 1.0 - top_entropy_quantile)
-    return ((entropies * mask.float()) >= threshold) & mask
+    return ((entropies.float() * mask.float()) >= threshold) & mask   # compared as quantiled
 
 
 def off_policy_mask(advantages: Tensor, logps: Tensor, sampler_logps: Tensor,
