@@ -176,3 +176,36 @@ def test_dry_run_gives_a_real_runs_answer(argv, names, tmp_path, monkeypatch, ca
     else:
         assert code == 2 and f"'{names}'" in err and err.startswith("cppo train: error:")
         assert "Traceback" not in err
+
+
+def help_examples() -> list[tuple[str, str]]:
+    """(field, example) for each `--name value` and each {...} / [...] example in a field's
+    --help text."""
+    import dataclasses
+    from cppo.config import CPPOConfig
+    found = []
+    for fld in dataclasses.fields(CPPOConfig):
+        text = fld.metadata.get("help", "")
+        found += [(fld.name, span) for span in re.findall(r"`(--\w+ [^`]+)`", text)]
+        found += [(fld.name, span) for span in re.findall(r"e\.g\. (\{[^}]*\}|\[[^\]]*\])", text)]
+    return found
+
+
+@pytest.mark.parametrize("field, example", help_examples())
+def test_help_examples_follow_the_command_lines_syntax(field, example):
+    """What `cppo train --help` shows as an example is accepted as the command line gives it."""
+    from cppo.config import CPPOConfig
+    from cppo.config.reading import coerce
+    import dataclasses
+    fld = {f.name: f for f in dataclasses.fields(CPPOConfig)}[field]
+    if example.startswith("--"):
+        name, *values = shlex.split(example)
+        assert name == f"--{field}"
+        raw = values if len(values) > 1 or "list[" in str(fld.type) else values[0]
+    else:
+        raw = [example] if "list[" in str(fld.type) else example
+    assert coerce(fld, raw, cls=CPPOConfig, source="command line") is not None
+
+
+def test_help_shows_examples():
+    assert len(help_examples()) >= 5
