@@ -9,7 +9,6 @@ import importlib
 import importlib.metadata
 import pkgutil
 import re
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -126,9 +125,8 @@ def test_the_package_data_globs_cover_every_data_file():
     """Every file under src/cppo that is not Python (the shipped model and tokenizer, the ECA
     schemes) matches a package-data glob, so the wheel and the sdist carry it."""
     globs = PYPROJECT["tool"]["setuptools"]["package-data"]["cppo"]
-    tracked = subprocess.run(["git", "ls-files", "src/cppo"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout.split()
-    data = [Path(p).relative_to("src/cppo").as_posix() for p in tracked if not p.endswith(".py")]
+    data = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*") if p.is_file()
+            and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
     assert data and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in data), data
     assert all(any(fnmatch.fnmatch(f, g) for f in data) for g in globs)   # no stale glob
 
