@@ -3,6 +3,7 @@
     pip install -e ".[mutation]"
     python benchmarks/mutation.py                          # every file of algorithm/
     python benchmarks/mutation.py --files masks.py loss.py # by file
+    python benchmarks/mutation.py --files loss.py --survivors  # rerun only its last survivors
     python benchmarks/mutation.py --report                 # rewrite the results from the verdicts kept
 
 mutmut's settings are pyproject.toml's [tool.mutmut] (the fast test files it runs the mutants
@@ -94,8 +95,14 @@ def prepare_workdir(tests: list[str]) -> list[str]:
     return present
 
 
-def run_mutmut(files: list[str], max_children: int) -> int:
+def run_mutmut(files: list[str], max_children: int, survivors_only: bool = False) -> int:
     patterns = [f"{MODULE}.{Path(f).stem}.*" for f in files]
+    if survivors_only:   # the kept verdicts of the others stand (tests were added, not removed)
+        patterns = [name for f in files for name, status in verdicts(f).items()
+                    if status in ("survived", "not run", "timeout", "other")]
+        if not patterns:
+            print("mutation: no survivors to rerun", flush=True)
+            return 0
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONDONTWRITEBYTECODE": "1"}
     mutmut = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or "mutmut"
@@ -263,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-children", type=int, default=1,
                         help="mutants tested at once (default 1)")
     parser.add_argument("--note", default="", help="a few words on this run, kept with its results")
+    parser.add_argument("--survivors", action="store_true",
+                        help="rerun only the files' mutants that survived (or have no verdict) in "
+                             "the kept verdicts; the killed ones keep their verdict")
     parser.add_argument("--report", action="store_true",
                         help="write the results from the verdicts kept, without running mutmut")
     args = parser.parse_args(argv)
@@ -273,11 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"not files of {PACKAGE}/: {unknown} (there: {known})")
     tests = mutmut_config().get("pytest_add_cli_args_test_selection", [])
     command = "python benchmarks/mutation.py" + (f" --files {' '.join(files)}" if args.files else "") \
-        + (f" --max-children {args.max_children}" if args.max_children != 1 else "")
+        + (f" --max-children {args.max_children}" if args.max_children != 1 else "") \
+        + (" --survivors" if args.survivors else "")
     present = [t for t in tests if (ROOT / t).exists()]
     if not args.report:
         present = prepare_workdir(tests)
-        code = run_mutmut(files, args.max_children)
+        code = run_mutmut(files, args.max_children, args.survivors)
         if code != 0:
             print(f"mutation: mutmut exited {code}", file=sys.stderr)
     run = {"date": datetime.date.today().isoformat(), "command": command, "note": args.note}

@@ -148,3 +148,43 @@ def test_mix_into_reference_by_hand():
             mix_into_reference(reference, policy, bad)
     with pytest.raises(ValueError, match="reference has 2 parameters, policy 1"):
         mix_into_reference(reference, policy[:1], 0.5)
+
+
+def test_round_keep_mask_defaults_are_one_process_rank_zero():
+    advantages = t([[0.1, -0.2], [3.0, 0.0]])
+    # world_size defaults to 1: the global scope is the step scope, no gather
+    alone = round_keep_mask(advantages, advantages, num_keep=2, rule="largest_abs", scope="global",
+                            generator=None)
+    assert alone.tolist() == [[False, True], [True, False]]
+    # rank defaults to 0: the rows of the first process
+    other = t([[5.0, 0.3], [0.0, 0.0]])
+    rows = round_keep_mask(advantages, advantages, num_keep=2, rule="largest_abs", scope="global",
+                           generator=None, world_size=2, gather=lambda x: torch.cat([x, other]))
+    # |A| over both processes: 5, 3, 0.3, 0.2 kept; rank 0 holds 0.2 and 3
+    assert rows.tolist() == [[False, True], [True, False]]
+
+
+def test_global_scope_uses_its_rule_and_generator():
+    mine, other = t([[0.1, -0.2]]), t([[3.0, -4.0]])
+    gather = lambda x: torch.cat([x, other])   # noqa: E731
+    kwargs = dict(num_keep=1, scope="global", rank=0, world_size=2, gather=gather)
+    smallest = round_keep_mask(mine, mine, rule="smallest_abs", generator=None, **kwargs)
+    assert smallest.tolist() == [[True, True]]
+    both = torch.cat([mine, other])
+    assert select_global(both, both, num_keep=3, rows=slice(0, 1), rule="smallest_abs").tolist() == [[True, True]]
+    # random: the scores come from the seeded generator, not the global one (16 completions)
+    mine, other = torch.zeros(1, 8, dtype=D), torch.ones(1, 8, dtype=D)
+    kwargs.update(num_keep=4, gather=lambda x: torch.cat([x, other]))
+    scores = torch.rand((2, 8), generator=torch.Generator().manual_seed(3))
+    expected = keep_highest_scores(scores, num_keep=8, scope="step")[0:1]
+    torch.manual_seed(0)
+    drawn = round_keep_mask(mine, mine, rule="random", generator=torch.Generator().manual_seed(3), **kwargs)
+    assert torch.equal(drawn, expected)
+    torch.manual_seed(0)
+    direct = select_global(torch.cat([mine, other]), torch.cat([mine, other]), num_keep=8,
+                           rows=slice(0, 1), rule="random", generator=torch.Generator().manual_seed(3))
+    assert torch.equal(direct, expected)
+    torch.manual_seed(0)
+    unseeded = select_global(torch.cat([mine, other]), torch.cat([mine, other]), num_keep=8,
+                             rows=slice(0, 1), rule="random")
+    assert not torch.equal(unseeded, expected)   # the global stream (seed 0) draws another subset

@@ -9,11 +9,13 @@ from hypothesis import strategies as st
 from cppo.algorithm import (
     SELECTION_RULES,
     group_advantages,
+    keep_highest_scores,
     recompute_advantages_on_kept,
     register_rule,
     rule_traits,
     select_completions,
 )
+from cppo.algorithm.selection import keep_random
 
 
 def mask_of(rows):
@@ -344,3 +346,122 @@ def test_recompute_on_kept_after_max_variance():
 def test_recompute_on_kept_shape_mismatch():
     with pytest.raises(ValueError, match=r"rewards and keep_mask must both be"):
         recompute_advantages_on_kept(torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------- traits, devices, long rows (mutation work, #54)
+
+
+def test_register_rule_traits_default_and_explicit():
+    @register_rule("plain_test_only")
+    def plain(advantages, rewards, *, num_keep, scope, generator):
+        return keep_first_n(advantages, num_keep)
+
+    @register_rule("pods_like_test_only", scopes=("question",), advantages_on_kept=True)
+    def pods_like(advantages, rewards, *, num_keep, scope, generator):
+        return keep_first_n(advantages, num_keep)
+
+    try:
+        assert rule_traits("plain_test_only").scopes == ("question", "step")
+        assert rule_traits("plain_test_only").advantages_on_kept is False
+        assert rule_traits("pods_like_test_only").scopes == ("question",)
+        assert rule_traits("pods_like_test_only").advantages_on_kept is True
+    finally:
+        del SELECTION_RULES["plain_test_only"], SELECTION_RULES["pods_like_test_only"]
+    assert rule_traits("max_variance").advantages_on_kept is True
+    assert rule_traits("largest_abs").advantages_on_kept is False
+
+
+def keep_first_n(advantages, num_keep):
+    mask = torch.zeros(advantages.numel(), dtype=torch.bool)
+    mask[:num_keep] = True
+    return mask.view(advantages.shape)
+
+
+@pytest.mark.parametrize("scopes", [("global",), ("step", "everywhere"), ()])
+def test_register_rule_refuses_unknown_or_empty_scopes(scopes):
+    with pytest.raises(ValueError, match=r"rule 'bad_scopes_test_only': scopes must be a non-empty "
+                                         r"subset of \('question', 'step'\)"):
+        register_rule("bad_scopes_test_only", scopes=scopes)
+    assert "bad_scopes_test_only" not in SELECTION_RULES
+
+
+def test_random_rule_without_generator_uses_the_global_one():
+    advantages = torch.zeros(2, 4, dtype=torch.float64)
+    torch.manual_seed(11)
+    got = select_completions(advantages, advantages, num_keep=3, scope="step", rule="random")
+    torch.manual_seed(11)
+    scores = torch.rand(2, 4)
+    expected = torch.zeros(8, dtype=torch.bool)
+    expected[torch.sort(scores.flatten(), descending=True, stable=True).indices[:3]] = True
+    assert torch.equal(got, expected.view(2, 4))
+
+
+def test_rules_work_on_the_tensors_device_not_the_default_device():
+    # a default device other than the tensors' (torch.set_default_device): the masks are made
+    # on the tensors' device, the random scores on the generator's (then moved)
+    rewards = torch.tensor([[0.0, 1.0, 2.0, 3.0]], dtype=torch.float64)
+    torch.set_default_device("meta")
+    try:
+        seeded = select_completions(rewards, rewards, num_keep=2, scope="question", rule="random",
+                                    generator=torch.Generator(device="cpu").manual_seed(5))
+        pods = select_completions(rewards, rewards, num_keep=2, scope="question", rule="max_variance")
+    finally:
+        torch.set_default_device(None)
+    scores = torch.rand(1, 4, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(seeded, keep_highest_scores(scores, num_keep=2, scope="question"))
+    assert pods.tolist() == [[True, False, False, True]]
+
+
+def test_random_rule_mask_is_on_the_advantages_device():
+    advantages = torch.zeros(2, 3, device="meta")
+    mask = keep_random(advantages, advantages, num_keep=2, scope="step",
+                       generator=torch.Generator(device="cpu").manual_seed(0))
+    assert mask.device.type == "meta" and mask.shape == (2, 3)
+
+
+def test_max_variance_ties_on_long_rows_follow_the_stable_order():
+    # 200 zeros (even indices) and 200 ones (odd): m = 100 keeps 50 + 50; among equal rewards the
+    # stable ascending order keeps the lowest-index zeros and the highest-index ones
+    rewards = torch.tensor([[0.0, 1.0] * 200], dtype=torch.float64)
+    mask = select_completions(rewards, rewards, num_keep=100, scope="question", rule="max_variance")
+    expected = torch.zeros(1, 400, dtype=torch.bool)
+    expected[0, 0:100:2] = True
+    expected[0, 301:400:2] = True
+    assert torch.equal(mask, expected)
+
+
+def test_step_scope_mask_is_made_on_the_scores_device():
+    scores = torch.tensor([[0.5, 2.0], [1.0, 0.0]], dtype=torch.float64)
+    torch.set_default_device("meta")
+    try:
+        mask = keep_highest_scores(scores, num_keep=2, scope="step")
+    finally:
+        torch.set_default_device(None)
+    assert mask.tolist() == [[False, True], [True, False]]
+
+
+@pytest.mark.parametrize("bad", [True, False])
+def test_num_keep_bool_is_refused(bad):
+    with pytest.raises(ValueError, match=r"num_keep must be an int in \[0, 8\] .*got (True|False)"):
+        select_completions(ADVANTAGES, REWARDS, num_keep=bad, scope="step")
+
+
+def test_flat_advantages_refused_with_their_shape():
+    with pytest.raises(ValueError, match=r"advantages must be \(questions, group_size\), got shape \(4,\)"):
+        select_completions(torch.zeros(4), torch.zeros(4), num_keep=2, scope="step")
+
+
+def test_no_questions_keep_nothing_in_question_scope():
+    mask = select_completions(torch.zeros(0, 4), torch.zeros(0, 4), num_keep=0, scope="question")
+    assert mask.shape == (0, 4) and mask.dtype == torch.bool
+
+
+def test_rule_put_into_the_registry_by_hand_has_default_traits():
+    from cppo.algorithm.selection import RuleTraits
+    SELECTION_RULES["by_hand_test_only"] = lambda *args, **kwargs: None
+    try:
+        traits = rule_traits("by_hand_test_only")
+        assert traits == RuleTraits() and traits.scopes == ("question", "step")
+        assert traits.advantages_on_kept is False
+    finally:
+        del SELECTION_RULES["by_hand_test_only"]
