@@ -4,6 +4,9 @@
     python benchmarks/mutation.py                          # every file of algorithm/
     python benchmarks/mutation.py --files masks.py loss.py # by file
     python benchmarks/mutation.py --files loss.py --survivors  # rerun only its last survivors
+    python benchmarks/mutation.py --files skipping.py --tests tests/test_algorithm_*.py tests/test_skipping.py::test_rule
+                                 # against these tests (files or test ids) only, e.g. the unit tests
+                                 # without the trainer-level ones; in build/mutation-tests/
     python benchmarks/mutation.py --report                 # rewrite the results from the verdicts kept
 
 mutmut's settings are pyproject.toml's [tool.mutmut] (the fast test files it runs the mutants
@@ -83,7 +86,7 @@ def prepare_workdir(tests: list[str]) -> list[str]:
     for folder in ("src", "tests"):
         shutil.rmtree(WORKDIR / folder, ignore_errors=True)
         shutil.copytree(ROOT / folder, WORKDIR / folder, ignore=ignore)
-    present = [t for t in tests if (ROOT / t).exists()]
+    present = [t for t in tests if (ROOT / t.split("::", 1)[0]).exists()]
     for missing in sorted(set(tests) - set(present)):
         print(f"mutation: {missing} does not exist; left out of the test selection", file=sys.stderr)
     text = (ROOT / "pyproject.toml").read_text()
@@ -96,18 +99,27 @@ def prepare_workdir(tests: list[str]) -> list[str]:
 
 
 def run_mutmut(files: list[str], max_children: int, survivors_only: bool = False) -> int:
-    patterns = [f"{MODULE}.{Path(f).stem}.*" for f in files]
-    if survivors_only:   # the kept verdicts of the others stand (tests were added, not removed)
-        patterns = [name for f in files for name, status in verdicts(f).items()
-                    if status in ("survived", "not run", "timeout", "other")]
-        if not patterns:
-            print("mutation: no survivors to rerun", flush=True)
-            return 0
+    if not survivors_only:
+        return _mutmut([f"{MODULE}.{Path(f).stem}.*" for f in files], max_children)
+    # the kept verdicts of the killed stand (tests were added, not removed); mutmut itself resets
+    # the verdicts of functions whose tests changed, so run again while some have none
+    code, tried = 0, set()
+    for _ in range(3):
+        names = {name for f in files for name, status in verdicts(f).items()
+                 if status in ("survived", "not run", "timeout", "other")} - tried
+        if not names:
+            break
+        tried |= names
+        code = _mutmut(sorted(names), max_children)
+    return code
+
+
+def _mutmut(patterns: list[str], max_children: int) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONDONTWRITEBYTECODE": "1"}
     mutmut = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or "mutmut"
     command = [mutmut, "run", "--max-children", str(max_children), *patterns]
-    print("mutation:", " ".join(command), f"(in {WORKDIR})", flush=True)
+    print("mutation:", " ".join(command[:6]), f"... ({len(patterns)} patterns, in {WORKDIR})", flush=True)
     return subprocess.run(command, cwd=WORKDIR, env=env).returncode
 
 
@@ -217,7 +229,8 @@ def write_results(per_file: dict, stale: list[str], tests: list[str], files_run:
         "# Mutation testing of src/cppo/algorithm/ (mutmut 3.8.1, fast tests only)", "",
         f"Machine: {m['cpu']}, torch CPU capability {m['cpu_capability']}, {m['cores']} cores; "
         f"torch {m['torch']}, Python {m['python']}, mutmut {m['mutmut']}.", "",
-        "Each file's row records the command and date of its own last run (runs by file add up). "
+        "Each file's row records the command and date of its own last run (runs by file add up); "
+        "a command with --tests ran the mutants against those tests only (in build/mutation-tests/). "
         "Score = killed / (killed + survived + no tests); equivalent mutants (listed with their "
         "reasons in [equivalent.toml](equivalent.toml)) and timeouts are left out.", "",
         "| file | mutants | killed | survived | equivalent | no tests | timeout | not run | score | date | command |",
@@ -273,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--survivors", action="store_true",
                         help="rerun only the files' mutants that survived (or have no verdict) in "
                              "the kept verdicts; the killed ones keep their verdict")
+    parser.add_argument("--tests", nargs="+", metavar="TEST_FILE",
+                        help="run the mutants against these files of the selection only (e.g. "
+                             "the unit tests, leaving out trainer-level ones); recorded with the "
+                             "file's results")
     parser.add_argument("--report", action="store_true",
                         help="write the results from the verdicts kept, without running mutmut")
     args = parser.parse_args(argv)
@@ -282,10 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"not files of {PACKAGE}/: {unknown} (there: {known})")
     tests = mutmut_config().get("pytest_add_cli_args_test_selection", [])
+    if args.tests:   # another selection: another work folder (mutmut's stats are per selection)
+        global WORKDIR
+        WORKDIR = ROOT / "build" / "mutation-tests"
+        tests = list(args.tests)
     command = "python benchmarks/mutation.py" + (f" --files {' '.join(files)}" if args.files else "") \
         + (f" --max-children {args.max_children}" if args.max_children != 1 else "") \
-        + (" --survivors" if args.survivors else "")
-    present = [t for t in tests if (ROOT / t).exists()]
+        + (" --survivors" if args.survivors else "") \
+        + (f" --tests {' '.join(args.tests)}" if args.tests else "")
+    present = [t for t in tests if (ROOT / t.split("::", 1)[0]).exists()]
     if not args.report:
         present = prepare_workdir(tests)
         code = run_mutmut(files, args.max_children, args.survivors)
@@ -301,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             if name in previous:
                 entry.update(date=previous[name]["date"], command=previous[name]["command"],
                              note=args.note or previous[name].get("note", ""))
-    write_results(per_file, stale, present, files)
+    selection = mutmut_config().get("pytest_add_cli_args_test_selection", [])
+    write_results(per_file, stale, [t for t in selection if (ROOT / t).exists()], files)
     for name in files:
         entry = per_file.get(name)
         if entry:

@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -156,3 +157,138 @@ def test_normalized_reward_sum_is_trls_normalize_then_sum():
     trl = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, 2)
     trl = (trl * weights.unsqueeze(0)).nansum(dim=1).view(3, 4)
     torch.testing.assert_close(normalized_reward_sum(per_function, weights), trl)
+
+
+# ---------------------------------------------------------------- mutation work (#54)
+
+
+def test_recompute_on_kept_refuses_a_nan_reward_it_keeps():
+    from cppo.algorithm import recompute_advantages_on_kept
+    rewards = torch.tensor([[1.0, NAN, 0.0]], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^rewards of kept completions must not be NaN$"):
+        recompute_advantages_on_kept(rewards, torch.tensor([[True, True, False]]))
+    # a pruned NaN is ignored
+    got = recompute_advantages_on_kept(rewards, torch.tensor([[True, False, True]]), "none")
+    assert got.tolist() == [[0.5, 0.0, -0.5]]
+
+
+def test_recompute_on_kept_batch_scale_with_two_kept_divides_by_their_std():
+    from cppo.algorithm import recompute_advantages_on_kept
+    eps = 1e-4
+    rewards = torch.tensor([[1.0, 3.0, 9.0, 9.0]], dtype=torch.float64)
+    got = recompute_advantages_on_kept(rewards, torch.tensor([[True, True, False, False]]), "batch", eps)
+    # kept 1 and 3: mean 2, unbiased std of {1, 3} = sqrt(2)
+    assert got.tolist() == [[-1.0 / (math.sqrt(2.0) + eps), 1.0 / (math.sqrt(2.0) + eps), 0.0, 0.0]]
+
+
+def test_normalized_reward_sum_has_the_rewards_dtype_whatever_the_weights():
+    from cppo.algorithm import normalized_reward_sum
+    per_function = torch.tensor([[[0.0, 1.0], [2.0, 3.0]]], dtype=torch.float32)
+    weights = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    got = normalized_reward_sum(per_function, weights, eps=0.0)
+    # each function over the group of 2: (r - mean) / std = -1/sqrt(2), +1/sqrt(2); weights 1, 0.5
+    assert got.dtype == torch.float32
+    value = 1.5 / math.sqrt(2.0)
+    torch.testing.assert_close(got, torch.tensor([[-value, value]]), rtol=1e-6, atol=0.0)
+
+
+def test_reward_stats_batch_scale_is_the_std_of_all_rewards():
+    rewards = torch.tensor([[0.0, 2.0], [4.0, 6.0]], dtype=torch.float64)
+    stats = reward_stats(rewards, "batch")
+    # mean 3; squared deviations 9 + 1 + 1 + 9 = 20 over n - 1 = 3
+    assert stats == {"reward": 3.0, "reward_std": pytest.approx(math.sqrt(20 / 3), rel=1e-12),
+                     "frac_reward_zero_std": 0.0}
+    assert type(stats["frac_reward_zero_std"]) is float and type(stats["reward_std"]) is float
+
+
+@pytest.mark.parametrize("rewards, zero", [
+    ([[1.0, 1.0], [1.0, 1.0]], 1.0),    # std 0
+    ([[5.0]], 1.0),                     # one reward: std 0 (not NaN)
+    ([[0.0, 2e-9]], 1.0),               # std sqrt(2) 1e-9 < 1e-8: counts as zero
+    ([[0.0, 2e-8]], 0.0),               # std sqrt(2) 1e-8 > 1e-8
+])
+def test_reward_stats_batch_zero_std_is_the_whole_batch(rewards, zero):
+    stats = reward_stats(torch.tensor(rewards, dtype=torch.float64), "batch")
+    assert stats["frac_reward_zero_std"] == zero
+    if len(rewards[0]) == 1:
+        assert stats == {"reward": 5.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0}
+
+
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_reward_stats_group_scale_averages_the_group_stds(scale):
+    rewards = torch.tensor([[0.0, 2.0], [4.0, 4.0], [1.0, 7.0], [3.0, 5.0]], dtype=torch.float64)
+    stats = reward_stats(rewards, scale)
+    # unbiased stds sqrt(2), 0, sqrt(18) = 3 sqrt(2), sqrt(2): mean 5 sqrt(2) / 4; one group of 4 equal
+    assert stats["reward"] == 3.25
+    assert stats["reward_std"] == pytest.approx(5 * math.sqrt(2.0) / 4, rel=1e-12)
+    assert stats["frac_reward_zero_std"] == 0.25
+    assert reward_stats(rewards) == stats   # group is the default
+
+
+def test_reward_stats_groups_of_one_have_zero_std():
+    rewards = torch.tensor([[1.0], [4.0]], dtype=torch.float64)
+    stats = reward_stats(rewards)
+    assert stats == {"reward": 2.5, "reward_std": 0.0, "frac_reward_zero_std": 1.0}
+    torch.set_default_device("meta")   # the zeros are made on the rewards' device
+    try:
+        assert reward_stats(rewards) == stats
+    finally:
+        torch.set_default_device(None)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_reward_stats_of_no_rewards_are_nan(scale):
+    stats = reward_stats(torch.zeros(0, 4), scale)
+    assert set(stats) == {"reward", "reward_std", "frac_reward_zero_std"}
+    assert all(math.isnan(v) for v in stats.values())
+
+
+def test_reward_stats_check_the_rewards():
+    with pytest.raises(ValueError, match=r"^rewards must be \(questions, group_size\), got shape \(4,\); "
+                                         r"reshape flat rewards with rewards.view\(-1, group_size\)$"):
+        reward_stats(torch.zeros(4))
+    rewards = torch.zeros(2, 3)
+    rewards[1, 2] = NAN
+    with pytest.raises(ValueError, match=r"^rewards are NaN at \(question, completion\) \[\(1, 2\)\]: no "
+                                         r"reward function applied to these completions; every "
+                                         r"completion needs a reward$"):
+        reward_stats(rewards)
+
+
+def test_nan_positions_are_listed_up_to_ten():
+    rewards = torch.full((1, 11), NAN)
+    shown = ", ".join(f"(0, {i})" for i in range(10))
+    with pytest.raises(ValueError, match=rf"^rewards are NaN at \(question, completion\) \[{re.escape(shown)}\] \.\.\.: "):
+        group_advantages(rewards)
+    rewards = torch.full((1, 10), NAN)
+    shown = ", ".join(f"(0, {i})" for i in range(10))
+    with pytest.raises(ValueError, match=rf"^rewards are NaN at \(question, completion\) \[{re.escape(shown)}\]: "):
+        group_advantages(rewards)
+
+
+@pytest.mark.parametrize("scale", ["group", "none", "batch"])
+def test_an_all_equal_group_is_exactly_zero_beside_a_varied_one(scale):
+    # three 0.1 in float64: r - mean leaves a residue of ~1e-17 that std + eps would blow up
+    rewards = torch.tensor([[0.1, 0.1, 0.1], [0.0, 1.0, 2.0]], dtype=torch.float64)
+    advantages = group_advantages(rewards, scale)
+    assert advantages[0].tolist() == [0.0, 0.0, 0.0]
+    assert advantages[1, 1].item() == 0.0 and advantages[1, 0].item() < 0 < advantages[1, 2].item()
+
+
+def test_combine_rewards_weights_take_the_rewards_dtype():
+    per_function = torch.tensor([[3.0, 1.0]], dtype=torch.float64)
+    # 0.1 as a float64 weight, not float32's 0.100000001490116
+    assert combine_rewards(per_function, [0.1, 1.0]).tolist() == [3.0 * 0.1 + 1.0]
+    got = combine_rewards(per_function.float(), torch.tensor([0.5, 2.0], dtype=torch.float64))
+    assert got.dtype == torch.float32 and got.tolist() == [3.5]
+
+
+def test_combine_rewards_weights_are_made_on_the_rewards_device():
+    per_function = torch.tensor([[3.0, NAN], [1.0, 2.0]], dtype=torch.float64)
+    torch.set_default_device("meta")
+    try:
+        default = combine_rewards(per_function)
+        listed = combine_rewards(per_function, [2.0, 0.5])
+    finally:
+        torch.set_default_device(None)
+    assert default.tolist() == [3.0, 3.0] and listed.tolist() == [6.0, 3.0]

@@ -143,3 +143,96 @@ def test_step_shape_is_frozen():
     shape = plan(16, 16, 0.5)
     with pytest.raises(AttributeError):
         shape.questions_per_step = 3
+
+
+# ---------------------------------------------------------------- mutation work (#54)
+
+from cppo.algorithm.allocation import (check_pruning, completions_kept,  # noqa: E402
+                                       questions_per_chunk, total_steps)
+
+
+@pytest.mark.parametrize("max_steps, rows, per_round, epochs, steps_per_round, steps", [
+    (7, 10, 4, 2.0, 3, 7),      # max_steps > 0 wins
+    (1, 10, 4, 2.0, 3, 1),
+    (0, 10, 4, 2.0, 3, 18),     # ceil(10 / 4) = 3 rounds an epoch, x 2 epochs x 3 steps
+    (-1, 10, 4, 2.0, 3, 18),
+    (0, 8, 4, 1.0, 1, 2),       # rows a multiple of the round: no partial round
+    (0, 10, 4, 0.5, 2, 2),      # int(3 x 0.5) = 1 round x 2 steps
+    (0, 10, 4, 0.1, 2, 1),      # int(0.3) = 0 rounds: at least one step
+])
+def test_total_steps(max_steps, rows, per_round, epochs, steps_per_round, steps):
+    assert total_steps(max_steps, rows, per_round, epochs, steps_per_round) == steps
+
+
+@pytest.mark.parametrize("chunk, group, questions, expected", [
+    (None, 4, 6, 6),   # no chunking: every question at once
+    (8, 4, 6, 2),
+    (10, 4, 6, 2),     # whole groups, rounded down
+    (3, 4, 6, 1),      # at least one question
+    (4, 4, 6, 1),
+])
+def test_questions_per_chunk(chunk, group, questions, expected):
+    assert questions_per_chunk(chunk, group, questions) == expected
+
+
+@pytest.mark.parametrize("questions, group, p, question_scope, kept", [
+    (3, 4, 0.5, True, 6),      # 3 x round(4 x 0.5)
+    (3, 4, 0.5, False, 6),     # round(12 x 0.5)
+    (3, 4, 0.625, True, 6),    # 4 x 0.375 = 1.5 -> 2 a question
+    (3, 4, 0.625, False, 5),   # 12 x 0.375 = 4.5 -> 5 over the step
+    (3, 4, 0.9, True, 3),      # at least one a question
+    (3, 4, 0.99, False, 1),    # at least one over the step
+    (2, 4, 0.0, False, 8),
+])
+def test_completions_kept(questions, group, p, question_scope, kept):
+    assert completions_kept(questions, group, p, question_scope=question_scope) == kept
+
+
+def test_step_shape_group_size_and_effective_rate():
+    shape = plan(16, 16, 0.5)
+    assert shape.group_size == 16 and shape.effective_pruning_rate == 0.5
+    assert StepShape(3, 12, 3, None).group_size == 4
+    assert StepShape(3, 12, 3, None).effective_pruning_rate == 0.75
+
+
+@pytest.mark.parametrize("bad", [True, 2.0, "4", 0, -1])
+def test_group_size_must_be_an_int_of_at_least_one(bad):
+    with pytest.raises(ValueError, match=rf"^group_size must be an int >= 1, got {bad!r}$"):
+        plan(16, bad, 0.0)
+
+
+@pytest.mark.parametrize("bad", [True, 16.0])
+def test_completions_per_update_must_be_an_int(bad):
+    with pytest.raises(ValueError, match=rf"^completions_per_update must be an int >= 1, got {bad!r}$"):
+        plan(bad, 4, 0.0)
+
+
+def test_check_pruning_messages_and_bounds():
+    check_pruning(0.0, 1)    # no pruning: a group of one is fine
+    check_pruning(0, 1)
+    check_pruning(0.5, 2)
+    for bad in ("0.5", None, 1, -0.0001):
+        with pytest.raises(ValueError, match=r"^the pruning rate P must lie in \[0, 1\) \(1 would "
+                                             r"prune every completion\), got "):
+            check_pruning(bad, 4)
+    with pytest.raises(ValueError, match=r"^pruning \(P = 0.25\) needs groups of G >= 2 completions "
+                                         r"per question \(the advantages of a group of one are all "
+                                         r"0\), got G = 1$"):
+        check_pruning(0.25, 1)
+
+
+def test_allocation_keeps_float_noise_out_of_the_counts():
+    # 16 / (16 x (1 - 0.8)) = 5.000000000000001 in binary: 5 questions, not 6
+    shape = plan(16, 16, 0.8)
+    assert (shape.questions_per_step, shape.completions_scored, shape.completions_kept) == (5, 80, 16)
+    # G (1 - P) = 10 x (1 - 0.65) = 3.5: half up to 4 (keep_per_question)
+    assert plan(8, 10, 0.65, allocation=True, scope="question").keep_per_question == 4
+
+
+def test_allocation_question_scope_counts():
+    shape = plan(12, 8, 0.5, allocation=True, scope="question")
+    assert shape == StepShape(3, 24, 12, 4)
+    shape = plan(16, 8, 0.5, allocation=False, scope="question")
+    assert shape == StepShape(2, 16, 8, 4)
+    shape = plan(16, 8, 0.5, allocation=False, scope="step")
+    assert shape == StepShape(2, 16, 8, None)

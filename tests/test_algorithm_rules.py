@@ -188,3 +188,21 @@ def test_global_scope_uses_its_rule_and_generator():
     unseeded = select_global(torch.cat([mine, other]), torch.cat([mine, other]), num_keep=8,
                              rows=slice(0, 1), rule="random")
     assert not torch.equal(unseeded, expected)   # the global stream (seed 0) draws another subset
+
+
+def test_normalize_then_sum_advantages_use_the_weights_and_the_gathered_batch():
+    per_function = t([[1.0, 0.0], [3.0, 2.0], [5.0, 1.0], [7.0, 1.0]])   # (Q G, F), Q = 2, G = 2
+    rewards = t([[1.0, 3.0], [6.0, 8.0]])
+    s = math.sqrt(2) + EPS   # f0's std in each group, f1's in the first (0 in the second)
+    summed = [-1 / s - 0.5 / s, 1 / s + 0.5 / s, -1 / s, 1 / s]   # weights 1, 0.5
+    other = t([[0.0, 10.0]])   # another process's sums: gather stacks them under this one's
+    got = round_advantages(rewards, per_function, t([1.0, 0.5]), aggregation="normalize_then_sum",
+                           scale_rewards="none", gather=lambda x: torch.cat([x, other]))
+    std = torch.cat([t([summed]).view(2, 2), other]).std().item()
+    expected = [[v / (std + EPS) for v in summed[:2]], [v / (std + EPS) for v in summed[2:]]]
+    torch.testing.assert_close(got, t(expected), rtol=1e-12, atol=0.0)
+    # sum_then_normalize: the batch std of the gathered summed rewards
+    got = round_advantages(rewards, per_function, None, aggregation="sum_then_normalize",
+                           scale_rewards="batch", gather=lambda x: torch.cat([x, other]))
+    std = t([1.0, 3.0, 6.0, 8.0, 0.0, 10.0]).std()
+    torch.testing.assert_close(got, t([[-1.0, 1.0], [-1.0, 1.0]]) / (std + EPS), rtol=1e-12, atol=0.0)
