@@ -191,6 +191,7 @@ def test_completions_kept(questions, group, p, question_scope, kept):
 def test_step_shape_group_size_and_effective_rate():
     shape = plan(16, 16, 0.5)
     assert shape.group_size == 16 and shape.effective_pruning_rate == 0.5
+    assert type(shape.group_size) is int
     assert StepShape(3, 12, 3, None).group_size == 4
     assert StepShape(3, 12, 3, None).effective_pruning_rate == 0.75
 
@@ -236,3 +237,25 @@ def test_allocation_question_scope_counts():
     assert shape == StepShape(2, 16, 8, 4)
     shape = plan(16, 8, 0.5, allocation=False, scope="step")
     assert shape == StepShape(2, 16, 8, None)
+
+
+@pytest.mark.parametrize("allocation, scope, p", [(False, "step", 0.0), (False, "question", 0.5),
+                                                  (True, "question", 0.5), (True, "step", 0.5)])
+def test_counts_are_ints(allocation, scope, p):
+    shape = plan(16, 8, p, allocation=allocation, scope=scope)
+    for value in (shape.questions_per_step, shape.completions_scored, shape.completions_kept,
+                  shape.group_size):
+        assert type(value) is int
+
+
+def test_one_completion_per_update_is_allowed():
+    assert plan(1, 1, 0.0) == StepShape(1, 1, 1, None)
+    assert plan(1, 2, 0.5) == StepShape(1, 2, 1, None)
+
+
+def test_allocation_question_scope_error_says_what_to_change():
+    with pytest.raises(ValueError, match=r"^completions_per_update=10 must be divisible by keep_per_question=4 "
+                                         r"\(= 8 \* \(1 - 0.5\) rounded half up\) for allocation with "
+                                         r"scope='question'; change the batch or the pruning rate, or "
+                                         r"use scope='step'$"):
+        plan(10, 8, 0.5, allocation=True, scope="question")

@@ -60,3 +60,9 @@ def test_skipping_rules_by_hand():
     probs = keep_probability(torch.tensor([0, 3, 10]), floor=0.0)
     assert probs.tolist() == [1.0, 0.125, 2.0 ** -10] and probs.dtype == torch.float64
     assert keep_probability(torch.tensor([2, 3]), floor=0.25).tolist() == [0.25, 0.25]
+
+
+def test_continued_questions_move_the_draws_to_the_rewards_device():
+    # draws made on the CPU (the seeded generator's), rewards elsewhere (meta stands for a GPU)
+    got = continued_questions(torch.zeros(2, 2, device="meta"), torch.tensor([0.1, 0.9]), 0.5)
+    assert got.device.type == "meta" and got.shape == (2,)
