@@ -290,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the mutants against these files of the selection only (e.g. "
                              "the unit tests, leaving out trainer-level ones); recorded with the "
                              "file's results")
+    parser.add_argument("--workdir", metavar="PATH",
+                        help="mutmut's work folder, relative to the repository (default "
+                             "build/mutation, build/mutation-tests with --tests): two runs at once "
+                             "need two")
     parser.add_argument("--report", action="store_true",
                         help="write the results from the verdicts kept, without running mutmut")
     args = parser.parse_args(argv)
@@ -299,14 +303,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"not files of {PACKAGE}/: {unknown} (there: {known})")
     tests = mutmut_config().get("pytest_add_cli_args_test_selection", [])
+    global WORKDIR
     if args.tests:   # another selection: another work folder (mutmut's stats are per selection)
-        global WORKDIR
         WORKDIR = ROOT / "build" / "mutation-tests"
         tests = list(args.tests)
+    if args.workdir:
+        WORKDIR = ROOT / args.workdir
     command = "python benchmarks/mutation.py" + (f" --files {' '.join(files)}" if args.files else "") \
         + (f" --max-children {args.max_children}" if args.max_children != 1 else "") \
         + (" --survivors" if args.survivors else "") \
-        + (f" --tests {' '.join(args.tests)}" if args.tests else "")
+        + (f" --tests {' '.join(args.tests)}" if args.tests else "") \
+        + (f" --workdir {args.workdir}" if args.workdir else "")
     present = [t for t in tests if (ROOT / t.split("::", 1)[0]).exists()]
     if not args.report:
         present = prepare_workdir(tests)

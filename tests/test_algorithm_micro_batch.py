@@ -31,13 +31,18 @@ def config(**changes):
                   importance_sampling_clip_min=None, importance_sampling_clip_max=3.0,
                   epsilon=0.2, effective_epsilon_high=0.28, beta=0.0, loss_type="grpo",
                   max_completion_length=4, importance_sampling_level="token", delta=None,
-                  use_bias_correction_kl=True)
+                  use_bias_correction_kl=True, sapo_temperature_pos=0.5,
+                  sapo_temperature_neg=2.0, vespo=dict(k_pos=1.5, lambda_pos=0.5, k_neg=0.5,
+                                                       lambda_neg=1.5))
     fields.update(changes)
     args = SimpleNamespace(**fields)
     args.loss_options = lambda: dict(loss_type=args.loss_type,
                                      importance_sampling_level=args.importance_sampling_level,
                                      delta=args.delta,
-                                     use_bias_correction_kl=args.use_bias_correction_kl)
+                                     use_bias_correction_kl=args.use_bias_correction_kl,
+                                     sapo_temperature_pos=args.sapo_temperature_pos,
+                                     sapo_temperature_neg=args.sapo_temperature_neg,
+                                     vespo=args.vespo)
     return args
 
 
@@ -187,7 +192,8 @@ def test_no_sampler_weights_without_sampler_logps():
 
 
 @pytest.mark.parametrize("mode, clip_min, clip_max", [("token_truncate", None, 1.5),
-                                                      ("sequence_mask", 0.5, 2.0)])
+                                                      ("sequence_mask", 0.5, 2.0),
+                                                      ("token_truncate", 0.9, 1.05)])
 def test_sampler_weights_and_their_stats(mode, clip_min, clip_max):
     args = config(importance_sampling_mode=mode, importance_sampling_clip_min=clip_min,
                   importance_sampling_clip_max=clip_max)
@@ -205,6 +211,9 @@ def test_sampler_weights_and_their_stats(mode, clip_min, clip_max):
     assert part["ratio_max"] == float(ratios.max()) and part["ratio_min_neg"] == -float(ratios.min())
     assert set(part) == {"ratio_sum", "ratio_count", "logp_diff_sum", "logp_diff_count",
                          "ratio_max", "ratio_min_neg", "logp_diff_max"}
+    if clip_min == 0.9:   # both bounds bite: exp(-0.4) < 0.9 and exp(0.1) > 1.05
+        assert part["ratio_min_neg"] == pytest.approx(-0.9, rel=1e-6)   # float32 weights
+        assert part["ratio_max"] == pytest.approx(1.05, rel=1e-6)
 
 
 def test_sampler_weights_of_a_micro_batch_without_old_logps_use_the_policys():
@@ -217,9 +226,12 @@ def test_sampler_weights_of_a_micro_batch_without_old_logps_use_the_policys():
 # ------------------------------------------------------------------------- the loss
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-def test_micro_batch_loss_is_its_terms(loss_type):
-    args = config(loss_type=loss_type, beta=0.1)
+@pytest.mark.parametrize("loss_type, level", [
+    ("grpo", "token"), ("dapo", "token"), ("dr_grpo", "token"), ("bnpo", "token"),
+    ("cispo", "token"), ("sapo", "token"), ("vespo", "token"), ("luspo", "sequence"),
+    ("grpo", "sequence")])
+def test_micro_batch_loss_is_its_terms(loss_type, level):
+    args = config(loss_type=loss_type, beta=0.1, importance_sampling_level=level)
     batch = micro(ref_logps=REF)
     loss, part = run(args, batch, totals=(5, 9), num_micro=3)
     expected, stats = expected_loss(args, batch, totals=(5, 9), num_micro=3)
@@ -231,7 +243,16 @@ def test_micro_batch_loss_is_its_terms(loss_type):
                     "region": float(stats["is_region_clipped"][m].sum()), "tokens": 6,
                     "entropy": pytest.approx(0.5 + 1.0 + 0.25 + 2.0 + 0.75 + 1.5, rel=1e-12)}
     assert type(part["tokens"]) is int
-    assert part["low"] + part["high"] > 0 and part["kl"] > 0   # clipping and the KL happen
+    assert part["kl"] > 0
+    # the options matter: the same batch under the default options (dapo, token level) differs
+    if (loss_type, level) != ("dapo", "token"):
+        default, _ = expected_loss(config(beta=0.1, loss_type="dapo"), batch, totals=(5, 9),
+                                   num_micro=3)
+        assert loss.item() != pytest.approx(default.item(), rel=1e-6)
+    # and the loss's mask: every token (the padding's log-probs included) gives another loss
+    unmasked, _ = expected_loss(args, micro(ref_logps=REF, loss_mask=torch.ones(3, 3, dtype=D)),
+                                totals=(5, 9), num_micro=3)
+    assert loss.item() != pytest.approx(unmasked.item(), rel=1e-6)
 
 
 def test_micro_batch_loss_uses_epsilon_low_and_high():
