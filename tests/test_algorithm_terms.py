@@ -123,16 +123,18 @@ def test_vespo_gamma_weights_by_hand():
 
 def test_vespo_gamma_weights_clamps_and_sampling_weights():
     # token log-ratios clamp to [-20, 20]; log w to [log 1e-8, 20]; lambda to >= 1e-4
+    # (rtol 1e-5: k and lambda are float32 scalars inside, lambda x e^10 carries their rounding)
     advantages = t([[1.0], [1.0], [1.0]])
     log_ratio = t([[25.0, -10.0], [-30.0, 0.0], [1.0, 0.0]])
     mask = torch.ones(3, 2, dtype=D)
     weights = gamma_weights(advantages, log_ratio, mask, k_pos=1.0, lambda_pos=1e-3)
     low = LN(1e-8)
-    torch.testing.assert_close(weights[:2], t([[phi(10.0, True, 1.0, 1e-3)], [phi(low, True, 1.0, 1e-3)]]))
+    torch.testing.assert_close(weights[:2], t([[phi(10.0, True, 1.0, 1e-3)], [phi(low, True, 1.0, 1e-3)]]),
+                               rtol=1e-5, atol=0)   # ~1e-8: no absolute tolerance
     # the lower token clamp: -25 counts as -20, so log w = -20 + 10
     below = gamma_weights(t([[1.0]]), t([[-25.0, 10.0]]), torch.ones(1, 2, dtype=D), k_pos=1.0,
                           lambda_pos=1e-3)
-    torch.testing.assert_close(below, t([[phi(-10.0, True, 1.0, 1e-3)]]))
+    torch.testing.assert_close(below, t([[phi(-10.0, True, 1.0, 1e-3)]]), rtol=1e-5, atol=0)
     zero_lambda = gamma_weights(advantages[2:], log_ratio[2:], mask[2:], k_pos=1.0, lambda_pos=0.0)
     torch.testing.assert_close(zero_lambda, t([[phi(1.0, True, 1.0, 1e-4)]]), rtol=1e-9, atol=0)
     # sampling weights fold into w: log w = sum(log-ratios) + sum(log weights clamped to [log 1e-8, 20])
@@ -141,7 +143,20 @@ def test_vespo_gamma_weights_clamps_and_sampling_weights():
                            k_pos=1.0, lambda_pos=1e-3)
     expected = [[phi(0.3, True, 1.0, 1e-3)], [phi(low, True, 1.0, 1e-3)],
                 [phi(max(low, 20.0 + max(low, -21.0)), True, 1.0, 1e-3)]]
-    torch.testing.assert_close(folded, t(expected))
+    torch.testing.assert_close(folded, t(expected), rtol=1e-5, atol=0)
+    # log w below log 1e-8 counts as log 1e-8 (-20 is not -18.42...): a weight of 1e-8 x e^(1e-3 ...)
+    assert below.item() != phi(-20.0, True, 1.0, 1e-3)
+
+
+def test_vespo_gamma_weights_that_overflow_or_are_nan_are_zero():
+    mask = torch.ones(1, 2, dtype=D)
+    # k = 100 at log w = 10: exp(1e-4 + 1000 - 1e-4 e^10) overflows to inf: weight 0
+    big = gamma_weights(t([[1.0]]), t([[4.0, 6.0]]), mask, k_pos=100.0, lambda_pos=1e-4)
+    assert big.tolist() == [[0.0]]
+    # a NaN log-ratio (even under the mask: NaN x 0 is NaN) gives NaN: weight 0
+    nan = gamma_weights(t([[1.0], [1.0]]), t([[0.1, float("nan")], [0.1, 0.2]]),
+                        t([[1.0, 0.0], [1.0, 1.0]]))
+    assert nan[0].item() == 0.0 and nan[1].item() == pytest.approx(phi(0.3, True), rel=1e-12)
 
 
 def test_vespo_term_is_minus_phi_a_logp_with_old_logps():
@@ -416,3 +431,89 @@ def test_top_entropy_quantile_one_keeps_every_token_of_float64_entropies():
     from cppo.algorithm.masks import high_entropy_mask
     entropies = torch.tensor([[0.1, 0.3, 0.7]], dtype=torch.float64)
     assert high_entropy_mask(entropies, torch.ones(1, 3), 1.0).all()
+
+
+# ------------------------------------------------------------------------- mutation work (#54)
+
+
+def test_sequence_ratio_divides_each_row_by_its_own_token_count():
+    logps = t([[0.6, 0.0, 0.0], [0.3, 0.6, 0.9], [0.5, 7.0, 7.0]])
+    mask = t([[1, 0, 0], [1, 1, 1], [1, 0, 0]])
+    ratio = importance_ratio(logps, torch.zeros_like(logps), mask, "sequence")
+    # one token: exp(0.6); three: exp(1.8 / 3); one: exp(0.5)
+    torch.testing.assert_close(ratio, t([[math.exp(0.6)], [math.exp(0.6)], [math.exp(0.5)]]),
+                               rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match=r"^importance_sampling_level='sequence' needs completion_mask$"):
+        importance_ratio(logps, logps, None, "sequence")
+
+
+def test_per_token_loss_passes_the_mask_and_level_to_the_ratio():
+    # GSPO through per_token_policy_loss: the masked token's 9.0 must not count
+    logps = t([[LN(2.0), 9.0], [LN(0.5), LN(0.5)]])
+    loss, stats = per_token_policy_loss(logps, torch.zeros_like(logps), t([1.0, -1.0]),
+                                        epsilon_low=0.2, epsilon_high=0.3, loss_type="grpo",
+                                        importance_sampling_level="sequence",
+                                        completion_mask=t([[1, 0], [1, 1]]))
+    torch.testing.assert_close(loss, t([[-1.3, -1.3], [0.8, 0.8]]), rtol=1e-12, atol=0)
+    assert stats["is_high_clipped"].tolist() == [[True, True], [False, False]]
+
+
+def test_the_loss_has_the_log_probs_dtype():
+    logps = torch.tensor([[-1.0, -0.5]], dtype=torch.float32)
+    loss, _ = per_token_policy_loss(logps, logps - 0.25, t([0.1]), epsilon_low=0.2,
+                                    epsilon_high=0.2, loss_type="grpo",
+                                    policy_mask=torch.tensor([[1.0, 0.0]], dtype=D))
+    assert loss.dtype == torch.float32
+    assert loss[0, 1].item() == 0.0
+    assert abs(loss[0, 0].item() - (-1.2 * 0.1)) < 1e-7   # ratio e^0.25 clipped at 1.2
+
+
+def test_checked_inputs_name_what_is_wrong():
+    logps = t([[-1.0, -0.5]])
+    with pytest.raises(ValueError, match=r"^logps must be \(sequences, tokens\), got shape \(2,\)$"):
+        per_token_policy_loss(logps[0], None, t([1.0]), epsilon_low=0.2, epsilon_high=0.2)
+    with pytest.raises(ValueError, match=r"^loss_type must be one of \('grpo', .*\), got 'ppo'$"):
+        per_token_policy_loss(logps, None, t([1.0]), epsilon_low=0.2, epsilon_high=0.2,
+                              loss_type="ppo")
+    with pytest.raises(ValueError, match=r"^sampling_weights shape \(1, 3\) must equal logps shape \(1, 2\)$"):
+        per_token_policy_loss(logps, None, t([1.0]), epsilon_low=0.2, epsilon_high=0.2,
+                              sampling_weights=torch.ones(1, 3, dtype=D))
+
+
+def test_cispo_counts_high_clipping_strictly_above_and_for_positive_advantages():
+    logps = t([[0.0, LN(2.0)], [LN(2.0), 0.0]])
+    # ratio 1 = epsilon_high: not clipped; ratio 2 with A = 0: not counted
+    _, stats = per_token_policy_loss(logps, torch.zeros_like(logps), t([1.0, 0.0]),
+                                     epsilon_low=0.2, epsilon_high=1.0, loss_type="cispo")
+    assert stats["is_high_clipped"].tolist() == [[False, True], [False, False]]
+
+
+def test_checked_inputs_name_the_reference_and_the_epsilons():
+    logps = t([[-1.0, -0.5]])
+    with pytest.raises(ValueError, match=r"^ref_logps shape \(1, 3\) must equal logps shape \(1, 2\)$"):
+        per_token_policy_loss(logps, None, t([1.0]), epsilon_low=0.2, epsilon_high=0.2,
+                              ref_logps=torch.zeros(1, 3, dtype=D))
+    for low, high in ((-0.1, 0.2), (0.2, -0.1)):
+        with pytest.raises(ValueError, match=rf"^epsilon_low and epsilon_high must be >= 0, got {low} and {high}$"):
+            per_token_policy_loss(logps, None, t([1.0]), epsilon_low=low, epsilon_high=high)
+    # 0 is a bound: the ratio 1 stays, the term is -A
+    for low, high in ((0.0, 0.2), (0.2, 0.0), (0.0, 0.0)):
+        loss, _ = per_token_policy_loss(logps, None, t([1.0]), epsilon_low=low, epsilon_high=high)
+        assert loss.tolist() == [[-1.0, -1.0]]
+
+
+def test_reduce_loss_has_the_per_token_dtype_and_takes_fractional_totals():
+    per_token = torch.tensor([[1.0, 3.0]], dtype=torch.float32)
+    loss = reduce_loss(per_token, torch.tensor([[1.0, 1.0]], dtype=D), "bnpo", max_completion_length=2)
+    assert loss.dtype == torch.float32 and loss.item() == 2.0
+    # dapo over the update's token count, a float here (e.g. averaged over processes): 4 / 3.3
+    loss = reduce_loss(t([[1.0, 3.0]]), t([[1.0, 1.0]]), "dapo", max_completion_length=2,
+                       total_tokens=3.3)
+    assert loss.item() == 4.0 / 3.3
+    per_token, mask = t([[1.0, 3.0]]), t([[1.0, 1.0]])
+    torch.set_default_device("meta")   # the count is made on the loss's device
+    try:
+        on_cpu = reduce_loss(per_token, mask, "dapo", max_completion_length=2, total_tokens=8)
+    finally:
+        torch.set_default_device(None)
+    assert on_cpu.item() == 0.5
