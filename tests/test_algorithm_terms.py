@@ -449,13 +449,15 @@ def test_sequence_ratio_divides_each_row_by_its_own_token_count():
 
 def test_per_token_loss_passes_the_mask_and_level_to_the_ratio():
     # GSPO through per_token_policy_loss: the masked token's 9.0 must not count
-    logps = t([[LN(2.0), 9.0], [LN(0.5), LN(0.5)]])
+    # (token level, or a mask of ones, would clip the first row at 1.3)
+    logps = t([[LN(1.125), 9.0], [LN(0.5), LN(0.5)]])
     loss, stats = per_token_policy_loss(logps, torch.zeros_like(logps), t([1.0, -1.0]),
                                         epsilon_low=0.2, epsilon_high=0.3, loss_type="grpo",
                                         importance_sampling_level="sequence",
                                         completion_mask=t([[1, 0], [1, 1]]))
-    torch.testing.assert_close(loss, t([[-1.3, -1.3], [0.8, 0.8]]), rtol=1e-12, atol=0)
-    assert stats["is_high_clipped"].tolist() == [[True, True], [False, False]]
+    torch.testing.assert_close(loss, t([[-1.125, -1.125], [0.8, 0.8]]), rtol=1e-12, atol=0)
+    assert stats["is_high_clipped"].tolist() == [[False, False], [False, False]]
+    assert stats["is_low_clipped"].tolist() == [[False, False], [True, True]]
 
 
 def test_the_loss_has_the_log_probs_dtype():
