@@ -230,7 +230,7 @@ def write_results(per_file: dict, stale: list[str], tests: list[str], files_run:
         f"Machine: {m['cpu']}, torch CPU capability {m['cpu_capability']}, {m['cores']} cores; "
         f"torch {m['torch']}, Python {m['python']}, mutmut {m['mutmut']}.", "",
         "Each file's row records the command and date of its own last run (runs by file add up); "
-        "a command with --tests ran the mutants against those tests only (in build/mutation-tests/). "
+        "a command with --tests ran the mutants against those tests only (in build/mutation-tests/, or the --workdir it names). "
         "Score = killed / (killed + survived + no tests); equivalent mutants (listed with their "
         "reasons in [equivalent.toml](equivalent.toml)) and timeouts are left out.", "",
         "| file | mutants | killed | survived | equivalent | no tests | timeout | not run | score | date | command |",
