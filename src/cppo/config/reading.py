@@ -100,6 +100,12 @@ def _scalar(base, raw, key: str, source: str):
     raise ConfigError(f"{source}: '{key}' expects {expected}, got {raw!r}")
 
 
+def _unbracketed(text: str) -> str:
+    """`--generator_cpus '[1, 2]'`: YAML's flow list, quoted on the command line -> '1, 2'."""
+    text = text.strip()
+    return text[1:-1] if text[:1] == "[" and text[-1:] == "]" else text
+
+
 def coerce(fld: dataclasses.Field, raw: Any, *, cls, source: str = "config") -> Any:
     """Parse a YAML or command-line value into the field's type, or raise ConfigError."""
     tp, optional = unwrap_optional(field_types(cls)[fld.name])
@@ -117,11 +123,8 @@ def coerce(fld: dataclasses.Field, raw: Any, *, cls, source: str = "config") -> 
         items = raw   # a list, or "a,b", or "[a, b]", or (command line) ["a", "b"] / ["a,b"]
         if isinstance(raw, str):
             items = [raw]
-        if isinstance(items, (list, tuple)):   # `--generator_cpus '[1]'`: YAML's flow list, quoted
-            items = [s.strip()[1:-1] if isinstance(s, str) and s.strip()[:1] == "[" and
-                     s.strip()[-1:] == "]" else s for s in items]
         if isinstance(items, (list, tuple)):
-            items = [s for v in items for s in ((p.strip() for p in v.split(","))
+            items = [s for v in items for s in ((p.strip() for p in _unbracketed(v).split(","))
                                                 if isinstance(v, str) else [v]) if s != ""]
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{source}: '{fld.name}' expects a list of {item.__name__}, got {raw!r}")
