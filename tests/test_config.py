@@ -53,7 +53,7 @@ def test_command_line_lists_parse():
     ({"selection_rule": "max_variance"}, "'selection_scope' is 'step': set selection_scope=question"),
     ({"temperature": 0}, "'temperature' is 0.0; must be > 0"),
     ({"top_p": 1.5}, "'top_p' is 1.5"),
-    ({"min_p": 1.5}, "'min_p' is 1.5; allowed: 0 <= min_p <= 1, or None (off)"),
+    ({"min_p": 1.5}, "'min_p' is 1.5; allowed: 0 <= min_p <= 1, or None (None: off)"),
     ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1},
      "need 0 <= entropy_coef_min <= entropy_coef_max"),
     ({"entropy_coef_delta": -1}, "'entropy_coef_delta' is -1.0; must be >= 0"),

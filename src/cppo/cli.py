@@ -26,29 +26,27 @@ class EvalConfig:
     eval_dataset_split: str = option("test", "Split to evaluate on.")
     prompt_style: str = same_as(CPPOConfig, "prompt_style")
     task_level: int = same_as(CPPOConfig, "task_level")
-    eval_num_questions: int | None = option(None, "Evaluate on the first N questions (None: all).")
+    eval_num_questions: int | None = same_as(CPPOConfig, "eval_num_questions", None,
+                                             "Evaluate on the first N questions (None: all).")
     reward_funcs: list[str] = same_as(CPPOConfig, "reward_funcs", help="For ready-made prompts "
                                       "(jsonl with prompt and answer columns): the first decides "
                                       "what is correct. gsm8k, math and the embedded task use "
                                       "their own.")
-    k: int = option(16, "k of pass@k (0: greedy only).")
+    k: int = option(16, "k of pass@k (0: greedy only).", at_least=0)
     temperature: float = same_as(CPPOConfig, "temperature", help="Sampling temperature for pass@k.")
     max_completion_length: int | None = option(None, "Max new tokens (None: the task's need, or 256).")
     batch_size: int | None = option(None, "Completions decoded together (None: as many as "
-                                    "memory_budget_gib allows).")
+                                    "memory_budget_gib allows).", at_least=1)
     memory_budget_gib: float | None = same_as(CPPOConfig, "memory_budget_gib",
                                               help="GiB for KV caches and logits (None: 90% of the "
                                               "device's memory less the weights).")
-    seed: int = option(0, "Sampling seed.")
+    seed: int = same_as(CPPOConfig, "seed", 0, "Sampling seed.")
     output_json: str | None = option(None, "Write the result as JSON here.")
     torch_dtype: str = same_as(CPPOConfig, "torch_dtype")
     attn_implementation: str | None = same_as(CPPOConfig, "attn_implementation")
 
     def __post_init__(self):
         check_fields(self)
-        check(self.k >= 0, f"'k' is {self.k}; must be >= 0")
-        check(self.batch_size is None or self.batch_size >= 1,
-              f"'batch_size' is {self.batch_size}; must be >= 1")
 
 
 @dataclass
@@ -56,8 +54,8 @@ class ExportConfig:
     output: str = option("embedded_task.jsonl", "Output .jsonl file.")
     task_level: int = same_as(CPPOConfig, "task_level")
     split: str = option("train", "Split: train or test.", ("train", "test"))
-    n: int | None = option(None, "Number of problems (None: the whole split).")
-    seed: int = option(0, "Order seed.")
+    n: int | None = option(None, "Number of problems (None: the whole split).", at_least=1)
+    seed: int = same_as(CPPOConfig, "seed", 0, "Order seed.")
 
     def __post_init__(self):
         check_fields(self)

@@ -24,7 +24,7 @@ from transformers import LlamaForCausalLM
 from cppo.data import arithmetic
 from cppo.rewards import arithmetic as arithmetic_rewards
 from cppo.evaluate import evaluate
-from cppo.config import CPPOConfig, check, check_fields, option, same_as
+from cppo.config import CPPOConfig, check_fields, option, same_as
 from cppo.models.loading import tiny_model_config
 from cppo.sampling.padding import pad_token_lists
 from cppo.models.tokenizer import build_tokenizer
@@ -34,30 +34,26 @@ from cppo.models.tokenizer import build_tokenizer
 class PretrainConfig:
     output_dir: str = option("runs/pretrain", "Where to write the model directory and model card.")
     task_level: int = same_as(CPPOConfig, "task_level")
-    steps: int = option(780, "Supervised optimizer steps.")
-    batch_size: int = option(256, "Problems per step.")
-    learning_rate: float = option(1e-3, "AdamW learning rate.")
-    warmup_steps: int = option(50, "Linear warm-up steps.")
+    steps: int = option(780, "Supervised optimizer steps.", at_least=1)
+    batch_size: int = option(256, "Problems per step.", at_least=1)
+    learning_rate: float = option(1e-3, "AdamW learning rate.", above=0)
+    warmup_steps: int = option(50, "Linear warm-up steps.", at_least=0)
     lr_schedule: str = option("constant", "Learning rate after the warm-up: 'constant', or 'cosine' "
                               "decay to 0 at the last step.", ("constant", "cosine"))
-    weight_decay: float = option(0.01, "AdamW weight decay.")
-    hidden_size: int = option(128, "Model width.")
-    num_layers: int = option(4, "Transformer layers.")
-    num_heads: int = option(4, "Attention heads.")
-    intermediate_size: int = option(512, "MLP width.")
-    seed: int = option(0, "Seed for initialisation and data order.")
+    weight_decay: float = option(0.01, "AdamW weight decay.", at_least=0)
+    hidden_size: int = option(128, "Model width.", at_least=1)
+    num_layers: int = option(4, "Transformer layers.", at_least=1)
+    num_heads: int = option(4, "Attention heads.", at_least=1)
+    intermediate_size: int = option(512, "MLP width.", at_least=1)
+    seed: int = same_as(CPPOConfig, "seed", 0, "Seed for initialisation and data order.")
     eval_questions: int = option(988, "Held-out questions for the final evaluation (test split size "
-                             "of level 3 is 988).")
-    pass_k: int = option(16, "k of pass@k in the final evaluation.")
-    threads: int = option(2, "torch CPU threads (fixed for reproducibility).")
+                             "of level 3 is 988).", at_least=1)
+    pass_k: int = option(16, "k of pass@k in the final evaluation (0: greedy only).", at_least=0)
+    threads: int = option(2, "torch CPU threads (fixed for reproducibility).", at_least=1)
     progress_bar: bool = option(True, "Show a progress bar.")
 
     def __post_init__(self):
         check_fields(self)
-        for key in ("steps", "batch_size", "hidden_size", "num_layers", "num_heads",
-                    "intermediate_size", "eval_questions", "threads"):
-            check(getattr(self, key) >= 1, f"'{key}' is {getattr(self, key)}; must be >= 1")
-        check(self.learning_rate > 0, f"'learning_rate' is {self.learning_rate}; must be > 0")
 
 
 def lr_factor(step: int, cfg: PretrainConfig) -> float:

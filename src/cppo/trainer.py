@@ -29,11 +29,11 @@ from cppo.algorithm.selection import GLOBAL_SCOPE, round_keep_mask, rule_traits
 from cppo.algorithm.allocation import total_steps
 from cppo.algorithm.two_stage import completions_to_keep
 from cppo.config import CPPOConfig
-from cppo.config.checks import check_generation_batch_size
+from cppo.config.checks import check_generation_batch_size, check_reference_sync
 from cppo.config.startup import check_startup
 from cppo.data.questions import QuestionStream, draw_skipping, next_streaks
 from cppo.data.sources import run_task
-from cppo.errors import CallbackError, ConfigError
+from cppo.errors import CallbackError
 from cppo.evaluate import evaluate, sampled_metrics
 from cppo.models.loading import frozen_copy, load_policy
 from cppo.parallel.engines import Engine, pad_rows, resolve_strategy
@@ -132,12 +132,10 @@ class CPPOTrainer:
         args = self.args
         torch.manual_seed(args.seed)   # same LoRA init everywhere; rank 0's is broadcast anyway
         self.use_lora = args.use_peft or peft_config is not None
+        check_reference_sync(args.sync_ref_model, lora=self.use_lora)   # a peft_config given here
         self.policy, self.tokenizer = load_policy(model, processing_class, args, self.device,
                                                   lora=self.use_lora, peft_config=peft_config)
         self.dist.broadcast_parameters(self.policy)
-        if args.sync_ref_model and self.use_lora:   # peft_config given to the trainer
-            raise ConfigError("'sync_ref_model' is true with a LoRA policy: the reference is the "
-                              "base model with the adapters disabled, which cannot be synced")
         reference = None if args.beta == 0 or self.use_lora else frozen_copy(self.policy)
         self.engine = Engine(resolve_strategy(args.distributed), self.dist, self.policy,
                              bf16=args.bf16, block_names=args.fsdp_transformer_layer_cls_to_wrap)

