@@ -13,9 +13,9 @@ import torch
 
 from cppo.algorithm.loss import entropy_bonus, per_token_policy_loss, reduce_loss
 from cppo.algorithm.masks import high_entropy_mask, off_policy_mask
-from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, add_micro_batch, empty_sums,
-                                        entropy_bonus_on, micro_batch_loss, policy_mask,
-                                        sampler_weights, step_metrics)
+from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, LossSettings, add_micro_batch,
+                                        empty_sums, entropy_bonus_on, micro_batch_loss,
+                                        policy_mask, sampler_weights, step_metrics)
 from cppo.algorithm.sampler_correction import sampler_importance_weights
 
 D = torch.float64
@@ -26,24 +26,52 @@ def t(values):
 
 
 def config(**changes):
-    fields = dict(entropy_coef=0.0, use_adaptive_entropy=False, top_entropy_quantile=1.0,
-                  off_policy_mask_threshold=None, importance_sampling_mode="token_truncate",
-                  importance_sampling_clip_min=None, importance_sampling_clip_max=3.0,
-                  epsilon=0.2, effective_epsilon_high=0.28, beta=0.0, loss_type="grpo",
-                  max_completion_length=4, importance_sampling_level="token", delta=None,
-                  use_bias_correction_kl=True, sapo_temperature_pos=0.5,
-                  sapo_temperature_neg=2.0, vespo=dict(k_pos=1.5, lambda_pos=0.5, k_neg=0.5,
-                                                       lambda_neg=1.5))
-    fields.update(changes)
-    args = SimpleNamespace(**fields)
-    args.loss_options = lambda: dict(loss_type=args.loss_type,
-                                     importance_sampling_level=args.importance_sampling_level,
-                                     delta=args.delta,
-                                     use_bias_correction_kl=args.use_bias_correction_kl,
-                                     sapo_temperature_pos=args.sapo_temperature_pos,
-                                     sapo_temperature_neg=args.sapo_temperature_neg,
-                                     vespo=args.vespo)
-    return args
+    """LossSettings from the config's field names (as CPPOConfig.loss_settings() maps them)."""
+    f = dict(entropy_coef=0.0, use_adaptive_entropy=False, top_entropy_quantile=1.0,
+             off_policy_mask_threshold=None, importance_sampling_mode="token_truncate",
+             importance_sampling_clip_min=None, importance_sampling_clip_max=3.0,
+             epsilon=0.2, effective_epsilon_high=0.28, beta=0.0, loss_type="grpo",
+             max_completion_length=4, importance_sampling_level="token", delta=None,
+             use_bias_correction_kl=True, sapo_temperature_pos=0.5,
+             sapo_temperature_neg=2.0, vespo=dict(k_pos=1.5, lambda_pos=0.5, k_neg=0.5,
+                                                  lambda_neg=1.5))
+    f.update(changes)
+    return LossSettings(
+        epsilon_low=f["epsilon"], epsilon_high=f["effective_epsilon_high"], beta=f["beta"],
+        max_completion_length=f["max_completion_length"],
+        top_entropy_quantile=f["top_entropy_quantile"],
+        off_policy_mask_threshold=f["off_policy_mask_threshold"],
+        importance_sampling_mode=f["importance_sampling_mode"],
+        importance_sampling_clip_min=f["importance_sampling_clip_min"],
+        importance_sampling_clip_max=f["importance_sampling_clip_max"],
+        entropy_bonus=entropy_bonus_on(f["entropy_coef"], f["use_adaptive_entropy"]),
+        objective=dict(loss_type=f["loss_type"], importance_sampling_level=f["importance_sampling_level"],
+                       delta=f["delta"], use_bias_correction_kl=f["use_bias_correction_kl"],
+                       sapo_temperature_pos=f["sapo_temperature_pos"],
+                       sapo_temperature_neg=f["sapo_temperature_neg"], vespo=f["vespo"]))
+
+
+def test_the_config_makes_the_loss_settings_field_by_field():
+    from cppo.config import CPPOConfig
+    cfg = CPPOConfig.from_dict(dict(
+        epsilon=0.11, epsilon_high=0.33, beta=0.05, max_completion_length=7, loss_type="sapo",
+        top_entropy_quantile=0.4, off_policy_mask_threshold=0.6, entropy_coef=0.01,
+        importance_sampling_mode="token_mask", importance_sampling_clip_min=0.25,
+        importance_sampling_clip_max=4.0, importance_sampling_level="token", delta=2.5,
+        use_bias_correction_kl=True, sapo_temperature_pos=0.7, sapo_temperature_neg=1.3,
+        vespo_k_pos=1.1, vespo_lambda_pos=1.2, vespo_k_neg=1.4, vespo_lambda_neg=1.6))
+    assert cfg.loss_settings() == LossSettings(
+        epsilon_low=0.11, epsilon_high=0.33, beta=0.05, max_completion_length=7,
+        top_entropy_quantile=0.4, off_policy_mask_threshold=0.6,
+        importance_sampling_mode="token_mask", importance_sampling_clip_min=0.25,
+        importance_sampling_clip_max=4.0, entropy_bonus=True,
+        objective=dict(loss_type="sapo", importance_sampling_level="token", delta=2.5,
+                       use_bias_correction_kl=True, sapo_temperature_pos=0.7,
+                       sapo_temperature_neg=1.3,
+                       vespo=dict(k_pos=1.1, lambda_pos=1.2, k_neg=1.4, lambda_neg=1.6)))
+    assert cfg.loss_settings().loss_type == "sapo"
+    assert CPPOConfig.from_dict({"epsilon": 0.3}).loss_settings().epsilon_high == 0.3   # TRL: None
+    assert CPPOConfig.from_dict({"use_adaptive_entropy": True}).loss_settings().entropy_bonus
 
 
 # three completions of up to 3 tokens; ratios exp(logps - old) beyond 1 +- epsilon on some tokens
@@ -65,10 +93,10 @@ def micro(**changes):
 
 def expected_loss(args, batch, *, weights=None, mask=None, totals=(3, 6), num_micro=2):
     per_token, stats = per_token_policy_loss(   # the micro-batch's loss is in float32
-        LOGPS.float(), batch.old_logps, batch.advantages, epsilon_low=args.epsilon,
-        epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=batch.ref_logps,
+        LOGPS.float(), batch.old_logps, batch.advantages, epsilon_low=args.epsilon_low,
+        epsilon_high=args.epsilon_high, beta=args.beta, ref_logps=batch.ref_logps,
         sampling_weights=weights, completion_mask=batch.loss_mask, policy_mask=mask,
-        **args.loss_options())
+        **args.objective)
     loss = reduce_loss(per_token, batch.loss_mask, args.loss_type,
                        max_completion_length=args.max_completion_length,
                        total_sequences=totals[0], total_tokens=totals[1], accumulation_steps=num_micro)
@@ -84,9 +112,9 @@ def run(args, batch, entropies=ENTROPIES, coef=0.0, totals=(3, 6), num_micro=2):
 
 
 def test_entropy_bonus_is_on_with_a_coefficient_or_adaptive_control():
-    assert entropy_bonus_on(config(entropy_coef=0.1)) is True
-    assert entropy_bonus_on(config(entropy_coef=0.0, use_adaptive_entropy=True)) is True
-    assert entropy_bonus_on(config(entropy_coef=0.0)) is False
+    assert entropy_bonus_on(0.1, adaptive=False) is True
+    assert entropy_bonus_on(0.0, adaptive=True) is True
+    assert entropy_bonus_on(0.0, adaptive=False) is False
 
 
 def test_empty_sums_are_zero_and_the_maxima_minus_infinity():
@@ -118,7 +146,7 @@ def totals_of(**changes):
 
 
 def test_step_metrics_by_hand():
-    metrics = step_metrics(totals_of(), config(beta=0.1), grad_norm=1.5, learning_rate=1e-3,
+    metrics = step_metrics(totals_of(), kl=True, grad_norm=1.5, learning_rate=1e-3,
                            entropy_coef=0.01, sampler_corrected=True)
     assert metrics == {
         "loss": 0.5, "grad_norm": 1.5, "learning_rate": 1e-3,
@@ -133,7 +161,7 @@ def test_step_metrics_by_hand():
 
 
 def test_step_metrics_leave_out_what_is_off():
-    metrics = step_metrics(totals_of(tokens=0, ratio_min_neg=math.inf), config(beta=0.0),
+    metrics = step_metrics(totals_of(tokens=0, ratio_min_neg=math.inf), kl=False,
                            grad_norm=1.0, learning_rate=0.5, entropy_coef=None,
                            sampler_corrected=False)
     # no tokens: the means divide by 1
@@ -142,7 +170,7 @@ def test_step_metrics_leave_out_what_is_off():
                        "clip_ratio/region_mean": 3.0, "entropy": 6.0}
     corrected = step_metrics(totals_of(ratio_min_neg=math.inf, ratio_count=0.0, logp_diff_count=4.0,
                                        ratio_max=2.0, logp_diff_max=-math.inf),
-                             config(), grad_norm=1.0, learning_rate=0.5, entropy_coef=None,
+                             kl=False, grad_norm=1.0, learning_rate=0.5, entropy_coef=None,
                              sampler_corrected=True)
     assert corrected["sampling/importance_sampling_ratio/min"] == 0.0   # -inf: 0
     assert corrected["sampling/importance_sampling_ratio/mean"] == 3.0

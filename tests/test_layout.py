@@ -287,3 +287,50 @@ def test_every_source_path_the_docs_name_exists():
             if not any(c.is_file() for c in candidates):
                 missing.append(f"{page.name}: {path}")
     assert missing == []
+
+
+CONFIG_PARAMETERS = ("args", "cfg", "config")
+# Functions taking the whole run config, by module (issue #49 moves them to sections or plain
+# values; a count may only go down: lower it here when a module takes fewer).
+TAKES_THE_CONFIG = {
+    "config/checks.py": 17, "cli.py": 9, "parallel/hardware.py": 8, "sampling/vllm.py": 8,
+    "models/loading.py": 4, "run/tracking.py": 4, "sampling/backends.py": 4, "data/loaders.py": 3,
+    "data/sources.py": 3, "run/optimizer.py": 3, "sampling/async_rollout.py": 3,
+    "config/startup.py": 2, "eca/counting.py": 2, "learning/update.py": 2, "models/lora.py": 2,
+    "parallel/memory.py": 2, "pretrain.py": 2, "trainer.py": 2, "models/compiled.py": 1,
+    "rewards/runner.py": 1, "run/callbacks.py": 1, "sampling/settings.py": 1,
+}
+
+
+def config_takers(package: Path = PACKAGE) -> dict[str, int]:
+    """module (under the package) -> how many of its functions take a parameter named args,
+    cfg or config."""
+    counts = {}
+    for path in sorted(package.rglob("*.py")):
+        n = sum(1 for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and any(a.arg in CONFIG_PARAMETERS for a in node.args.args + node.args.kwonlyargs))
+        if n:
+            counts[str(path.relative_to(package))] = n
+    return counts
+
+
+def test_the_algorithm_takes_no_config():
+    """algorithm/ is pure math on plain values and small settings objects (LossSettings):
+    no function of it takes the run's config, and it imports nothing of cppo.config."""
+    takers = config_takers()
+    assert [m for m in takers if m.startswith("algorithm/")] == []
+    graph = import_graph()
+    assert [f"{m} -> {t}" for m, targets in graph.items() if m.startswith("cppo.algorithm")
+            for t in targets if t.startswith("cppo.config")] == []
+
+
+def test_no_module_takes_the_config_in_more_functions_than_before():
+    takers = config_takers()
+    grown = {m: n for m, n in takers.items() if n > TAKES_THE_CONFIG.get(m, 0)}
+    assert grown == {}, "pass a config section or plain values instead of the whole config"
+
+
+def test_the_config_scan_counts_parameters(tmp_path):
+    (tmp_path / "m.py").write_text("def f(args): ...\ndef g(x, *, cfg): ...\ndef h(conf): ...\n")
+    assert config_takers(tmp_path) == {"m.py": 2}

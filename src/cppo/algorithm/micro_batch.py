@@ -1,13 +1,14 @@
 """One micro-batch's loss and its statistics, and a step's metrics from their sums: the
 optimizer step (`CPPOTrainer.update`) is a loop over `micro_batch_loss` and a backward.
 
-`args` is the run's config (read for the loss fields only); `micro` a batch of K completions
-with fields completion-shaped (K, T): loss_mask, advantages (K,), old_logps, ref_logps,
-sampler_logps (each None when absent)."""
+`settings` holds the objective's values (`LossSettings`; the run's config makes it:
+`CPPOConfig.loss_settings()`); `micro` a batch of K completions with fields completion-shaped
+(K, T): loss_mask, advantages (K,), old_logps, ref_logps, sampler_logps (each None when absent)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -21,9 +22,31 @@ SUM_KEYS = ("loss", "kl", "low", "high", "region", "tokens", "entropy", "ratio_s
 MAX_KEYS = ("ratio_max", "ratio_min_neg", "logp_diff_max")
 
 
-def entropy_bonus_on(args) -> bool:
+@dataclass(frozen=True)
+class LossSettings:
+    """The values one micro-batch's loss reads: clipping, KL, the masks on the policy term, the
+    sampler correction, whether an entropy bonus is on, and the objective's own options
+    (per_token_policy_loss's keyword arguments: loss_type, importance_sampling_level, delta, ...)."""
+    epsilon_low: float
+    epsilon_high: float
+    beta: float
+    max_completion_length: int
+    top_entropy_quantile: float   # 1.0: no entropy mask
+    off_policy_mask_threshold: float | None
+    importance_sampling_mode: str
+    importance_sampling_clip_min: float | None
+    importance_sampling_clip_max: float | None
+    entropy_bonus: bool
+    objective: dict
+
+    @property
+    def loss_type(self) -> str:
+        return self.objective["loss_type"]
+
+
+def entropy_bonus_on(entropy_coef: float, adaptive: bool) -> bool:
     """TRL: a fixed coefficient > 0, or adaptive control (on even while its coefficient is 0)."""
-    return args.entropy_coef > 0 or args.use_adaptive_entropy
+    return entropy_coef > 0 or adaptive
 
 
 def empty_sums() -> dict:
@@ -38,24 +61,24 @@ def add_micro_batch(totals: dict, part: dict) -> None:
         totals[key] = max(totals[key], value) if key in MAX_KEYS else totals[key] + value
 
 
-def policy_mask(micro, logps: Tensor, entropies: list[Tensor], args) -> Tensor | None:
+def policy_mask(micro, logps: Tensor, entropies: list[Tensor], settings: LossSettings) -> Tensor | None:
     """The mask (K, T) or (K, 1) on the policy term: top_entropy_quantile (over this
     micro-batch's tokens) and off_policy_mask_threshold (KL of the sampler: the recorded sampler
     log-probs, else the old policy's); None when neither is on."""
     mask = None
-    if args.top_entropy_quantile < 1.0:
+    if settings.top_entropy_quantile < 1.0:
         mask = high_entropy_mask(torch.cat(entropies), micro.loss_mask,
-                                 args.top_entropy_quantile).float()
-    if args.off_policy_mask_threshold is not None:
+                                 settings.top_entropy_quantile).float()
+    if settings.off_policy_mask_threshold is not None:
         sampler = next(t for t in (micro.sampler_logps, micro.old_logps, logps.detach())
                        if t is not None)
         keep = off_policy_mask(micro.advantages, logps, sampler, micro.loss_mask.float(),
-                               args.off_policy_mask_threshold)
+                               settings.off_policy_mask_threshold)
         mask = keep if mask is None else mask * keep
     return mask
 
 
-def sampler_weights(micro, logps: Tensor, args) -> tuple[Tensor | None, dict]:
+def sampler_weights(micro, logps: Tensor, settings: LossSettings) -> tuple[Tensor | None, dict]:
     """Importance weights for completions another sampler drew (vLLM, a cast copy), over the
     model's tokens only (a tool's have no sampler log-prob, TRL's mask), and their statistics;
     (None, {}) when the micro-batch has no sampler log-probs."""
@@ -63,8 +86,8 @@ def sampler_weights(micro, logps: Tensor, args) -> tuple[Tensor | None, dict]:
         return None, {}
     old = logps.detach().float() if micro.old_logps is None else micro.old_logps
     weights = sampler_importance_weights(
-        old, micro.sampler_logps, micro.loss_mask, args.importance_sampling_mode,
-        args.importance_sampling_clip_min, args.importance_sampling_clip_max)
+        old, micro.sampler_logps, micro.loss_mask, settings.importance_sampling_mode,
+        settings.importance_sampling_clip_min, settings.importance_sampling_clip_max)
     stats = sampler_correction_stats(old, micro.sampler_logps, micro.loss_mask, weights)
     part = {key: float(stats[key]) for key in ("ratio_sum", "ratio_count", "logp_diff_sum",
                                                "logp_diff_count")}
@@ -73,27 +96,28 @@ def sampler_weights(micro, logps: Tensor, args) -> tuple[Tensor | None, dict]:
     return weights.expand_as(logps), part   # sequence modes: (K, 1) -> every token
 
 
-def micro_batch_loss(logps: Tensor, entropies: list[Tensor], micro, args, *, entropy_coef: float,
+def micro_batch_loss(logps: Tensor, entropies: list[Tensor], micro, settings: LossSettings, *,
+                     entropy_coef: float,
                      total_sequences: int, total_tokens: int,
                      num_micro: int) -> tuple[Tensor, dict]:
     """The loss of one micro-batch (a scalar to backward; its share of the step's loss) from the
     policy's log-probs (K, T) and token entropies (chunks of (K, T)), and its statistics (sums
     and maxima for add_micro_batch; not "loss", which the caller adds after its scaling)."""
-    weights, part = sampler_weights(micro, logps, args)
-    mask = policy_mask(micro, logps.float(), entropies, args)
+    weights, part = sampler_weights(micro, logps, settings)
+    mask = policy_mask(micro, logps.float(), entropies, settings)
     per_token, stats = per_token_policy_loss(   # IS weights on the policy term only (TRL)
-        logps.float(), micro.old_logps, micro.advantages, epsilon_low=args.epsilon,
-        epsilon_high=args.effective_epsilon_high, beta=args.beta, ref_logps=micro.ref_logps,
+        logps.float(), micro.old_logps, micro.advantages, epsilon_low=settings.epsilon_low,
+        epsilon_high=settings.epsilon_high, beta=settings.beta, ref_logps=micro.ref_logps,
         sampling_weights=weights, completion_mask=micro.loss_mask,
-        policy_mask=mask, **args.loss_options())
-    loss = reduce_loss(per_token, micro.loss_mask, args.loss_type,
-                       max_completion_length=args.max_completion_length,
+        policy_mask=mask, **settings.objective)
+    loss = reduce_loss(per_token, micro.loss_mask, settings.loss_type,
+                       max_completion_length=settings.max_completion_length,
                        total_sequences=total_sequences, total_tokens=total_tokens,
                        accumulation_steps=num_micro)
-    if entropy_bonus_on(args):   # on the tokens the policy term trains (TRL)
-        trained = micro.loss_mask if args.top_entropy_quantile >= 1.0 \
+    if settings.entropy_bonus:   # on the tokens the policy term trains (TRL)
+        trained = micro.loss_mask if settings.top_entropy_quantile >= 1.0 \
             else micro.loss_mask * high_entropy_mask(
-                torch.cat(entropies).detach(), micro.loss_mask, args.top_entropy_quantile)
+                torch.cat(entropies).detach(), micro.loss_mask, settings.top_entropy_quantile)
         loss = loss - entropy_coef * entropy_bonus(torch.cat(entropies), trained, num_micro)
         part["bonus_entropy"] = float((torch.cat(entropies).detach() * trained).sum())
         part["bonus_tokens"] = float(trained.sum())
@@ -106,17 +130,18 @@ def micro_batch_loss(logps: Tensor, entropies: list[Tensor], micro, args, *, ent
     return loss, part
 
 
-def step_metrics(totals: dict, args, *, grad_norm: float, learning_rate: float,
+def step_metrics(totals: dict, *, kl: bool, grad_norm: float, learning_rate: float,
                  entropy_coef: float | None, sampler_corrected: bool) -> dict:
     """A step's metrics (TRL's keys) from its totals over every micro-batch and process.
-    entropy_coef: the coefficient to report (None: no entropy bonus)."""
+    kl: report the KL (beta > 0); entropy_coef: the coefficient to report (None: no entropy
+    bonus)."""
     tokens = max(totals["tokens"], 1)
     metrics = {"loss": totals["loss"], "grad_norm": grad_norm,
                "clip_ratio/low_mean": totals["low"] / tokens,
                "clip_ratio/high_mean": totals["high"] / tokens,
                "clip_ratio/region_mean": totals["region"] / tokens,
                "entropy": totals["entropy"] / tokens, "learning_rate": learning_rate}
-    if args.beta > 0:
+    if kl:
         metrics["kl"] = totals["kl"] / tokens
     if entropy_coef is not None:
         metrics["entropy_coef"] = entropy_coef

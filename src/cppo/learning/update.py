@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, add_micro_batch, empty_sums,
-                                        entropy_bonus_on, micro_batch_loss, step_metrics)
+                                        micro_batch_loss, step_metrics)
 from cppo.algorithm.loss import router_aux_coef, router_aux_loss
 from cppo.errors import ConfigError
 from cppo.models.compiled import compile_seconds, compile_settings
@@ -32,6 +32,7 @@ class Learner:
         self.policy, self.reference, self.engine, self.dist = policy, reference, engine, dist
         self.optimizer, self.scheduler, self.args = optimizer, scheduler, args
         self.device, self.matmul_dtype = device, matmul_dtype   # a dtype name or None
+        self.loss = args.loss_settings()   # what each micro-batch's loss reads
         # speed and precision (transformers' names): torch_compile, use_liger_kernel, fp16
         self.compile = compile_settings(args)
         self.compile_seconds, self._compile_mark = 0.0, compile_seconds() if self.compile else 0.0
@@ -50,7 +51,7 @@ class Learner:
                                    batch.completion_mask, temperature=args.temperature,
                                    batch_size=args.per_device_train_batch_size,
                                    lean=args.lean_forward, entropies=entropies,
-                                   entropy_grad=entropies is not None and entropy_bonus_on(args),
+                                   entropy_grad=entropies is not None and self.loss.entropy_bonus,
                                    matmul_dtype=torch_dtype(self.matmul_dtype),
                                    compile=self.compile, chunk_head=args.use_liger_kernel,
                                    aux_losses=aux_losses)
@@ -85,7 +86,7 @@ class Learner:
         `tokens`: the token-sum losses' normaliser (None: this batch's tokens, all processes')."""
         args = self.args
         self.optimizer.zero_grad(set_to_none=True)
-        coef = entropy_coef if entropy_bonus_on(args) else 0.0
+        coef = entropy_coef if self.loss.entropy_bonus else 0.0
         totals = self.backward(batch, coef, tokens)
         aux = totals.pop("aux_loss", None)
         if self.scaler is not None:   # fp16: the gradients unscaled before they are measured
@@ -99,9 +100,9 @@ class Learner:
                      if batch.sampler_logps is not None else {})}
         if args.use_adaptive_entropy:   # the whole step's tokens, every process's (TRL)
             coef = adapt_entropy_coef(totals["bonus_entropy"] / max(totals["bonus_tokens"], 1.0))
-        metrics = step_metrics(totals, args, grad_norm=grad_norm,
+        metrics = step_metrics(totals, kl=self.loss.beta > 0, grad_norm=grad_norm,
                                learning_rate=self.scheduler.get_last_lr()[0],
-                               entropy_coef=coef if entropy_bonus_on(args) else None,
+                               entropy_coef=coef if self.loss.entropy_bonus else None,
                                sampler_corrected=batch.sampler_logps is not None)
         if self.aux_coef:   # TRL's metric: the mean over micro-batches and processes
             metrics["aux_loss"] = self.dist.sum(aux or 0.0) / self.dist.world_size
@@ -152,7 +153,8 @@ class Learner:
             entropies, aux = [], [] if self.aux_coef else None
             with self.autocast():
                 logps = self.engine.forward(self.logprobs, micro, entropies, aux)
-            loss, part = micro_batch_loss(logps, entropies, micro, args, entropy_coef=entropy_coef,
+            loss, part = micro_batch_loss(logps, entropies, micro, self.loss,
+                                          entropy_coef=entropy_coef,
                                           total_sequences=total_sequences,
                                           total_tokens=total_tokens, num_micro=num_micro)
             loss = loss * world   # the engines average gradients over processes
