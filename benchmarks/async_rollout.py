@@ -45,13 +45,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import machine, machine_of, read_results, spread, write_results
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "async_rollout"
@@ -69,13 +70,6 @@ WALL_NOTE = ("Wall time: a run's training rounds after its first (summary train_
 TARGET_SHARE = 0.95   # --auto's default target: this share of the fixed-P runs' final accuracy
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def run_config(model: str, real: str, algorithm: str, staleness: int, seed: int,
                steps: int, out: Path, eval_steps: int = 0) -> dict:
     """CPPOConfig values of one row."""
@@ -90,14 +84,11 @@ def run_config(model: str, real: str, algorithm: str, staleness: int, seed: int,
         import real_shape
         shape = real_shape.FULL if real == "full" else real_shape.QUICK
         folder = real_shape.build_assets(Path(tempfile.gettempdir()) / f"cppo_async_{real}", shape)
-        values.update(model=str(folder), dataset_name=str(folder / "prompts.jsonl"),
+        values.update(real_shape.cppo_fields(shape, values.get("pruning_rate",
+                                                                real_shape.CPPO_PRUNING)),
+                      model=str(folder), dataset_name=str(folder / "prompts.jsonl"),
                       reward_funcs=["real_shape:shorter_is_better"],
-                      num_generations=shape["group"], per_device_train_batch_size=shape["group"],
-                      max_completion_length=shape["max_new"], max_prompt_length=128, beta=0.0,
-                      loss_type="dapo", learning_rate=real_shape.LEARNING_RATE,
                       generation_dtype="bfloat16", matmul_dtype=None, eval_steps=0)
-        if ALGORITHMS[algorithm] is None:
-            values["pruning_rate"] = real_shape.CPPO_PRUNING
     return values
 
 
@@ -293,14 +284,14 @@ def speed_rows(models: list[str], reals: list[str], repeats: int = 1,
             for mode, measured in runs.items():
                 speedups = [sync["seconds_per_step"] / m["seconds_per_step"]
                             for sync, m in zip(runs["sync"], measured)]
-                shares = [up / lim for up, lim in zip(speedups, limits)]
-                m, speedup = median_run(measured), statistics.median(speedups)
+                shares = spread([up / lim for up, lim in zip(speedups, limits)])
+                m, speedups = median_run(measured), spread(speedups)
                 rows.append({"model": label, "algorithm": algorithm, "mode": mode, **m,
                              "seconds_per_question": m["seconds_per_step"] / m["questions_per_step"],
-                             "speedup": speedup, "generation_share": share, "bound": limit,
-                             "of_bound": statistics.median(shares), "repeats": repeats,
-                             "speedup_range": [min(speedups), max(speedups)],
-                             "of_bound_range": [min(shares), max(shares)]})
+                             "speedup": speedups["median"], "generation_share": share,
+                             "bound": limit, "of_bound": shares["median"], "repeats": repeats,
+                             "speedup_range": [speedups["min"], speedups["max"]],
+                             "of_bound_range": [shares["min"], shares["max"]]})
     return rows
 
 
@@ -327,11 +318,10 @@ def accuracy_rows(modes: dict) -> list[dict]:
 
 
 def write(result: dict, out: Path = OUT) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
     repeats = max([r.get("repeats", 1) for r in result.get("speed", [])] or [1])
+    m = machine_of(result)
     lines = [f"# Asynchronous rollouts on split hardware (trainer: core 0, generator: core 1)\n",
-             f"CPU: {result.get('cpu')}, torch capability {result.get('capability')}; command: "
+             f"CPU: {m.get('cpu')}, torch capability {m.get('cpu_capability')}; command: "
              f"{', '.join(f'`{c}`' for c in result.get('commands') or [result.get('command')])}; "
              f"{result.get('date')}.\n",
              "| model | algorithm | mode | s/step | s/question | speed-up | bound | of bound | "
@@ -385,7 +375,7 @@ def write(result: dict, out: Path = OUT) -> None:
                          f"{', '.join(f'{100 * a:.1f}' for a in accs)} | "
                          f"{statistics.fmean(r['wall_s'] for r in rs):.0f} |")
     lines += equal_wall_section(result) + auto_section(result)
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    write_results(out, result, lines, indent=1, echo=False)
 
 
 def mean_of(values) -> str:
@@ -484,13 +474,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
-    existing = args.out / "results.json"
-    result = json.loads(existing.read_text()) if existing.exists() else {}   # kept, section by section
+    result = read_results(args.out)   # kept, section by section
     if args.render:
         return write(result, args.out)
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs 2 cores (trainer on core 0, generator on core 1)")
-    import torch
     command = "python benchmarks/async_rollout.py " + " ".join(sys.argv[1:])
     if args.accuracy or args.equal_wall or args.auto:   # added to the committed speed rows
         seeds, cache, today = [int(s) for s in args.seeds.split(",")], {}, time.strftime("%Y-%m-%d")
@@ -523,10 +511,10 @@ def main() -> None:
     earlier = [r for r in result.get("speed", []) if r["model"] not in labels]
     commands = [c for c in result.get("commands") or [result.get("command")]
                 if c and earlier and c != command]
-    result.update({"cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(),
-                   "commands": [*commands, command], "date": time.strftime("%Y-%m-%d"),
-                   "speed": earlier + speed})
-    result.pop("command", None)
+    result.update({"machine": machine(), "commands": [*commands, command],
+                   "date": time.strftime("%Y-%m-%d"), "speed": earlier + speed})
+    for old in ("command", "cpu", "capability"):   # the machine record's earlier shape
+        result.pop(old, None)
     result["projection"] = [p for p in result.get("projection", []) if p["model"] not in labels] + [
         {"model": r["model"], "algorithm": r["algorithm"], "split": f"{n}+{n}",
          "sync": simulate(r["generate_s"], r["train_s"] - r["weight_sync_s"], r["weight_sync_s"], n, 0),

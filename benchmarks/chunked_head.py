@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import machine, write_results
+
 
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -72,7 +74,6 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.vocab, args.hidden, args.tokens, args.threads)))
         return
     import torch
-    from cppo.parallel import hardware
     from cppo.sampling.logprobs import HEAD_CHUNK_ABOVE
     from cppo.models.head import HEAD_CHUNK
     load_start = os.getloadavg()[0]
@@ -86,13 +87,10 @@ def main() -> None:
             runs.append(json.loads(out.strip().splitlines()[-1]))
             print(runs[-1], flush=True)
     torch.set_num_threads(args.threads)
-    result = {"argv": " ".join(sys.argv[1:]), "machine": hardware.describe(), "vocab": args.vocab,
+    result = {"argv": " ".join(sys.argv[1:]), "machine": machine(), "vocab": args.vocab,
               "hidden": args.hidden, "tokens": args.tokens, "threads": args.threads,
               "head_chunk": HEAD_CHUNK, "chunk_above_logits": HEAD_CHUNK_ABOVE,
               "load_average": [load_start, os.getloadavg()[0]], "runs": runs}
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
     m = result["machine"]
     logits_mb = args.tokens * args.vocab * 4 / 2**20
     lines = ["# The head at a real vocabulary: full logits against chunks", "",
@@ -110,8 +108,7 @@ def main() -> None:
         peaks = " / ".join(f"{r['peak_growth_mb']:,.0f}" for r in rs)
         seconds = " / ".join(f"{r['seconds']:.2f}" for r in rs)
         lines.append(f"| {variant} | {peaks} | {seconds} |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(Path(args.output), result, lines, indent=1)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/paper_table, when run as a file
+from common import machine_of, write_results  # noqa: E402
 from paper_table.formatting import fmt_pm, markdown_table  # noqa: E402
 from paper_table.plots import write_plots  # noqa: E402
 from paper_table.report import build_report, machine, write_outputs  # noqa: E402
@@ -146,9 +147,9 @@ def main(argv=None) -> int:
                         "learning_rate": args.learning_rate, "group_size": GROUP_SIZE,
                         "update_batch": UPDATE_BATCH, "generation_dtype": args.generation_dtype},
            "runs": []}
+    m = machine_of(raw)
     print(f"cppo table: rows {', '.join(args.row_list)}; seeds {args.seed_list}; "
-          f"N = {args.train_questions}; machine {raw['machine']['platform']}, "
-          f"{raw['machine']['cpu_count']} CPUs, torch {raw['machine']['torch']}")
+          f"N = {args.train_questions}; machine {m['platform']}, {m['cores']} CPUs, torch {m['torch']}")
     if not args.no_estimate:
         training, fixed, per_row = probe_seconds(args, rows, args.seed_list, runs_dir)
         estimate = training + fixed
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
                       f"{summary['train_seconds']:.1f} s, wall {summary['wall_seconds']:.1f} s "
                       f"({time.perf_counter() - t0:.0f} s with setup)", flush=True)
                 raw["total_seconds"] = time.perf_counter() - start
-                (output / "results.json").write_text(json.dumps(raw, indent=1, default=str))
+                write_results(output, raw, None, indent=1)   # so far
         if "trl" in args.row_list:
             print("  TRL comparison ...", flush=True)
             raw["trl"] = run_trl_comparison(args, runs_dir)

@@ -21,9 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import machine, write_results
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from cppo.parallel.hardware import describe  # noqa: E402
 
 PATHS = {
     "this_cpu": {},
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_paths")
     args = parser.parse_args(argv)
-    results = {"machine": describe(), "paths": {}}
+    results = {"machine": machine(), "paths": {}}
     with tempfile.TemporaryDirectory(prefix="cppo-cpu-paths-") as scratch:
         for name in args.paths:
             lines, run = run_path(name, PATHS[name], Path(scratch))
@@ -107,9 +108,7 @@ def main(argv=None) -> int:
           "a check measured over its tests on that path, and its margin (bound / difference). "
           "trl_twin's gradients are relative to the largest gradient entry; its loss is the "
           "difference over its tolerance; vLLM's log-probs are absolute.\n\n" + text + "\n")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.md").write_text(md)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    write_results(args.out, results, md, indent=1, echo=False)
     print(text)
     failed = [p for p, r in results["paths"].items() if r["run"]["returncode"] != 0]
     return 1 if failed else 0

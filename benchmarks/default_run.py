@@ -32,6 +32,8 @@ from pathlib import Path
 
 import yaml
 
+from common import machine, trainer_for, write_results
+
 ROWS = {
     "default": [],
     "grpo": ["--pruning_rate", "0"],
@@ -53,14 +55,6 @@ AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 def run_env(threads: int, emulate_avx2: bool) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     return {**env, **AVX2_ENV} if emulate_avx2 else env
-
-
-def describe_machine(env: dict) -> dict:
-    """cppo.parallel.hardware.describe() as the runs see it (same environment, so an emulated limit shows)."""
-    code = "import json; from cppo.parallel import hardware; print(json.dumps(hardware.describe()))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def start_run(label: str, seed: int, extra: list[str], out_dir: Path, env: dict, tree: str = ""):
@@ -128,9 +122,8 @@ def pct(v: float) -> str:
     return f"{100 * v:.1f} %"
 
 
-def write_results(rows: list[dict], meta: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+def render(rows: list[dict], meta: dict) -> list[str]:
+    """results.md's lines."""
     m = meta["machine"]
     lines = [f"# The default run (`python benchmarks/default_run.py {meta['argv']}`)", "",
              f"CPU: {m['cpu']} ({m['machine']}), torch {m['torch']}, CPU capability the runs saw: "
@@ -159,8 +152,7 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
                      f"(range {min(gains):+.1f} to {max(gains):+.1f}); wall {min(walls):.0f}-{max(walls):.0f} s")
     if meta.get("note"):
         lines += ["", meta["note"]]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
 
 
 def flag_pairs(flags: list[str]) -> dict[str, str]:
@@ -174,16 +166,11 @@ def step_cost(recipes: dict[str, list[str]], rounds: int, threads: int) -> dict:
     A recipe named 'untrimmed ...' runs with the kept-batch trimming switched off (the code path
     before trimming existed)."""
     import torch
-    from cppo.config import CPPOConfig
     from cppo.run.batch import StepBatch
-    from cppo.trainer import CPPOTrainer
     torch.set_num_threads(threads)
     trimmed = StepBatch.trimmed
-    trainers = {}
-    for name, flags in recipes.items():
-        cfg = CPPOConfig.load(overrides={**flag_pairs(flags), "progress_bar": False,
-                                         "output_dir": tempfile.mkdtemp(prefix="cppo_cost_")})
-        trainers[name] = CPPOTrainer(args=cfg)
+    trainers = {name: trainer_for(quiet=False, prefix="cppo_cost_", **flag_pairs(flags))
+                for name, flags in recipes.items()}
     times = {name: [] for name in recipes}
     for i in range(rounds + 1):                       # round 0 warms up
         for name, trainer in trainers.items():
@@ -234,12 +221,11 @@ def main() -> None:
         recipes = {"untrimmed, max_completion_length 8 (before)": ["--max_completion_length", "8"],
                    "default (trimmed)": []}
         cost = step_cost(recipes, args.step_cost, args.threads)
-        meta = {"machine": describe_machine(env), "threads": args.threads, "shared": args.shared,
+        meta = {"machine": machine(env=env), "threads": args.threads, "shared": args.shared,
                 "rounds": args.step_cost, "load_average": os.getloadavg()[0],
                 "emulation": ", ".join(f"{k}={v}" for k, v in AVX2_ENV.items()) if args.emulate_avx2 else ""}
         name = "step_cost_avx2.json" if args.emulate_avx2 else "step_cost.json"
-        Path(args.output).mkdir(parents=True, exist_ok=True)
-        (Path(args.output) / name).write_text(json.dumps({"meta": meta, "median_seconds": cost}, indent=2))
+        write_results(args.output, {"meta": meta, "median_seconds": cost}, None, json_name=name)
         print(json.dumps(cost, indent=2))
         before, after = cost.values()
         print(f"round time ratio (default / before): {after['round'] / before['round']:.3f}")
@@ -260,12 +246,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="cppo_default_run_") as tmp:
             rows = run_rows(plan, env, args.parallel, Path(tmp))
         loads = [r["load_average"] for r in rows]
-    meta = {"argv": " ".join(sys.argv[1:]), "machine": describe_machine(env), "threads": args.threads,
+    meta = {"argv": " ".join(sys.argv[1:]), "machine": machine(env=env), "threads": args.threads,
             "parallel": args.parallel, "shared": args.shared,
             "emulation": ", ".join(f"{k}={v}" for k, v in AVX2_ENV.items()) if args.emulate_avx2 else "",
             "mean_load_average": round(statistics.mean(loads), 2) if loads else "n/a",
             "nproc": os.cpu_count(), "note": args.note}
-    write_results(rows, meta, Path(args.output))
+    write_results(args.output, {"meta": meta, "rows": rows}, render(rows, meta))
 
 
 if __name__ == "__main__":

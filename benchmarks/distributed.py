@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import socket
 import statistics
@@ -27,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import machine, spread, spread_text, write_results
 
 OUT = Path(__file__).resolve().parent / "results" / "distributed"
 SETUPS = [("1 process", 1, "ddp"), ("2 x ddp", 2, "ddp"), ("2 x fsdp", 2, "fsdp")]
@@ -120,21 +121,6 @@ def launch(processes: int, strategy: str, result_file: Path) -> list[dict]:
     return [json.loads(Path(f"{result_file}.rank{r}").read_text()) for r in range(processes)]
 
 
-def machine() -> dict:
-    import torch
-    flags = ""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": platform.processor() or platform.machine(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "avx512_bf16": "avx512_bf16" in flags.split(), "cores": os.cpu_count(),
-            "torch": torch.__version__, "threads_per_process": 1, "backend": "gloo",
-            "note": "shared machine: other jobs ran at the same time; times are noisy"}
-
-
 def table(results: dict) -> str:
     first = results["runs"][SETUPS[0][0]][0][0]
     p = first["parameters"]
@@ -151,7 +137,7 @@ def table(results: dict) -> str:
         held = rank0["bytes"]
         total = sum(held.values())
         formula = 16 * p / (processes if strategy == "fsdp" and processes > 1 else 1)
-        medians = [statistics.median(r[0]["seconds_per_step"]) for r in repeats]
+        steps = spread([statistics.median(r[0]["seconds_per_step"]) for r in repeats])
         rss = max(x["rss_bytes"] for r in repeats for x in r)
         # FSDP2 all-gathers into a new buffer of the full size; the shards stay allocated
         gathered = rank0["gathered_parameter_bytes"] if strategy == "fsdp" and processes > 1 else 0
@@ -159,7 +145,7 @@ def table(results: dict) -> str:
             f"| {name} | {held['parameters'] / mib:.1f} MiB | {held['gradients'] / mib:.1f} MiB | "
             f"{held['optimizer'] / mib:.1f} MiB | {total / mib:.1f} MiB | {formula / mib:.1f} MiB | "
             f"+{gathered / mib:.1f} MiB | {rss / mib:.0f} MiB | "
-            f"{statistics.median(medians):.2f} ({min(medians):.2f}-{max(medians):.2f}) |")
+            f"{spread_text(steps['median'], steps['min'], steps['max'], 2)} |")
     lines += ["", "Bytes per process are counted from the local tensors (DTensor shards under "
               "fsdp) and match 16P/N exactly. 'Gathered for generation' is the full-size buffer "
               "FSDP2 all-gathers into, next to the shards, for one generation round. RSS is not a "
@@ -179,7 +165,6 @@ def main() -> None:
     if args.worker:
         worker(args.worker)
         return
-    OUT.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="cppo-bench-distributed-"))
     runs = {name: [] for name, _, _ in SETUPS}
     for repeat in range(args.repeats):
@@ -190,13 +175,14 @@ def main() -> None:
     for f in scratch.iterdir():
         f.unlink()
     scratch.rmdir()
-    results = {"machine": machine(), "global_batch": GLOBAL_BATCH, "length": LENGTH,
+    results = {"machine": machine(threads_per_process=1, backend="gloo",
+                                  note="shared machine: other jobs ran at the same time; times "
+                                  "are noisy"), "global_batch": GLOBAL_BATCH, "length": LENGTH,
                "measured_steps": MEASURED, "runs": runs}
     text = table(results)
     print(text)
-    (OUT / "results.json").write_text(json.dumps(results, indent=1))
-    (OUT / "results.md").write_text(f"# benchmarks/distributed.py\n\nMachine: "
-                                    f"{json.dumps(results['machine'])}\n\n{text}\n")
+    write_results(OUT, results, f"# benchmarks/distributed.py\n\nMachine: "
+                  f"{json.dumps(results['machine'])}\n\n{text}\n", indent=1, echo=False)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,7 @@ Writes benchmarks/results/eca/results.md and results.json (or --out).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +32,8 @@ from cppo.eca import analytic_count, eca_attention, lower_matmul, masked_matmul,
 from cppo.eca.plan import recurses
 from cppo.eca.reference import blocked_lower_matmul, blocked_masked_matmul, blocked_upper_matmul
 
+from common import machine, spread, spread_text, write_results
+
 COUNT_CUTOFF, COUNT_BASE_BLOCK = 8, 8  # counts: recurse while min(n, d) > 8; exact base below
 COUNT_GOALS = {"eca": 0.91, "ug444": 0.88}
 SCHEME_LABELS = {"eca": "ECA", "ug444": "ug-444", "naive": "plain 4x4 recursion"}
@@ -42,24 +42,6 @@ PRODUCTS = {  # form -> the attention products it computes
     "lower": "O = P V (fwd), dQ = dS K (bwd)",
     "upper": "dV = P^T dO (bwd), dK = dS^T Q (bwd)",
 }
-
-
-def machine() -> dict:
-    flags = ""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
-    model = ""
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": model or platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "avx512_bf16": " avx512_bf16" in flags,
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "shared": "yes: other jobs ran on the same cores during the run (see the load averages)"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,9 +89,9 @@ def interleaved(candidates: dict, reps: int, reference: str) -> dict:
             times[name].append(time.perf_counter() - start)
     result = {}
     for name, t in times.items():
-        ratios = [a / b for a, b in zip(t, times[reference])]
-        result[name] = {"median_s": statistics.median(t), "ratio": statistics.median(ratios),
-                        "ratio_min": min(ratios), "ratio_max": max(ratios)}
+        ratios = spread([a / b for a, b in zip(t, times[reference])])
+        result[name] = {"median_s": statistics.median(t), "ratio": ratios["median"],
+                        "ratio_min": ratios["min"], "ratio_max": ratios["max"]}
     return result
 
 
@@ -198,7 +180,7 @@ def attention_timings(configs, cutoffs, reps) -> list[dict]:
 
 
 def fmt_ratio(v: dict) -> str:
-    return f"{v['ratio']:.3f} [{v['ratio_min']:.2f}-{v['ratio_max']:.2f}]"
+    return spread_text(v["ratio"], v["ratio_min"], v["ratio_max"], 3, 2, "[]")
 
 
 def report(info, counts, products, attention, command, seconds) -> str:
@@ -291,8 +273,7 @@ def write_profile(path: Path) -> None:
             f"{torch.__version__}, {torch.get_num_threads()} thread(s), CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}; machine shared with other jobs (load average {load}). "
             "One profiled call each (profiler overhead included).", ""]
-    path.write_text("\n".join(head + sections) + "\n")
-    print(path.read_text())
+    write_results(path.parent, None, head + sections, md_name=path.name)
 
 
 def main() -> None:
@@ -311,7 +292,8 @@ def main() -> None:
     if args.profile:
         write_profile(args.out / "profile.txt")
         return
-    info = machine()
+    info = machine(shared="yes: other jobs ran on the same cores during the run (see the load "
+                   "averages)")
     info["load_start"] = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     started = time.time()
 
@@ -336,12 +318,9 @@ def main() -> None:
     seconds = time.time() - started
     info["load_end"] = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     command = "python benchmarks/eca.py" + (" --quick" if args.quick else "")
-    (args.out / "results.json").write_text(json.dumps(
-        {"command": command, "seconds": seconds, "machine": info, "counts": counts, "products": products,
-         "attention": attn}, indent=1) + "\n")
-    text = report(info, counts, products, attn, command, seconds)
-    (args.out / "results.md").write_text(text + "\n")
-    print(text)
+    write_results(args.out, {"command": command, "seconds": seconds, "machine": info, "counts": counts,
+                             "products": products, "attention": attn},
+                  report(info, counts, products, attn, command, seconds) + "\n", indent=1)
     print(f"\nwrote {args.out / 'results.md'} and results.json")
 
 

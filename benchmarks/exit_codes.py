@@ -35,14 +35,14 @@ import argparse
 import collections
 import json
 import os
-import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import machine, read_results, spread, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "exit_codes"
 ROWS = [{"prompt": f"{a:02d}*{b:02d}=", "answer": f"{a * b:04d}"} for a in range(10) for b in range(3, 9)]
@@ -263,33 +263,14 @@ def stop_latency(model: str, root: Path, repeats: int, load: int) -> list[dict]:
                            __file__, "--worker", str(spec)]
                 after = 2
             runs.append(time_to_stop(command, run_dir, root / "stop.log", after))
-        seconds = [r["seconds"] for r in runs]
+        seconds = spread([r["seconds"] for r in runs], digits=2)
         row = {"run": name, "repeats": repeats, "busy loops": load,
-               "seconds (min-max)": [round(min(seconds), 2),
-                                                                    round(max(seconds), 2)],
+               "seconds (min-max)": [seconds["min"], seconds["max"]],
                "exit codes": sorted({r["exit code"] for r in runs}),
                "statuses": sorted({r["status"] for r in runs})}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def machine() -> dict:
-    import torch
-    return {"cpu": platform.machine(), "cpu_model": cpu_model(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "threads_per_process": 1, "backend": "gloo"}
 
 
 def main(argv=None) -> int:
@@ -329,7 +310,7 @@ def main(argv=None) -> int:
                         (root / f"failed-{len(rows)}.log").write_text((root / "launch.log").read_text())
                 row = {"variant": name, "launches": args.launches, "busy loops": args.load,
                        "exit codes": dict(sorted(codes.items())), "workers aborted (SIGABRT)": aborts,
-                       "launch seconds (median)": round(statistics.median(seconds), 1)}
+                       "launch seconds (median)": spread(seconds, digits=1)["median"]}
                 if threads.is_file():   # per worker: gloo threads alive after the group's end
                     left = [int(x) for x in threads.read_text().split()]
                     row["gloo threads left after close (max over workers)"] = max(left)
@@ -341,26 +322,28 @@ def main(argv=None) -> int:
         for proc in busy:
             proc.kill()
             proc.wait()
-    write_results(args, rows, stops)
+    save(args, rows, stops)
     return 0
 
 
-def write_results(args, rows: list[dict], stops: list[dict]) -> None:
+def save(args, rows: list[dict], stops: list[dict]) -> None:
     """results.json and results.md; rows of variants and loads (and the SIGTERM table) this
     invocation did not measure (`--only`, `--load`, `--launches 0`, `--stop-repeats 0`) are kept
     from results.json."""
-    args.output.mkdir(parents=True, exist_ok=True)
-    info = machine()
-    earlier = json.loads((args.output / "results.json").read_text()) \
-        if (args.output / "results.json").is_file() else {}
+    info = machine(threads_per_process=1, backend="gloo")
+    earlier = read_results(args.output)
     for r in earlier.get("rows", []):   # files written before rows carried their own load
         r.setdefault("busy loops", earlier.get("busy_loops"))
     measured = {(r["variant"], r["busy loops"]) for r in rows}   # one row per variant and load
     rows = [r for r in earlier.get("rows", []) if (r["variant"], r["busy loops"]) not in measured] \
         + rows
     stops = stops or earlier.get("sigterm_to_exit", [])
-    (args.output / "results.json").write_text(json.dumps(
-        {"machine": info, "rows": rows, "sigterm_to_exit": stops}, indent=2))
+    write_results(args.output, {"machine": info, "rows": rows, "sigterm_to_exit": stops},
+                  render(info, rows, stops))
+
+
+def render(info: dict, rows: list[dict], stops: list[dict]) -> list[str]:
+    """results.md's lines."""
     lines = ["# benchmarks/exit_codes.py", "",
              f"Machine: {json.dumps(info)}. Command: `python benchmarks/exit_codes.py --launches "
              f"N --load L` (each row says its N and L: busy loops running during its launches).",
@@ -400,8 +383,7 @@ def write_results(args, rows: list[dict], stops: list[dict]) -> None:
             low, high = r["seconds (min-max)"]
             lines.append(f"| {r['run']} | {r['repeats']} | {r.get('busy loops', '')} | {low}-{high} | "
                          f"{', '.join(map(str, r['exit codes']))} | {', '.join(r['statuses'])} |")
-    (args.output / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":

@@ -28,12 +28,13 @@ import contextlib
 import io
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import machine, spread, spread_text, trainer_for, write_results
 
 HERE = Path(__file__).resolve().parent
 ENGINES = ("cppo_sampler", "vllm")
@@ -43,32 +44,25 @@ BF16_SAMPLER = "cppo_sampler_bf16"
 MODELS = ("embedded", "real_shape")
 
 
-def trainer_for(model: str, engine: str, folder: Path | None, shape: dict):
+def engine_trainer(model: str, engine: str, folder: Path | None, shape: dict):
     """A CPPOTrainer on the model, generating with the engine (vLLM colocated, awake)."""
-    from cppo.config import CPPOConfig
-    from cppo.trainer import CPPOTrainer
-    common = dict(use_vllm=engine == "vllm", vllm_enable_sleep_mode=False, eval_steps=0,
-                  generation_dtype="bfloat16" if engine == BF16_SAMPLER else None,
-                  save_steps=0, progress_bar=False,
-                  output_dir=tempfile.mkdtemp(prefix="cppo_engines_"))
+    engine_fields = dict(use_vllm=engine == "vllm", vllm_enable_sleep_mode=False, eval_steps=0,
+                         generation_dtype="bfloat16" if engine == BF16_SAMPLER else None,
+                         save_steps=0, prefix="cppo_engines_")
     if model == "embedded":
-        return CPPOTrainer(args=CPPOConfig.load(overrides=common))
+        return trainer_for(**engine_fields)
     sys.path.insert(0, str(HERE))
     import real_shape
     rows = json.loads((folder / "prompts.json").read_text())
-    cfg = CPPOConfig(model=str(folder), pruning_rate=real_shape.CPPO_PRUNING,
-                     num_generations=shape["group"], per_device_train_batch_size=shape["group"],
-                     max_completion_length=shape["max_new"], max_prompt_length=128, beta=0.0,
-                     loss_type="dapo", learning_rate=real_shape.LEARNING_RATE, seed=0, **common)
-    return CPPOTrainer(reward_funcs=[real_shape.shorter_is_better], args=cfg, train_dataset=rows)
+    return trainer_for(str(folder), rows, real_shape.shorter_is_better, seed=0,
+                       **real_shape.cppo_fields(shape), **engine_fields)
 
 
 def worker(model: str, engine: str, folder: Path | None, shape: dict, rounds: int, threads: int) -> dict:
     import torch
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainer = trainer_for(model, engine, folder, shape)
+    trainer = engine_trainer(model, engine, folder, shape)
     startup = time.perf_counter() - start
     generated = []
     generate = trainer.generate
@@ -100,9 +94,6 @@ def worker(model: str, engine: str, folder: Path | None, shape: dict, rounds: in
 
 def summarise(runs: list[dict]) -> dict:
     rounds = [r for run in runs for r in run["rounds"]]
-
-    def spread(values):
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
     return {"startup_seconds": spread([run["startup_seconds"] for run in runs]),
             "completions_per_second": spread([r["completions"] / r["generate_seconds"] for r in rounds]),
             "new_tokens_per_second": spread([r["new_tokens"] / r["generate_seconds"] for r in rounds]),
@@ -112,12 +103,10 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def fmt(s: dict, digits: int = 2) -> str:
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+    return spread_text(s["median"], s["min"], s["max"], digits)
 
 
 def write_report(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
     m = result["machine"]
     lines = [f"# Generation engines (`python benchmarks/generation_engines.py {result['argv']}`)", "",
              f"Machine: {m['cpu']}, torch {m['torch']}, vLLM {result['vllm']} (CPU build), CPU "
@@ -143,8 +132,7 @@ def write_report(result: dict, out: Path) -> None:
                   "sample in float32."]
     if result.get("note"):
         lines += ["", result["note"]]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, result, lines)
 
 
 def main() -> None:
@@ -170,7 +158,6 @@ def main() -> None:
         Path(args.worker_out).write_text(json.dumps(out))
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    from cppo.parallel import hardware
     if "real_shape" in args.models:
         real_shape.build_assets(folder, {k: v for k, v in shape.items() if k not in ("steps", "repeats")})
     runs = {m: {e: [] for e in args.engines} for m in args.models}
@@ -191,7 +178,7 @@ def main() -> None:
                 runs[model][engine].append(out)
                 parameters[model] = out["parameters"]
     import vllm
-    result = {"argv": " ".join(sys.argv[1:]), "machine": hardware.describe(), "vllm": vllm.__version__,
+    result = {"argv": " ".join(sys.argv[1:]), "machine": machine(), "vllm": vllm.__version__,
               "threads": args.threads, "shared": args.shared, "load_averages": loads,
               "rounds": args.rounds, "repeats": args.repeats, "parameters": parameters,
               "shape": shape, "runs": runs, "note": args.note,

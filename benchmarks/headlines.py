@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import machine_of  # noqa: E402
 RESULTS = "benchmarks/results"
 
 
@@ -35,9 +39,11 @@ class Headline:
         return str(md) if (ROOT / md).exists() else self.results
 
 
-def cpu(machine: dict) -> str:
-    """'AMD EPYC, AVX512': the CPU and torch's capability, as every results file records them."""
-    name = machine.get("cpu_model") or machine.get("cpu") or "x86_64"
+def cpu(data: dict) -> str:
+    """'AMD EPYC, AVX512': the CPU and torch's capability from a results file's machine record
+    (common.machine_of: every shape the programs have written)."""
+    machine = machine_of(data)
+    name = machine.get("cpu") or "x86_64"
     name = {"x86_64": "x86_64 CPU"}.get(name, name).replace("(R)", "").replace(" Processor", "")
     return f"{name}, {machine.get('cpu_capability', '?')}"
 
@@ -57,7 +63,7 @@ def default_run(data: dict) -> str:
     seconds = [r.get("process_seconds") or r["wall_seconds"] for r in rows]
     return (f"+{span(gains).replace(' to ', ' to +')} points of held-out accuracy from {before:.1f} % "
             f"(mean +{statistics.mean(gains):.1f}, {len(rows)} seeds) in {span(seconds, 0, ' s')} "
-            f"({cpu(data['meta']['machine'])})")
+            f"({cpu(data)})")
 
 
 def paper_table(data: dict) -> str:
@@ -67,7 +73,7 @@ def paper_table(data: dict) -> str:
     accuracy = [100 * stats[k]["accuracy"][0] for k in rows]
     return (f"{speed} faster than GRPO at P = {' / '.join(k.split('-')[1] for k in rows)} "
             f"(the paper: 1.81x / 3.27x / 4.89x / 8.32x), accuracy {span(accuracy)} % against "
-            f"{100 * stats['grpo']['accuracy'][0]:.1f} % ({cpu(data['machine']['hardware'])})")
+            f"{100 * stats['grpo']['accuracy'][0]:.1f} % ({cpu(data)})")
 
 
 def real_shape(data: dict) -> str:
@@ -75,7 +81,7 @@ def real_shape(data: dict) -> str:
     return (f"GRPO step {goals['bf16_sampling_grpo_step_speedup_vs_trl']:.2f}x faster than TRL "
             f"1.16's GRPOTrainer ({trl['seconds_per_step']:.1f} s), CPPO (P = 0.875) "
             f"{goals['bf16_sampling_cppo_per_question_speedup_vs_trl']:.1f}x per training question "
-            f"({cpu(data['machine'])})")
+            f"({cpu(data)})")
 
 
 def eca_operations(data: dict) -> str:
@@ -90,7 +96,7 @@ def eca_attention(data: dict) -> str:
     sdpa = " / ".join(f"{a['times']['SDPA (is_causal)']['ratio']:.2f}x" for a in rows)
     lengths = " / ".join(f"{a['L']:,}" for a in rows)
     return (f"{ratios} the time of eager full-then-mask at L = {lengths} (fused SDPA: {sdpa}; "
-            f"{cpu(data['machine'])})")
+            f"{cpu(data)})")
 
 
 def fsdp_memory(data: dict) -> str:
@@ -113,7 +119,7 @@ def process_ends(data: dict) -> str:
     return (f"two-node torchrun (c10d, fsdp and ddp): {clean} of {launches} launches exit 0; a "
             f"worker SIGKILLed mid-run under --max-restarts: {resumed} of "
             f"{sum(r['launches'] for r in ours)} restarts resume bit-identical "
-            f"({cpu(data['machine'])})")
+            f"({cpu(data)})")
 
 
 def objectives(data: dict) -> str:
@@ -126,7 +132,7 @@ def objectives(data: dict) -> str:
     return (f"{len(above)} of {len(names)} ({', '.join(above)}): every seed with P = 0.75 gains "
             f"more than every seed without pruning ({span([g for n in names for g in gains[(n, 0.75)]])} "
             f"points against {span([g for n in names for g in gains[(n, 0.0)]])}; "
-            f"{cpu(data['meta']['machine'])})")
+            f"{cpu(data)})")
 
 
 def cpu_paths(data: dict) -> str:
@@ -137,20 +143,20 @@ def cpu_paths(data: dict) -> str:
     return (f"the numeric comparisons (TRL twin, lean forward, padding-free, one vs two processes, "
             f"vLLM log-probs) on {len(paths)} CPU code paths ({', '.join(paths)}): "
             f"{' / '.join(passed)} passed, every difference at least {headroom:.0f}x under its "
-            f"bound ({cpu(data['machine'])})")
+            f"bound ({cpu(data)})")
 
 
 def chunked_head(data: dict) -> str:
     peak = {r["variant"]: r["peak_growth_mb"] for r in data["runs"]}
     return (f"log-probs and entropies over a {data['vocab']:,}-token head, {data['tokens']:,} tokens: "
             f"peak {peak['chunked']:,.0f} MiB in chunks of {data['head_chunk']} tokens against "
-            f"{peak['full']:,.0f} MiB with the full logits ({cpu(data['machine'])})")
+            f"{peak['full']:,.0f} MiB with the full logits ({cpu(data)})")
 
 
 def update_precision(data: dict) -> str:
     ratios = [r["ratio"] for r in data["rows"] if r["auto_picks"] == "bfloat16"]
     return (f"the update with bfloat16 Linear matmuls where `matmul_dtype: auto` picks them: "
-            f"{span(ratios, 2, 'x')} the float32 time ({cpu(data['meta']['machine'])})")
+            f"{span(ratios, 2, 'x')} the float32 time ({cpu(data)})")
 
 
 def shared_prefixes(data: dict) -> str:
@@ -158,7 +164,7 @@ def shared_prefixes(data: dict) -> str:
     return (f"decoding identical completions once: {100 * rows['embedded']['rows_saved']:.0f} % of "
             f"the embedded round's decode rows saved ({rows['embedded']['ratio']:.2f}x the time), "
             f"{100 * rows['trained']['rows_saved']:.0f} % after training "
-            f"({rows['trained']['ratio']:.2f}x) ({cpu(data['meta']['machine'])})")
+            f"({rows['trained']['ratio']:.2f}x) ({cpu(data)})")
 
 
 def sampling_step(data: dict) -> str:
@@ -166,7 +172,7 @@ def sampling_step(data: dict) -> str:
     return (f"drawing a token and its log-prob for {data['rows']} completions: "
             + " / ".join(f"{r['speed-up']:.2f}x" for r in rows) + " faster at a "
             + " / ".join(f"{r['vocabulary']:,}" for r in rows)
-            + f"-token vocabulary than softmax + cumsum + log-softmax ({cpu(data['machine'])})")
+            + f"-token vocabulary than softmax + cumsum + log-softmax ({cpu(data)})")
 
 
 def async_rollout(data: dict) -> str:
@@ -181,8 +187,7 @@ def async_rollout(data: dict) -> str:
         parts.append(f"{model}: {best['speedup']:.2f}x the synchronous step{spread} at "
                      f"{best['mode'].removeprefix('async ')} ({100 * best['of_bound']:.0f} % of the "
                      f"overlap bound {best['bound']:.2f}x)")
-    machine = {"cpu": data["cpu"], "cpu_capability": data["capability"]}
-    return f"CPPO, trainer and generator on a core each: {'; '.join(parts)} ({cpu(machine)})"
+    return f"CPPO, trainer and generator on a core each: {'; '.join(parts)} ({cpu(data)})"
 
 
 HEADLINES = [

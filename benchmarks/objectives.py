@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from common import machine, read_results, trainer_for, write_results
 
 OBJECTIVES = {
     "grpo": dict(loss_type="grpo"),
@@ -39,18 +40,16 @@ OBJECTIVES = {
 
 
 def run_row(objective: str, pruning_rate: float, seed: int, args, runs_dir: Path) -> dict:
-    from cppo.config import CPPOConfig
-    from cppo.trainer import CPPOTrainer
     out = runs_dir / f"{objective}-P{pruning_rate}-s{seed}"
-    cfg = CPPOConfig(**OBJECTIVES[objective], pruning_rate=pruning_rate, seed=seed,
-                     num_iterations=args.num_iterations,
-                     max_steps=args.max_steps, eval_steps=0, save_steps=0,
-                     eval_num_questions=args.eval_questions, output_dir=str(out),
-                     progress_bar=False, report_to=["jsonl"],
-                     generation_dtype=None,   # float32 sampling on every machine ('auto' is by CPU)
-                     matmul_dtype=None)       # and float32 training matmuls
     start, load_start = time.perf_counter(), os.getloadavg()[0]
-    summary = CPPOTrainer(args=cfg).train()
+    trainer = trainer_for(quiet=False, **OBJECTIVES[objective], pruning_rate=pruning_rate,
+                          seed=seed, num_iterations=args.num_iterations,
+                          max_steps=args.max_steps, eval_steps=0, save_steps=0,
+                          eval_num_questions=args.eval_questions, output_dir=str(out),
+                          report_to=["jsonl"],
+                          generation_dtype=None,   # float32 sampling on every machine ('auto' is by CPU)
+                          matmul_dtype=None)       # and float32 training matmuls
+    summary = trainer.train()
     return {"objective": objective, "options": OBJECTIVES[objective], "pruning_rate": pruning_rate,
             "seed": seed, "steps": summary["steps"], "accuracy_before": summary["accuracy_before"],
             "accuracy_after": summary["accuracy_after"], "train_seconds": summary["train_seconds"],
@@ -73,12 +72,6 @@ def summary_table(results: list[dict]) -> list[str]:
         lines.append(f"| {objective} | {rate} | {len(gains)} | {sum(gains) / len(gains):+.1f} | "
                      f"{min(gains):+.1f} to {max(gains):+.1f} |")
     return lines
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "python": sys.version.split()[0],
-            "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": torch.get_num_threads(), "cpu_count": __import__("os").cpu_count()}
 
 
 def render(results: list[dict], meta: dict) -> str:
@@ -131,21 +124,20 @@ def main(argv=None) -> int:
                                       / f"num_iterations_{args.num_iterations}")
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
-        (Path(args.output) / "results.md").write_text(render(data["runs"], data["meta"]))
+        write_results(args.output, None, render(data["runs"], data["meta"]), echo=False)
         return 0
     torch.set_num_threads(1)   # deterministic for a seed; the shared 2-core machine spins with 2
     rows = args.rows.split(",")
     rates = [float(p) for p in args.pruning_rates.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python benchmarks/objectives.py " + " ".join(argv or sys.argv[1:]),
             "machine": machine(), "max_steps": args.max_steps,
             "eval_questions": args.eval_questions, "seeds": seeds,
             "num_iterations": args.num_iterations}
     results, start, earlier = [], time.perf_counter(), 0.0
-    if args.resume and (out / "results.json").is_file():
-        old = json.loads((out / "results.json").read_text())
+    old = read_results(out) if args.resume else {}
+    if old:
         same = ("max_steps", "eval_questions", "num_iterations")
         if any(old["meta"].get(k, 1 if k == "num_iterations" else None) != meta[k] for k in same):
             raise SystemExit(f"--resume: {out}/results.json was run with other {', '.join(same)}")
@@ -161,9 +153,8 @@ def main(argv=None) -> int:
                         continue
                     results.append(run_row(objective, rate, seed, args, Path(runs)))
                     meta["wall_seconds"] = earlier + time.perf_counter() - start
-                    (out / "results.json").write_text(json.dumps({"meta": meta, "runs": results},
-                                                                 indent=2))
-                    (out / "results.md").write_text(render(results, meta))
+                    write_results(out, {"meta": meta, "runs": results}, render(results, meta),
+                                  echo=False)
                     print(render(results, meta).splitlines()[-3], flush=True)
     print(render(results, meta))
     return 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, spread, spread_text, write_results  # noqa: E402
 from real_shape import QUICK, build_assets  # noqa: E402
 
 import torch  # noqa: E402
@@ -113,8 +113,7 @@ def interleave(variants: dict, repeats: int) -> dict[str, list[float]]:
 
 
 def stats(seconds: list[float]) -> dict:
-    return {"median": statistics.median(seconds), "min": min(seconds), "max": max(seconds),
-            "runs": seconds}
+    return {**spread(seconds), "runs": seconds}
 
 
 def main() -> None:
@@ -129,7 +128,6 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     global completion_logprobs
-    from cppo.parallel import hardware
     from cppo.models import load_model, load_tokenizer
     from cppo.sampling.logprobs import completion_logprobs
     from cppo.sampling.sampler import encode_prompts, sample_completions
@@ -195,15 +193,13 @@ def main() -> None:
         results[f"distinct: {kind}"] = measure(distinct, variants, count)
 
     result = {"argv": " ".join(sys.argv[1:]), "threads": args.threads, "shared_machine": args.shared,
-              "machine": hardware.describe("cpu"), "load_average": [load_start, os.getloadavg()[0]],
+              "machine": machine(), "load_average": [load_start, os.getloadavg()[0]],
               "shape": shape, "parameters": sum(p.numel() for p in model.parameters()),
               "group": G, "questions": args.questions, "repeats": args.repeats, "results": results}
     write_report(result, Path(args.output))
 
 
 def write_report(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
     m = result["machine"]
     lines = ["# Padding-free log-prob passes", "",
              f"Command: `python benchmarks/padding_free.py {result['argv']}`  ",
@@ -226,15 +222,14 @@ def write_report(result: dict, out: Path) -> None:
         label = (f"{batch}: {r['rows']} rows, widths {r['prompt_width']} + {r['completion_width']}, "
                  f"padding of rows {100 * r['padding_of_rows']:.0f} %")
         for variant, v in r["variants"].items():
-            lines.append(f"| {label} | {kind} | {variant} | {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f}) | "
+            lines.append(f"| {label} | {kind} | {variant} | {spread_text(v['median'], v['min'], v['max'], 3)} | "
                          f"{v['median'] / packed:.2f} | {v.get('token_rows', '')} | {v.get('head_rows', '')} |")
             label = ""
     lines += ["", "shared: G completions per prompt (as in training); distinct: one completion per "
               "prompt. packed: padding-free (the default); padded: packed=False, the same shared-prompt "
               "path in padded layout; per-sequence: one lean forward over each [prompt, completion] row "
               "(no prompt sharing)."]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, result, lines)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import machine, spread, trainer_for, write_results
+
 FULL = dict(hidden=768, layers=12, heads=12, kv_heads=2, ffn=2048, vocab=32768, group=16,
             max_new=192, prompt_words=24, steps=2, repeats=1)
 QUICK = dict(hidden=256, layers=4, heads=4, kv_heads=2, ffn=768, vocab=32768, group=8,
@@ -140,6 +142,14 @@ def calibrate_eos(model, tok, prompts: list[str], mean_length: float, max_new: i
         return expected_length(scale)
 
 
+def cppo_fields(shape: dict, pruning_rate: float = CPPO_PRUNING) -> dict:
+    """The CPPOConfig fields of a cppo run at `shape` (G completions a question, one update of G,
+    TRL's loss and an inert learning rate), for trainer_for or `cppo train`."""
+    return dict(pruning_rate=pruning_rate, num_generations=shape["group"],
+                per_device_train_batch_size=shape["group"], max_completion_length=shape["max_new"],
+                max_prompt_length=128, beta=0.0, loss_type="dapo", learning_rate=LEARNING_RATE)
+
+
 def shorter_is_better(prompts, completions, completion_ids=None, **kw):
     """Reward in [0, 1]: 1 - characters / 2048 of the completion text (continuous, so groups
     have variance; the same for both trainers, which give it the same text)."""
@@ -211,22 +221,13 @@ def worker(system: str, folder: Path, shape: dict, device: str, dtype: str, thre
 
 
 def run_cppo(system, folder, rows, shape, device, dtype, steps) -> dict:
-    import contextlib
-    import io
-    from cppo.config import CPPOConfig
-    from cppo.trainer import CPPOTrainer
     P = 0.0 if system.startswith("cppo_grpo") else CPPO_PRUNING
     low = dtype == "bfloat16"
     bf16_sampling = low or system in BF16_SAMPLING
-    cfg = CPPOConfig(model=str(folder), pruning_rate=P, num_generations=shape["group"],
-                     per_device_train_batch_size=shape["group"], max_completion_length=shape["max_new"],
-                     max_prompt_length=128, beta=0.0, loss_type="dapo", learning_rate=LEARNING_RATE,
-                     max_steps=steps, eval_steps=0, save_steps=0, progress_bar=False, seed=0,
-                     bf16=low, generation_dtype="bfloat16" if bf16_sampling else None,
-                     matmul_dtype=None,   # training passes in float32 (or bf16 autocast), as TRL's
-                     output_dir=tempfile.mkdtemp(prefix="cppo_real_shape_"))
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainer = CPPOTrainer(reward_funcs=[shorter_is_better], args=cfg, train_dataset=rows)
+    trainer = trainer_for(str(folder), rows, shorter_is_better, prefix="cppo_real_shape_",
+                          **cppo_fields(shape, P), max_steps=steps, eval_steps=0, save_steps=0,
+                          seed=0, bf16=low, generation_dtype="bfloat16" if bf16_sampling else None,
+                          matmul_dtype=None)   # training passes in float32 (or bf16 autocast), as TRL's
     padding = []
     build = trainer.build_batch
 
@@ -236,7 +237,7 @@ def run_cppo(system, folder, rows, shape, device, dtype, steps) -> dict:
         real = int(batch.prompt_mask.sum() + batch.completion_mask.sum())
         before = kept * (prompts.ids.shape[1] + completions.ids.shape[1])
         after = sum(len(m) * (m.prompt_ids.shape[1] + m.completion_ids.shape[1])
-                    for m in batch.micro_batches(cfg.per_device_train_batch_size))
+                    for m in batch.micro_batches(trainer.args.per_device_train_batch_size))
         padding.append({"before": 1 - real / before, "after": 1 - real / after,
                         "kept_rows": kept, "scored_width": completions.ids.shape[1],
                         "kept_width": batch.completion_ids.shape[1]})
@@ -325,8 +326,9 @@ def summarise(runs: dict[str, list[dict]], shape: dict, bound: dict) -> dict:
             out[system] = {"error": "no executed step"}
             continue
         med = lambda k: statistics.median(s.get(k, 0.0) for s in steps)
-        row = {"executed_steps": len(steps), "seconds_per_step": med("seconds"),
-               "step_range": [min(s["seconds"] for s in steps), max(s["seconds"] for s in steps)],
+        seconds = spread([s["seconds"] for s in steps])
+        row = {"executed_steps": len(steps), "seconds_per_step": seconds["median"],
+               "step_range": [seconds["min"], seconds["max"]],
                "questions_per_step": med("questions"), "completions_per_step": med("completions"),
                "tokens_generated_per_step": med("tokens_generated"),
                "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
@@ -374,8 +376,6 @@ def summarise(runs: dict[str, list[dict]], shape: dict, bound: dict) -> dict:
 
 
 def write_report(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
     m, s, shape, bound = result["machine"], result["summary"], result["shape"], result["bound"]
     f = lambda v, d=2: "n/a" if v is None else f"{v:.{d}f}"
     lines = [f"# Real-shape benchmark{' (quick mode)' if result['quick'] else ''}", "",
@@ -447,8 +447,7 @@ def write_report(result: dict, out: Path) -> None:
         lines.append("The *_bf16_sampling rows train in float32 and sample from a bfloat16 copy "
                      "(generation_dtype: bfloat16, importance-sampling corrected); their generation "
                      "share is of the float32 bound above.")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, result, lines)
 
 
 # ----------------------------------------------------------------- profile --------------------
@@ -460,7 +459,6 @@ def profile_phases(folder: Path, shape: dict, device: str, dtype: str, out: Path
     before it is profiled."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from cppo.parallel import hardware
     from cppo.models import load_model, load_tokenizer
     from cppo.sampling.logprobs import completion_logprobs
     from cppo.sampling.sampler import encode_prompts, sample_completions
@@ -470,7 +468,7 @@ def profile_phases(folder: Path, shape: dict, device: str, dtype: str, out: Path
     cppo_questions = round(1 / (1 - CPPO_PRUNING))
     kw = dict(num_generations=shape["group"], max_new_tokens=shape["max_new"],
               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    m = hardware.describe(device)
+    m = machine(device)
     lines = ["# Where cppo's time goes at real shape", "",
              f"Command: `python benchmarks/real_shape.py {argv}`  ",
              f"Machine: {m['cpu']}, torch {m['torch']}, CPU capability **{m['cpu_capability']}**, "
@@ -519,9 +517,7 @@ def profile_phases(folder: Path, shape: dict, device: str, dtype: str, out: Path
         return (f"forward + backward of the packed log-probs of {len(done.ids)} completions "
                 f"({int(done.mask.sum())} completion tokens)")
     profiled("Update pass (policy forward + backward), G completions", update)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, None, lines, md_name="profile.md")
 
 
 def main() -> None:
@@ -562,7 +558,6 @@ def main() -> None:
         env.update(AVX2_ENV)
     os.environ.update(env)
     import torch
-    from cppo.parallel import hardware
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
     build_assets(folder, {k: v for k, v in shape.items() if k not in ("steps", "repeats")})
@@ -594,7 +589,7 @@ def main() -> None:
     result = {"argv": " ".join(sys.argv[1:]), "quick": args.quick, "device": args.device,
               "dtype": args.dtype, "threads": args.threads, "shared": args.shared,
               "emulation": ", ".join(f"{k}={v}" for k, v in AVX2_ENV.items()) if args.emulate_avx2 else "",
-              "machine": hardware.describe(args.device), "shape": shape, "bound": bound,
+              "machine": machine(args.device), "shape": shape, "bound": bound,
               "load_average": [load_start, os.getloadavg()[0]], "precision": precision, "runs": runs}
     result["summary"] = summarise(runs, shape, bound)
     write_report(result, Path(args.output))

@@ -33,7 +33,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "tests")]
-from exit_codes import machine, tiny_model  # noqa: E402
+from common import machine, read_results, spread, write_results  # noqa: E402
+from exit_codes import tiny_model  # noqa: E402
 from helpers import ROWS  # noqa: E402
 
 RESULTS = HERE / "results" / "restarts"
@@ -165,23 +166,26 @@ def main(argv=None) -> int:
                 ends[end] += 1
                 seconds.append(took)
                 print(f"  {label}: launch {i + 1}: {end} ({took:.1f} s after the kill)", flush=True)
+            seconds = spread(seconds, digits=1)
             rows.append({"rendezvous": label, "launches": launches, "ends": dict(ends),
-                         "seconds after the kill (min-max)": [round(min(seconds), 1),
-                                                              round(max(seconds), 1)]})
+                         "seconds after the kill (min-max)": [seconds["min"], seconds["max"]]})
             print(json.dumps(rows[-1]), flush=True)
-    write_results(args, rows)
+    save(args, rows)
     return 0
 
 
-def write_results(args, rows: list[dict]) -> None:
-    args.output.mkdir(parents=True, exist_ok=True)
-    info = machine()
-    earlier = json.loads((args.output / "results.json").read_text()) \
-        if (args.output / "results.json").is_file() else {}
+def save(args, rows: list[dict]) -> None:
+    """results.json and results.md; rows of the rendezvous this invocation did not run are kept
+    from results.json."""
+    info = machine(threads_per_process=1, backend="gloo")
     measured = {r["rendezvous"] for r in rows}
-    rows = [r for r in earlier.get("rows", []) if r["rendezvous"] not in measured] + rows
-    (args.output / "results.json").write_text(json.dumps({"machine": info, "rows": rows},
-                                                         indent=2))
+    rows = [r for r in read_results(args.output).get("rows", []) if r["rendezvous"] not in measured] \
+        + rows
+    write_results(args.output, {"machine": info, "rows": rows}, render(info, rows))
+
+
+def render(info: dict, rows: list[dict]) -> list[str]:
+    """results.md's lines."""
     lines = ["# benchmarks/restarts.py", "",
              f"Machine: {json.dumps(info)}. Command: `python benchmarks/restarts.py --launches N "
              f"--before M` (no busy loops). Each launch: `torchrun --nproc_per_node 2 "
@@ -203,8 +207,7 @@ def write_results(args, rows: list[dict]) -> None:
               "a peer that will not answer (a hang until gloo's 30-minute timeout). cppo's "
               "start_group counts each rank's starts at the store and keeps the keys of start n "
               "under `cppo/start<n>/`, after a bounded rendezvous (CPPO_RENDEZVOUS_TIMEOUT)."]
-    (args.output / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ sees the same machine load.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
@@ -25,9 +24,10 @@ import torch
 
 from cppo.data import arithmetic
 from cppo.models import load_model, load_tokenizer
-from cppo.parallel import hardware
 from cppo.sampling.logprobs import completion_logprobs
 from cppo.sampling.sampler import encode_prompts, sample_completions
+
+from common import machine, write_results
 
 
 def time_once(fn) -> float:
@@ -61,10 +61,11 @@ def main() -> None:
         args.questions, args.repeats = [16], 2
 
     model, tok = load_model(args.model).eval(), load_tokenizer(args.model)
-    rows = [p.to_row() for p in arithmetic.generate(3, "train", n=max(args.questions), seed=0)]
+    questions = max(args.questions + [128])   # the scoring table's largest row takes 128
+    rows = [p.to_row() for p in arithmetic.generate(3, "train", n=questions, seed=0)]
     gen = torch.Generator().manual_seed(0)
-    m = hardware.describe()
-    lines = [f"Machine: {m['cpu']} ({m['machine']}), {os.cpu_count()} CPU cores, torch {m['torch']}, "
+    m = machine()
+    lines = [f"Machine: {m['cpu']} ({m['machine']}), {m['cores']} CPU cores, torch {m['torch']}, "
              f"CPU capability **{m['cpu_capability']}**, AVX512-BF16 flag {m['avx512_bf16']}, "
              f"{torch.get_num_threads()} threads; model {args.model}; G = {args.num_generations}, "
              f"max_new_tokens = {args.max_new_tokens}; median of {args.repeats} interleaved runs.",
@@ -116,8 +117,7 @@ def main() -> None:
     model.eval()
 
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    write_results(out, None, lines, echo=False)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -22,8 +22,6 @@ Writes benchmarks/results/sampling_precision/results.md and results.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import random
@@ -35,35 +33,38 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from common import machine, spread, spread_text, trainer_for, write_results  # noqa: E402
+
 # (questions per round, G): completions decoded together = questions x G
 POINTS = {"embedded": [(1, 16), (4, 16), (16, 16), (24, 16), (32, 16), (64, 16), (128, 16)],
           "real_shape": [(1, 2), (1, 4), (1, 8), (1, 16)]}
 NEW_TOKENS = {"embedded": 5, "real_shape": 16}
+# results.md's text (write_table): {repeats} and {threshold} are filled in
+REPORT = dict(
+    title="Sampling precision",
+    intro="One generation round (`trainer.generate`), median of {repeats} alternating rounds per "
+          "dtype (range in brackets). `auto` samples in bfloat16 on a CPU when a decode step has at "
+          "least {threshold:.0e} multiply-adds.",
+    head="| model | completions decoded together | multiply-adds per decode step | float32 ms | "
+         "bfloat16 copy ms | bf16 / f32 | auto picks |",
+    size="completions", work="decode_multiply_adds")
 
 
 def no_reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def trainer_for(model: str | None, rows: list[dict] | None, questions: int, group: int,
-                new_tokens: int, dtype: str | None):
-    from cppo.config import CPPOConfig
-    from cppo.trainer import CPPOTrainer
-    cfg = CPPOConfig(output_dir=tempfile.mkdtemp(prefix="cppo_precision_"), num_generations=group,
-                     pruning_rate=0.0 if questions == 1 else 1 - 1 / questions,
-                     per_device_train_batch_size=group, max_completion_length=new_tokens,
-                     max_prompt_length=128, generation_dtype=dtype, progress_bar=False,
-                     **({"model": model} if model else {}))
-    with contextlib.redirect_stdout(io.StringIO()):
-        if model is None:
-            return CPPOTrainer(args=cfg)
-        return CPPOTrainer(args=cfg, train_dataset=rows, reward_funcs=[no_reward])
-
-
-def measure(name: str, model: str | None, rows, questions: int, group: int, repeats: int) -> dict:
+def measure(name: str, model: str | None, rows, point: tuple[int, int], repeats: int) -> dict:
+    """One point (questions per round, G): float32 against bfloat16 sampling."""
     from cppo.parallel import hardware
     from cppo.parallel.memory import ModelShape
-    trainers = {dtype: trainer_for(model, rows, questions, group, NEW_TOKENS[name], dtype)
+    questions, group = point
+    trainers = {dtype: trainer_for(model, rows, no_reward if rows else None,
+                                   prefix="cppo_precision_", num_generations=group,
+                                   pruning_rate=0.0 if questions == 1 else 1 - 1 / questions,
+                                   per_device_train_batch_size=group,
+                                   max_completion_length=NEW_TOKENS[name], max_prompt_length=128,
+                                   generation_dtype=dtype)
                 for dtype in (None, "bfloat16")}
     batch = {dtype: t.take_questions()[0] for dtype, t in trainers.items()}
     seconds = {dtype: [] for dtype in trainers}
@@ -75,14 +76,21 @@ def measure(name: str, model: str | None, rows, questions: int, group: int, repe
                 seconds[dtype].append(time.perf_counter() - start)
     policy = trainers[None].policy
     work = questions * group * ModelShape.from_config(policy.config).multiply_adds_per_token()
-    f32, bf16 = (statistics.median(seconds[d]) for d in (None, "bfloat16"))
     return {"model": name, "completions": questions * group, "decode_multiply_adds": work,
-            "float32_ms": round(1000 * f32, 1), "bfloat16_ms": round(1000 * bf16, 1),
-            "ratio": round(bf16 / f32, 2),
-            "float32_range_ms": [round(1000 * min(seconds[None]), 1), round(1000 * max(seconds[None]), 1)],
-            "bfloat16_range_ms": [round(1000 * min(seconds["bfloat16"]), 1),
-                                  round(1000 * max(seconds["bfloat16"]), 1)],
+            **ms_fields(seconds, {None: "float32", "bfloat16": "bfloat16"}, "bfloat16", None),
             "auto_picks": hardware.auto_generation_dtype(policy.dtype, "cpu", True, work) or "float32"}
+
+
+def ms_fields(seconds: dict, names: dict, over, under) -> dict:
+    """A row's timings: for each setting of `seconds` (setting: its repeats' seconds), "<name>_ms"
+    (the median) and "<name>_range_ms" in ms to 0.1 (names: setting -> name), and "ratio", the
+    median of setting `over` over that of setting `under`."""
+    out = {}
+    for setting, name in names.items():
+        ms = spread(seconds[setting], 1000, 1)
+        out.update({f"{name}_ms": ms["median"], f"{name}_range_ms": [ms["min"], ms["max"]]})
+    out["ratio"] = round(statistics.median(seconds[over]) / statistics.median(seconds[under]), 2)
+    return out
 
 
 def header_lines(title: str, meta: dict) -> list[str]:
@@ -108,8 +116,7 @@ def real_shape_inputs(assets: str | None) -> tuple[str, list[dict]]:
 
 def run_meta(load_before: float, repeats: int) -> dict:
     import torch
-    from cppo.parallel import hardware
-    return {"argv": " ".join(sys.argv[1:]), "machine": hardware.describe(), "repeats": repeats,
+    return {"argv": " ".join(sys.argv[1:]), "machine": machine(), "repeats": repeats,
             "torch_threads": torch.get_num_threads(), "load_before": round(load_before, 2),
             "load_after": round(os.getloadavg()[0], 2)}
 
@@ -124,42 +131,38 @@ def arguments(doc: str, points: dict, output: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
-def write_results(lines: list[str], rows: list[dict], size: str, work: str, meta: dict, out: Path) -> None:
-    """results.md (lines, then one table line per row: its model, rows[size], rows[work], the
-    float32 and bfloat16 medians with ranges, the ratio and what auto picks) and results.json."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    for r in rows:
-        lines.append(f"| {r['model']} | {r[size]} | {r[work]:.2e} | "
-                     f"{r['float32_ms']} [{r['float32_range_ms'][0]}-{r['float32_range_ms'][1]}] | "
-                     f"{r['bfloat16_ms']} [{r['bfloat16_range_ms'][0]}-{r['bfloat16_range_ms'][1]}] | "
-                     f"{r['ratio']:.2f}x | {r['auto_picks']} |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
-def write(rows: list[dict], meta: dict, out: Path) -> None:
+def write_table(rows: list[dict], meta: dict, out: Path, program: str, title: str, intro: str,
+                head: str, size: str, work: str) -> None:
+    """results.json and results.md of a precision benchmark: `title` and the command, the machine,
+    `intro`, then the table under `head`, a line per row: its model, rows[size], rows[work], the
+    float32 and bfloat16 medians with ranges, the ratio and what auto picks."""
     from cppo.parallel.hardware import BF16_MIN_DECODE_MULTIPLY_ADDS
-    lines = header_lines(f"Sampling precision on a CPU (`python benchmarks/sampling_precision.py "
-                         f"{meta['argv']}`)", meta) + [
-             f"One generation round (`trainer.generate`), median of {meta['repeats']} alternating "
-             f"rounds per dtype (range in brackets). `auto` samples in bfloat16 on a CPU when a "
-             f"decode step has at least {BF16_MIN_DECODE_MULTIPLY_ADDS:.0e} multiply-adds.", "",
-             "| model | completions decoded together | multiply-adds per decode step | float32 ms | "
-             "bfloat16 copy ms | bf16 / f32 | auto picks |", "|---|---|---|---|---|---|---|"]
-    write_results(lines, rows, "completions", "decode_multiply_adds", meta, out)
+    lines = header_lines(f"{title} on a CPU (`python benchmarks/{program}.py {meta['argv']}`)", meta)
+    lines += [intro.format(repeats=meta["repeats"], threshold=BF16_MIN_DECODE_MULTIPLY_ADDS), "",
+              head, "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r[size]} | {r[work]:.2e} | "
+              f"{spread_text(r['float32_ms'], *r['float32_range_ms'], brackets='[]')} | "
+              f"{spread_text(r['bfloat16_ms'], *r['bfloat16_range_ms'], brackets='[]')} | "
+              f"{r['ratio']:.2f}x | {r['auto_picks']} |" for r in rows]
+    write_results(out, {"meta": meta, "rows": rows}, lines)
 
 
-def main() -> None:
-    args = arguments(__doc__, POINTS, "sampling_precision")
+def main_for(doc: str, points: dict, program: str, measure, report: dict) -> None:
+    """The run both precision benchmarks make: measure(name, model, rows, point, repeats) at each
+    point of each model asked for, then write_table(..., **report)."""
+    args = arguments(doc, points, program)
     load_before = os.getloadavg()[0]
     rows = []
     for name in args.models:
         model, data = real_shape_inputs(args.assets) if name == "real_shape" else (None, None)
-        for questions, group in POINTS[name]:
-            rows.append(measure(name, model, data, questions, group, args.repeats))
+        for point in points[name]:
+            rows.append(measure(name, model, data, point, args.repeats))
             print(json.dumps(rows[-1]), flush=True)
-    write(rows, run_meta(load_before, args.repeats), Path(args.output))
+    write_table(rows, run_meta(load_before, args.repeats), Path(args.output), program, **report)
+
+
+def main() -> None:
+    main_for(__doc__, POINTS, "sampling_precision", measure, REPORT)
 
 
 if __name__ == "__main__":

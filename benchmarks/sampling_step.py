@@ -22,11 +22,11 @@ Writes benchmarks/results/sampling_step/results.md and results.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
+
+from common import machine, spread, spread_text, write_results
 
 VOCABULARIES = (18, 32_768, 151_936)
 
@@ -49,10 +49,9 @@ def main() -> None:
     parser.add_argument("--output", default="benchmarks/results/sampling_step")
     args = parser.parse_args()
     import torch
-    from cppo.parallel import hardware
     from cppo.sampling.logits import sample_logits
     torch.set_num_threads(args.threads)
-    machine = hardware.describe("cpu")
+    m = machine()
     rows = []
     for vocab in VOCABULARIES:
         for dtype in (torch.bfloat16, torch.float32):
@@ -68,33 +67,28 @@ def main() -> None:
                     if repeat:   # the first is a warm-up
                         times[name].append(time.perf_counter() - start)
             before, now = (statistics.median(times[n]) for n in ways)
+            ms = {name: spread(times[name], 1e3, 3) for name in ways}
             rows.append({"vocabulary": vocab, "logits dtype": str(dtype).removeprefix("torch."),
-                         "whole row ms": round(before * 1e3, 3),
-                         "whole row range": [round(min(times["whole row"]) * 1e3, 3),
-                                             round(max(times["whole row"]) * 1e3, 3)],
-                         "now ms": round(now * 1e3, 3),
-                         "now range": [round(min(times["now"]) * 1e3, 3), round(max(times["now"]) * 1e3, 3)],
+                         "whole row ms": ms["whole row"]["median"],
+                         "whole row range": [ms["whole row"]["min"], ms["whole row"]["max"]],
+                         "now ms": ms["now"]["median"], "now range": [ms["now"]["min"], ms["now"]["max"]],
                          "speed-up": round(before / now, 2)})
             print(rows[-1], flush=True)
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine, "rows": args.rows, "repeats": args.repeats, "threads": args.threads,
+    result = {"machine": m, "rows": args.rows, "repeats": args.repeats, "threads": args.threads,
               "load_average": os.getloadavg()[0], "results": rows}
-    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Drawing one token per completion at a decode step", "",
              f"Command: `python benchmarks/sampling_step.py --rows {args.rows} --repeats {args.repeats}`  ",
-             f"Machine: {machine['cpu']}, torch {machine['torch']}, CPU capability "
-             f"**{machine['cpu_capability']}**, AVX512-BF16 flag {machine['avx512_bf16']}, "
+             f"Machine: {m['cpu']}, torch {m['torch']}, CPU capability "
+             f"**{m['cpu_capability']}**, AVX512-BF16 flag {m['avx512_bf16']}, "
              f"{args.threads} threads; 1-minute load average at the end {result['load_average']:.1f}.  ",
              f"{args.rows} completions; milliseconds per step, median (min-max) of {args.repeats} "
              f"alternating repeats.", "",
              "| vocabulary | logits | whole row (before) | now | speed-up |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['vocabulary']:,} | {r['logits dtype']} | {r['whole row ms']} "
-                     f"({r['whole row range'][0]}-{r['whole row range'][1]}) | {r['now ms']} "
-                     f"({r['now range'][0]}-{r['now range'][1]}) | {r['speed-up']}x |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        lines.append(f"| {r['vocabulary']:,} | {r['logits dtype']} | "
+                     f"{spread_text(r['whole row ms'], *r['whole row range'])} | "
+                     f"{spread_text(r['now ms'], *r['now range'])} | {r['speed-up']}x |")
+    write_results(args.output, result, lines, indent=1)
 
 
 if __name__ == "__main__":

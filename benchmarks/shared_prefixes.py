@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from common import spread_text, trainer_for, write_results  # noqa: E402
+from sampling_precision import header_lines, ms_fields, real_shape_inputs, run_meta  # noqa: E402
 ROUNDS = {"embedded": dict(questions=128, group=8, new_tokens=5),
           "trained": dict(questions=128, group=8, new_tokens=5),
           "real_shape": dict(questions=2, group=16, new_tokens=32)}
@@ -41,20 +41,6 @@ ROUNDS = {"embedded": dict(questions=128, group=8, new_tokens=5),
 
 def no_reward(completions, **kwargs):
     return [0.0] * len(completions)
-
-
-def trainer_for(model: str | None, rows: list[dict] | None, questions: int, group: int,
-                new_tokens: int, share: bool):
-    from cppo.config import CPPOConfig
-    from cppo.trainer import CPPOTrainer
-    cfg = CPPOConfig(output_dir=tempfile.mkdtemp(prefix="cppo_shared_prefixes_"),
-                     num_generations=group, per_device_train_batch_size=questions * group // 4,
-                     pruning_rate=0.75, max_completion_length=new_tokens, max_prompt_length=128,
-                     share_prefixes=share, progress_bar=False, **({"model": model} if model else {}))
-    with contextlib.redirect_stdout(io.StringIO()):
-        if rows is None:
-            return CPPOTrainer(args=cfg)
-        return CPPOTrainer(args=cfg, train_dataset=rows, reward_funcs=[no_reward])
 
 
 @contextlib.contextmanager
@@ -77,8 +63,12 @@ def counted_decode_rows(counter: list):
 
 def measure(name: str, model: str | None, rows, repeats: int) -> dict:
     shape = ROUNDS[name]
-    trainers = {share: trainer_for(model, rows, shape["questions"], shape["group"],
-                                   shape["new_tokens"], share) for share in (True, False)}
+    trainers = {share: trainer_for(model, rows, no_reward if rows else None,
+                                   prefix="cppo_shared_prefixes_", num_generations=shape["group"],
+                                   per_device_train_batch_size=shape["questions"] * shape["group"] // 4,
+                                   pruning_rate=0.75, max_completion_length=shape["new_tokens"],
+                                   max_prompt_length=128, share_prefixes=share)
+                for share in (True, False)}
     questions = trainers[True].take_questions()[0][:shape["questions"]]
     seconds = {share: [] for share in trainers}
     decode_rows = {share: [] for share in trainers}
@@ -95,7 +85,6 @@ def measure(name: str, model: str | None, rows, repeats: int) -> dict:
                 decode_rows[share].append(counter[0])
                 if share:   # rows that needed a forward: every token but a completion's last
                     completion_rows.append(int((completions.lengths - 1).clamp(min=0).sum()))
-    shared, plain = (statistics.median(seconds[s]) for s in (True, False))
     rows_shared, rows_plain = (statistics.mean(decode_rows[s]) for s in (True, False))
     return {"model": name, "completions": shape["questions"] * shape["group"],
             "new_tokens": shape["new_tokens"],
@@ -103,14 +92,10 @@ def measure(name: str, model: str | None, rows, repeats: int) -> dict:
             "completion_decode_rows": round(statistics.mean(completion_rows)),
             "decode_rows_shared": round(rows_shared), "decode_rows_plain": round(rows_plain),
             "rows_saved": round(1 - rows_shared / rows_plain, 3),
-            "shared_ms": round(1000 * shared, 1), "plain_ms": round(1000 * plain, 1),
-            "shared_range_ms": [round(1000 * min(seconds[True]), 1), round(1000 * max(seconds[True]), 1)],
-            "plain_range_ms": [round(1000 * min(seconds[False]), 1), round(1000 * max(seconds[False]), 1)],
-            "ratio": round(shared / plain, 2)}
+            **ms_fields(seconds, {True: "shared", False: "plain"}, True, False)}
 
 
 def write(rows: list[dict], meta: dict, out: Path) -> None:
-    from sampling_precision import header_lines
     lines = header_lines(f"Shared prefixes in the sampler (`python benchmarks/shared_prefixes.py "
                          f"{meta['argv']}`)", meta) + [
         f"One generation round (`trainer.generate`), median of {meta['repeats']} alternating "
@@ -123,17 +108,13 @@ def write(rows: list[dict], meta: dict, out: Path) -> None:
         lines.append(f"| {r['model']} | {r['completions']} x {r['new_tokens']} | "
                      f"{r['generation_dtype'] or 'float32'} | {r['decode_rows_shared']} / "
                      f"{r['decode_rows_plain']} | {100 * r['rows_saved']:.0f} % | "
-                     f"{r['shared_ms']} [{r['shared_range_ms'][0]}-{r['shared_range_ms'][1]}] | "
-                     f"{r['plain_ms']} [{r['plain_range_ms'][0]}-{r['plain_range_ms'][1]}] | "
+                     f"{spread_text(r['shared_ms'], *r['shared_range_ms'], brackets='[]')} | "
+                     f"{spread_text(r['plain_ms'], *r['plain_range_ms'], brackets='[]')} | "
                      f"{r['ratio']:.2f}x |")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, {"meta": meta, "rows": rows}, lines)
 
 
 def main() -> None:
-    from sampling_precision import real_shape_inputs, run_meta
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(ROUNDS), choices=list(ROUNDS))

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import machine, trainer_for, write_results
+
 RESULTS = Path(__file__).resolve().parent / "results" / "soak"
 
 
@@ -60,18 +62,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(args) -> dict:
     import torch
-    from cppo.config import CPPOConfig
-    from cppo.trainer import CPPOTrainer
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="cppo-soak-") as run_dir:
-        cfg = CPPOConfig(model="embedded", dataset_name="embedded", max_steps=args.steps,
-                         num_generations=4, per_device_train_batch_size=8, pruning_rate=0.5,
-                         max_completion_length=5, learning_rate=1e-5, seed=args.seed,
-                         output_dir=run_dir, save_steps=max(1, args.steps // 4), save_total_limit=2,
-                         eval_steps=max(1, args.steps // 4), eval_num_questions=64,
-                         progress_bar=False, report_to=["jsonl"])
-        trainer = CPPOTrainer(args=cfg)
+        trainer = trainer_for("embedded", quiet=False, dataset_name="embedded",
+                              max_steps=args.steps, num_generations=4,
+                              per_device_train_batch_size=8, pruning_rate=0.5,
+                              max_completion_length=5, learning_rate=1e-5, seed=args.seed,
+                              output_dir=run_dir, save_steps=max(1, args.steps // 4),
+                              save_total_limit=2, eval_steps=max(1, args.steps // 4),
+                              eval_num_questions=64, report_to=["jsonl"])
         step_seconds: list[tuple[int, float]] = []
         memory: list[tuple[int, float]] = [(0, rss_mb())]
         real_round = trainer.training_round
@@ -123,7 +123,7 @@ def write_outputs(args, result: dict, numbers: dict) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    args.output.mkdir(parents=True, exist_ok=True)
+    args.output.mkdir(parents=True, exist_ok=True)   # soak.png first
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     top.plot(*zip(*result["memory"]), lw=1)
     top.set(ylabel="resident memory (MiB)", title=f"soak: {numbers['steps run']} steps, embedded model")
@@ -146,10 +146,8 @@ def write_outputs(args, result: dict, numbers: dict) -> list[Path]:
              f"Memory sampled every {args.every} steps; checkpoints and held-out evals every "
              f"{max(1, args.steps // 4)} steps.", "", "| measure | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in numbers.items()]
-    lines += ["", "![soak](soak.png)", ""]
-    md = args.output / "soak.md"
-    md.write_text("\n".join(lines))
-    return [md, png]
+    lines += ["", "![soak](soak.png)"]
+    return write_results(args.output, None, lines, md_name="soak.md", echo=False) + [png]
 
 
 def main(argv=None) -> int:
@@ -164,8 +162,7 @@ def main(argv=None) -> int:
 
 
 def _machine() -> str:
-    from cppo.parallel import hardware
-    m = hardware.describe()
+    m = machine()
     return f"{m['cpu']}, torch {m['torch']}, CPU capability {m['cpu_capability']}, AVX512-BF16 flag {m['avx512_bf16']}"
 
 

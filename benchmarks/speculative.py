@@ -38,9 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cppo.parallel import hardware  # noqa: E402
 from cppo.sampling.sampler import encode_prompts, sample_completions  # noqa: E402
-from cppo.sampling.speculative import Speculation
+from cppo.sampling.speculative import Speculation  # noqa: E402
+
+from common import machine, spread, write_results  # noqa: E402
 
 
 def embedded_setup(questions: int):
@@ -90,10 +91,11 @@ def measure(model, tok, prompts, *, group: int, max_new: int, ks: list[int], rep
     plain = statistics.median(rows[ks[0]]["seconds"]) if ks[0] == 0 else None
     for k in ks:
         r = rows[k]
-        med = statistics.median(r["seconds"])
+        seconds = spread(r["seconds"])
+        med = seconds["median"]
         results.append({
-            "k": k, "seconds_min": min(r["seconds"]), "seconds_median": med,
-            "seconds_max": max(r["seconds"]), "speedup_median": plain / med if plain else None,
+            "k": k, "seconds_min": seconds["min"], "seconds_median": med,
+            "seconds_max": seconds["max"], "speedup_median": plain / med if plain else None,
             "acceptance_rate": r["accepted"] / r["drafted"] if r["drafted"] else None,
             "tokens_per_forward": r["tokens"] / r["row_forwards"] if r["row_forwards"] else 1.0,
             "drafts_per_row_forward": r["drafted"] / r["row_forwards"] if r["row_forwards"] else 0.0,
@@ -102,8 +104,6 @@ def measure(model, tok, prompts, *, group: int, max_new: int, ks: list[int], rep
 
 
 def write_report(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
     m = result["machine"]
     lines = ["# Speculative sampling: n-gram drafts verified by the policy", "",
              f"`python benchmarks/speculative.py {result['argv']}`", "",
@@ -126,8 +126,7 @@ def write_report(result: dict, out: Path) -> None:
                          f"{r['seconds_min']:.3f} / {r['seconds_median']:.3f} / {r['seconds_max']:.3f} | "
                          f"{speed} |")
         lines.append("")
-    (out / "results.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_results(out, result, "\n".join(lines), indent=1)
 
 
 def main() -> None:
@@ -158,7 +157,7 @@ def main() -> None:
                        repeats=args.repeats, temperature=temperature, stop=not name.endswith("_cold"))
         cases.append({"name": name, "questions": questions, "group": group, "max_new": max_new,
                       "temperature": temperature, "rows": rows})
-    result = {"argv": " ".join(sys.argv[1:]), "machine": hardware.describe(), "threads": args.threads,
+    result = {"argv": " ".join(sys.argv[1:]), "machine": machine(), "threads": args.threads,
               "repeats": args.repeats, "temperature": args.temperature,
               "load_average": [load_start, os.getloadavg()[0]], "cases": cases}
     write_report(result, Path(args.output))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -35,6 +34,8 @@ import subprocess
 import sys
 
 import torch
+
+from common import machine, spread, write_results
 
 OUT = Path(__file__).resolve().parent / "results" / "torch_compile"
 WIDE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
@@ -108,11 +109,16 @@ def measure(name: str, path: str, args) -> dict:
            "pair_ratios": [e / c for e, c in zip(eager, compiled)],
            "compile_seconds": took, "first_round_seconds": first_seconds,
            "break_even_passes": (took / gain) if gain > 0 else None}
-    spread = sorted(row["pair_ratios"])
     print(f"{label:60s} {path:6s} eager {row['eager_ms']:8.1f} ms  compiled "
-          f"{row['compiled_ms']:8.1f} ms  x{row['ratio']:.2f} (pairs {spread[0]:.2f}-{spread[-1]:.2f})"
+          f"{row['compiled_ms']:8.1f} ms  x{row['ratio']:.2f} (pairs {pairs(row)})"
           f"  compile {took:6.1f} s", file=sys.stderr, flush=True)
     return row
+
+
+def pairs(row: dict) -> str:
+    """'0.95 to 1.10': the range of a row's eager / compiled ratios, pass pair by pass pair."""
+    ratios = spread(row["pair_ratios"])
+    return f"{ratios['min']:.2f} to {ratios['max']:.2f}"
 
 
 def pay_back(passes: float | None) -> str:
@@ -124,7 +130,7 @@ def table(rows: list[dict]) -> str:
             "compile s (cold cache) | "
             "passes to pay back |\n|---|---|---|---|---|---|---|")
     lines = [f"| {r['model']} | {r['path']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
-             f"{r['ratio']:.2f}x ({min(r['pair_ratios']):.2f} to {max(r['pair_ratios']):.2f}) | "
+             f"{r['ratio']:.2f}x ({pairs(r)}) | "
              f"{r['compile_seconds']:.1f} | "
              f"{pay_back(r['break_even_passes'])} |" for r in rows]
     return "\n".join([head, *lines])
@@ -160,22 +166,18 @@ def main() -> None:
     if args.row:
         print("ROW " + json.dumps(measure(*args.row.split(":"), args)), flush=True)
         return
-    from cppo.parallel.hardware import describe
-    machine = describe(args.device)
+    m = machine(args.device)
     load_start = os.getloadavg()[0]
     models = ["embedded"] if args.quick else ["embedded", "wide"]
     rows = [in_fresh_process(f"{name}:{path}") for name in models for path in ("lean", "model")]
     command = "python benchmarks/torch_compile.py" + (" --quick" if args.quick else "") + (
         f" --device {args.device}" if args.device != "cpu" else "")
-    out = args.output
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(
-        {"command": command, "machine": machine, "python": platform.python_version(),
-         "backend": args.backend, "mode": args.mode, "threads": args.threads,
-         "micro_batch": {"rows": args.rows, "prompt": args.prompt, "completion": args.completion},
-         "load_average": [load_start, os.getloadavg()[0]], "rows": rows}, indent=2))
-    gpu = f" ({machine['gpu']})" if "gpu" in machine else ""
-    (out / "results.md").write_text(f"""# torch_compile on the training passes
+    result = {"command": command, "machine": m, "python": m["python"], "backend": args.backend,
+              "mode": args.mode, "threads": args.threads,
+              "micro_batch": {"rows": args.rows, "prompt": args.prompt, "completion": args.completion},
+              "load_average": [load_start, os.getloadavg()[0]], "rows": rows}
+    gpu = f" ({m['gpu']})" if "gpu" in m else ""
+    write_results(args.output, result, f"""# torch_compile on the training passes
 
 `{command}`
 
@@ -186,18 +188,18 @@ compiled round (the compile), eager and compiled passes alternate, {args.repeats
 both see the same load; medians, and the range of the pairs' ratios. Each row in a fresh
 process with an empty inductor cache: its compile seconds are a first run's (a warm on-disk
 cache, from an earlier run of the same code, cuts them several-fold). torch.compile
-backend `{args.backend}`, mode `{args.mode or 'default'}`, dynamic shapes, on {args.device}{gpu}. Machine: {machine['cpu']},
-torch {machine['torch']}, CPU capability (`torch.backends.cpu.get_cpu_capability()`)
-**{machine['cpu_capability']}**, {args.threads} thread(s); load average {load_start:.1f} at the
-start, {os.getloadavg()[0]:.1f} at the end (shared machine: times are noisy).
+backend `{args.backend}`, mode `{args.mode or 'default'}`, dynamic shapes, on {args.device}{gpu}. Machine: {m['cpu']},
+torch {m['torch']}, CPU capability (`torch.backends.cpu.get_cpu_capability()`)
+**{m['cpu_capability']}**, {args.threads} thread(s); load average {load_start:.1f} at the
+start, {result['load_average'][1]:.1f} at the end (shared machine: times are noisy).
 
 {table(rows)}
 
 "passes to pay back": compile seconds / (eager - compiled seconds per pass); a run pays for
 compiling after that many training passes (each optimizer step runs one per micro-batch, plus
 the old-policy and reference passes without gradients, which compile once more).
-""")
-    print(f"wrote {out / 'results.md'}")
+""", echo=False)
+    print(f"wrote {args.output / 'results.md'}")
 
 
 if __name__ == "__main__":

@@ -19,15 +19,15 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from common import machine, spread, trainer_for, write_results  # noqa: E402
+
 PHASES = ("round", "generate", "score", "update")
 
 
@@ -37,12 +37,8 @@ def worker(extra: list[str]) -> None:
     import contextlib
     import io
     import torch
-    from cppo.config import CPPOConfig
-    from cppo.trainer import CPPOTrainer
     overrides = dict(zip((k.lstrip("-") for k in extra[::2]), extra[1::2]))   # typed by load
-    overrides.update(output_dir=tempfile.mkdtemp(prefix="cppo_tree_step_"), progress_bar=False)
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainer = CPPOTrainer(args=CPPOConfig.load(overrides=overrides))
+    trainer = trainer_for(prefix="cppo_tree_step_", **overrides)
     print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
     for line in sys.stdin:
         if line.strip() != "round":
@@ -104,13 +100,12 @@ def main() -> None:
     (new_name, new), (old_name, old) = times.items()
     rows = []
     for phase in PHASES:
-        ratios = [a[phase] / b[phase] for a, b in zip(new, old) if b[phase] > 0]
-        rows.append({"phase": phase, "this_ms": round(1000 * statistics.median(r[phase] for r in new), 1),
-                     "against_ms": round(1000 * statistics.median(r[phase] for r in old), 1),
-                     "paired_ratio_median": round(statistics.median(ratios), 3),
-                     "paired_ratio_range": [round(min(ratios), 3), round(max(ratios), 3)]})
-    from cppo.parallel import hardware
-    meta = {"argv": " ".join(sys.argv[1:]), "machine": hardware.describe(), "against": old_name,
+        ratios = spread([a[phase] / b[phase] for a, b in zip(new, old) if b[phase] > 0], digits=3)
+        rows.append({"phase": phase, "this_ms": spread([r[phase] for r in new], 1000, 1)["median"],
+                     "against_ms": spread([r[phase] for r in old], 1000, 1)["median"],
+                     "paired_ratio_median": ratios["median"],
+                     "paired_ratio_range": [ratios["min"], ratios["max"]]})
+    meta = {"argv": " ".join(sys.argv[1:]), "machine": machine(), "against": old_name,
             "rounds": args.rounds, "warmup": args.warmup, "load_before": round(load_before, 2),
             "load_after": round(os.getloadavg()[0], 2)}
     m = meta["machine"]
@@ -129,12 +124,7 @@ def main() -> None:
         lines.append(f"| {r['phase']} | {r['this_ms']} | {r['against_ms']} | "
                      f"{r['paired_ratio_median']:.2f}x | {r['paired_ratio_range'][0]:.2f}-"
                      f"{r['paired_ratio_range'][1]:.2f}x |")
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows,
-                                                  "rounds": times}, indent=2))
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.output, {"meta": meta, "rows": rows, "rounds": times}, lines)
 
 
 if __name__ == "__main__":

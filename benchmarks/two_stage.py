@@ -17,22 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import tempfile
 import time
-from pathlib import Path
+
+from common import machine, spread, trainer_for, write_results
 
 
 def round_cost(model: str | None, k: int, rounds: int) -> dict:
-    from cppo.config import CPPOConfig
-    from cppo.trainer import CPPOTrainer
     recipes = {"default": {}, f"two_stage {k}": {"two_stage_generations": k}}
-    trainers = {}
-    for name, flags in recipes.items():
-        over = {**flags, "progress_bar": False, "output_dir": tempfile.mkdtemp(prefix="cppo_two_stage_")}
-        if model:
-            over["model"] = model
-        trainers[name] = CPPOTrainer(args=CPPOConfig.load(overrides=over))
+    trainers = {name: trainer_for(model, quiet=False, prefix="cppo_two_stage_", **flags)
+                for name, flags in recipes.items()}
     times: dict[str, list] = {n: [] for n in recipes}
     for i in range(rounds + 1):
         for name, trainer in trainers.items():
@@ -49,14 +42,13 @@ def round_cost(model: str | None, k: int, rounds: int) -> dict:
                                     "zero_std": m.get("frac_reward_zero_std", 0)})
     out = {}
     for name, recs in times.items():
-        out[name] = {key: round(statistics.median(r[key] for r in recs), 3) for key in recs[0]}
-        out[name]["round_range"] = [round(min(r["round"] for r in recs), 2),
-                                    round(max(r["round"] for r in recs), 2)]
+        out[name] = {key: spread([r[key] for r in recs], digits=3)["median"] for key in recs[0]}
+        rounds = spread([r["round"] for r in recs], digits=2)
+        out[name]["round_range"] = [rounds["min"], rounds["max"]]
         out[name]["generation_dtype"] = trainers[name].generation_dtype   # auto, resolved
     a, b = times.values()
-    ratios = [y["round"] / x["round"] for x, y in zip(a, b)]
-    out["paired round ratio"] = {"median": round(statistics.median(ratios), 3),
-                                 "range": [round(min(ratios), 3), round(max(ratios), 3)]}
+    ratios = spread([y["round"] / x["round"] for x, y in zip(a, b)], digits=3)
+    out["paired round ratio"] = {"median": ratios["median"], "range": [ratios["min"], ratios["max"]]}
     return out
 
 
@@ -69,17 +61,16 @@ def main() -> None:
     parser.add_argument("--output", default="benchmarks/results/two_stage")
     args = parser.parse_args()
     import torch
-    from cppo.parallel import hardware
     torch.set_num_threads(args.threads)
     models = {"base": None, **({"trained": args.trained} if args.trained else {})}
     results = {}
     for label, model in models.items():
         results[label] = round_cost(model, args.k, args.rounds)
         print(label, json.dumps(results[label], indent=1), flush=True)
-    meta = {"rounds": args.rounds, "threads": args.threads, "machine": hardware.describe(),
+    meta = {"rounds": args.rounds, "threads": args.threads, "machine": machine(),
             "load_average_after": os.getloadavg()[0], "trained": args.trained}
-    Path(args.output).mkdir(parents=True, exist_ok=True)
-    (Path(args.output) / "round_cost.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write_results(args.output, {"meta": meta, "results": results}, None, indent=1,
+                  json_name="round_cost.json")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 from pathlib import Path
+
+from common import machine as machine_record, machine_of, write_results
 
 from .formatting import fmt_list, fmt_num, fmt_pm, markdown_table
 from .plots import write_plots
@@ -14,18 +13,12 @@ from .stats import by_seed, evaluate_targets, fair_stats, mean_std, row_stats
 
 
 def machine() -> dict:
-    import torch
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
-    from cppo.parallel import hardware
-    info["hardware"] = hardware.describe()   # CPU model, torch's CPU capability, bf16 flags
+    """common.machine() with the transformers version (the TRL comparison's)."""
     try:
         import transformers
-        info["transformers"] = transformers.__version__
+        return machine_record(transformers=transformers.__version__)
     except ImportError:
-        pass
-    return info
+        return machine_record()
 
 
 def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
@@ -39,13 +32,13 @@ def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
     targets = evaluate_targets(stats, trl, raw.get("total_seconds"), settings["quick"])
 
     pct = lambda v: fmt_pm(*v, scale=100, digits=1) if v else "n/a"
+    m = machine_of(raw)
     lines = [f"# CPPO paper table on the embedded task{' (QUICK MODE: smoke test only)' if settings['quick'] else ''}",
              "", f"Command: `{raw['command']}`  ",
-             f"Machine: {raw['machine']['platform']}, {raw['machine']['cpu_count']} CPUs "
-             f"({raw['machine']['torch_threads']} torch threads), torch {raw['machine']['torch']}, "
-             f"transformers {raw['machine'].get('transformers', '?')}, Python {raw['machine']['python']}"
-             + (f", CPU capability {raw['machine']['hardware']['cpu_capability']}"
-                if "hardware" in raw["machine"] else ", CPU capability not recorded") + "  ",
+             f"Machine: {m['platform']}, {m['cores']} CPUs ({m['threads']} torch threads), torch "
+             f"{m['torch']}, transformers {m.get('transformers', '?')}, Python {m['python']}"
+             + (f", CPU capability {m['cpu_capability']}"
+                if "cpu_capability" in m else ", CPU capability not recorded") + "  ",
              f"Started {raw['started']}; total wall time {fmt_num(raw.get('total_seconds', 0) / 60, 1)} min "
              f"(estimate before starting: {fmt_num(raw.get('estimate_seconds', 0) / 60, 1)} min)  ",
              f"Recipe: embedded model and task (2x2-digit multiplication), N = {settings['train_questions']} "
@@ -176,10 +169,8 @@ def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
 
 
 def write_outputs(raw: dict, output: Path) -> tuple[str, list[dict]]:
-    output.mkdir(parents=True, exist_ok=True)
     markdown, stats, targets = build_report(raw)
     raw["stats"], raw["targets"] = stats, targets
-    (output / "results.json").write_text(json.dumps(raw, indent=1, default=str))
-    (output / "results.md").write_text(markdown)
+    write_results(output, raw, markdown, indent=1, echo=False)
     write_plots(raw, stats, output)
     return markdown, targets
