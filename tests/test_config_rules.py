@@ -17,7 +17,8 @@ import pytest
 import cppo.config.checks as checks
 from cppo.cli import EvalConfig, ExportConfig
 from cppo.config import CPPOConfig
-from cppo.config.options import bounds_text, field_types, unwrap_optional
+from cppo.config.checks import bounds_text
+from cppo.config.options import field_types, unwrap_optional
 from cppo.errors import ConfigError, VLLMUnavailableError
 from cppo.pretrain import PretrainConfig
 

@@ -30,42 +30,6 @@ def option(default, help: str, choices: typing.Collection | None = None, *,
     return field(default=default, metadata=meta, **kw)
 
 
-BOUNDS = ("above", "at_least", "below", "at_most")
-
-
-def bounds_text(name: str, meta: dict, optional: bool) -> str | None:
-    """What a field's declared bounds allow, as its error message says it: "must be >= 1 or None",
-    "allowed: 0 < top_p <= 1", ... (None: the field declares no bound)."""
-    low = (">=", meta["at_least"]) if meta.get("at_least") is not None else \
-        (">", meta["above"]) if meta.get("above") is not None else None
-    high = ("<=", meta["at_most"]) if meta.get("at_most") is not None else \
-        ("<", meta["below"]) if meta.get("below") is not None else None
-    if low is None and high is None:
-        return None
-    if low and high:
-        flipped = {">=": "<=", ">": "<"}[low[0]]
-        text = f"allowed: {low[1]} {flipped} {name} {high[0]} {high[1]}"
-        alternatives = ", or "
-    else:
-        sign, value = low or high
-        text = f"must be {sign} {value}"
-        alternatives = " or "
-    extra = [str(v) for v in meta.get("special", ())] + (["None"] if optional else [])
-    if extra:
-        text += alternatives + ", ".join(extra)
-    return text + (f" ({meta['note']})" if meta.get("note") else "")
-
-
-def within_bounds(value: float, meta: dict) -> bool:
-    """A number within a field's declared bounds, or one of its special values."""
-    if value in meta.get("special", ()):
-        return True
-    return ((meta.get("above") is None or value > meta["above"])
-            and (meta.get("at_least") is None or value >= meta["at_least"])
-            and (meta.get("below") is None or value < meta["below"])
-            and (meta.get("at_most") is None or value <= meta["at_most"]))
-
-
 def same_as(cls, name: str, default: Any = dataclasses.MISSING, help: str | None = None):
     """A field meaning the same as `cls`'s field `name`: its choices and bounds, and its default
     and help unless given (e.g. `cppo eval`'s temperature is `cppo train`'s)."""
