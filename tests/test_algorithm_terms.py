@@ -121,6 +121,19 @@ def test_vespo_gamma_weights_by_hand():
     torch.testing.assert_close(custom, t(expected))
 
 
+def test_vespo_gamma_weights_keep_float64():
+    """k and lambda are taken in the log-ratios' dtype: float64 weights are exact to float64
+    rounding, also for parameters float32 cannot hold (0.1, 1.3)."""
+    log_ratio = t([[0.1, -0.3, 0.5], [0.2, 0.1, 0.0]])
+    mask = t([[1, 1, 0], [1, 1, 1]])
+    advantages = t([[1.0], [-0.5]])
+    weights = gamma_weights(advantages, log_ratio, mask, k_pos=1.3, lambda_pos=0.1, k_neg=0.7,
+                            lambda_neg=2.9)
+    assert weights.dtype == D
+    expected = [[phi(-0.2, True, 1.3, 0.1)], [phi(0.3, False, k_neg=0.7, lambda_neg=2.9)]]
+    torch.testing.assert_close(weights, t(expected), rtol=1e-13, atol=0.0)
+
+
 def test_vespo_gamma_weights_clamps_and_sampling_weights():
     # token log-ratios clamp to [-20, 20]; log w to [log 1e-8, 20]; lambda to >= 1e-4
     # (rtol 1e-5: k and lambda are float32 scalars inside, lambda x e^10 carries their rounding)

@@ -64,8 +64,8 @@ def gamma_weights(advantages: Tensor, log_ratio: Tensor, completion_mask: Tensor
         seq = seq + torch.log(sampling_weights).clamp(low, 20.0).sum(-1, keepdim=True)
     log_w = seq.clamp(low, 20.0)
     nonneg = advantages >= 0
-    k = torch.where(nonneg, k_pos, k_neg)
-    lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+    k = torch.where(nonneg, log_w.new_tensor(k_pos), log_w.new_tensor(k_neg))   # log_w's dtype
+    lam = torch.where(nonneg, log_w.new_tensor(lambda_pos), log_w.new_tensor(lambda_neg)).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
