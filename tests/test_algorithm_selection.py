@@ -208,6 +208,7 @@ def test_max_variance_matches_brute_force(rewards, keep):
 
 # every registered rule, in each scope it declares: a rule added later is tested here too
 RULE_SCOPES = [(rule, scope) for rule in SELECTION_RULES for scope in rule_traits(rule).scopes]
+DRAWING_RULES = {"random", "unbiased"}   # they draw from the generator passed in
 
 
 @pytest.mark.parametrize("rule, scope", RULE_SCOPES)
@@ -216,6 +217,7 @@ def test_exact_number_kept(rule, scope, num_keep):
     generator = torch.Generator().manual_seed(7)
     rewards = torch.randint(0, 3, (3, 8), generator=generator).float()  # discrete: many ties
     advantages = group_advantages(rewards)
+    state = generator.get_state()
     mask = select_completions(
         advantages, rewards, num_keep=num_keep, scope=scope, rule=rule, generator=generator
     )
@@ -223,12 +225,14 @@ def test_exact_number_kept(rule, scope, num_keep):
     assert int(mask.sum()) == num_keep
     if scope == "question":
         assert mask.sum(dim=1).tolist() == [num_keep // 3] * 3
+    # the same again: a drawing rule from a generator in the same state, the others without one
+    same = torch.Generator()
+    same.set_state(state)
     again = select_completions(
         advantages, rewards, num_keep=num_keep, scope=scope, rule=rule,
-        generator=torch.Generator().manual_seed(7) if rule == "random" else None,
+        generator=same if rule in DRAWING_RULES else None,
     )
-    if rule != "random":
-        assert torch.equal(mask, again)
+    assert torch.equal(mask, again)
 
 
 # ---------------------------------------------------------------- validation and registry

@@ -217,7 +217,8 @@ def test_resume_continues_from_the_checkpoints_rate(tiny_model_dir, tmp_path, sl
     with make_trainer(tiny_model_dir, run, max_steps=4, save_steps=2, save_total_limit=3, max_staleness=0,
                       **AUTO) as trainer:
         trainer.train()
-    saved = json.loads((run / "checkpoint-2" / "trainer_state.json").read_text())["pruning_rate"]
+    state = json.loads((run / "checkpoint-2" / "trainer_state.json").read_text())
+    saved = state["features"]["auto_pruning"]["rate"]
     assert saved == pytest.approx(expected_rates(0.5, 2)[-1])
     for later in ("checkpoint-3", "checkpoint-4"):
         if (run / later).exists():

@@ -52,7 +52,8 @@ def test_questions_without_variance_are_skipped_after_their_first_group(tiny_mod
     trainer, seen, records = _run(tiny_model_dir, tmp_path / "run")
     first_pass = [p for step in seen[:15] for p in step]
     assert sorted(first_pass) == sorted(r["prompt"] for r in ROWS)     # nothing skipped unseen
-    streaks = {ROWS[int(i)]["prompt"]: s for i, s in trainer.run_state.prompt_streaks.items()}
+    streaks = {ROWS[int(i)]["prompt"]: s
+               for i, s in trainer.features.get("prompt_skipping").streaks.items()}
     assert all(streaks.get(p, 0) >= 1 for p in CONSTANT)   # every group of theirs had zero variance
     skipped = sum(r["cppo/skipped_prompts"] for r in records)
     assert skipped > 0 and trainer.run_state.counters["prompts_skipped"] == skipped
@@ -85,8 +86,10 @@ def test_streaks_are_checkpointed_and_resumed(tiny_model_dir, tmp_path):
     interrupted.training_round = round_then_ctrl_c
     assert interrupted.train()["status"] == "interrupted"
     state = json.loads((tmp_path / "b" / "checkpoint-17" / "trainer_state.json").read_text())
-    assert state["prompt_streaks"] == interrupted.run_state.prompt_streaks and state["prompt_streaks"]
+    saved = state["features"]["prompt_skipping"]["streaks"]
+    assert saved == interrupted.features.get("prompt_skipping").streaks and saved
     resumed = make_trainer(tiny_model_dir, tmp_path / "b", resume=True, **kw)
     resumed.train()
-    assert resumed.run_state.prompt_streaks == straight.run_state.prompt_streaks
+    assert resumed.features.get("prompt_skipping").streaks == \
+        straight.features.get("prompt_skipping").streaks
     assert resumed.run_state.counters == straight.run_state.counters

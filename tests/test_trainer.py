@@ -468,9 +468,10 @@ def test_adaptive_entropy_coefficient_is_logged_and_checkpointed(tiny_model_dir,
     assert [r["entropy_coef"] for r in records if "entropy_coef" in r] == [0.25, 0.5]
     state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
     last = [r["entropy"] for r in records if "entropy_coef" in r][-1]
-    assert state["entropy_coef"] == 0.5
-    assert state["last_world_entropy"] == pytest.approx(last, abs=1e-5)
-    assert 0 < state["last_world_entropy"] <= math.log(trainer.policy.config.vocab_size)
+    saved = state["features"]["adaptive_entropy"]
+    assert saved["coef"] == 0.5
+    assert saved["last_entropy"] == pytest.approx(last, abs=1e-5)
+    assert 0 < saved["last_entropy"] <= math.log(trainer.policy.config.vocab_size)
 
 
 def test_adaptive_entropy_control_measures_the_whole_step(tiny_model_dir, tmp_path):
@@ -478,8 +479,9 @@ def test_adaptive_entropy_control_measures_the_whole_step(tiny_model_dir, tmp_pa
     top_entropy_quantile 1 that is the logged entropy), not the last micro-batch's."""
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, use_adaptive_entropy=True,
                            per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    seen, adapt = [], trainer.adapt_entropy_coef
-    trainer.adapt_entropy_coef = lambda entropy: seen.append(entropy) or adapt(entropy)
+    control = trainer.features.get("adaptive_entropy")
+    seen, adapt = [], control.after_step
+    control.after_step = lambda entropy: seen.append(entropy) or adapt(entropy)
     trainer.train()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = [r["entropy"] for r in records if "entropy_coef" in r]

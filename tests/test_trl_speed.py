@@ -193,6 +193,5 @@ def test_fp16_loss_scale_is_checkpointed_and_resumed(tiny_model_dir, tmp_path):
     again = make_trainer(tiny_model_dir, tmp_path, max_steps=3, save_steps=1, fp16=True,
                          matmul_dtype=None, resume=True)
     assert again.learner.scaler.get_scale() != scale   # a fresh scaler starts at 2^16
-    from cppo.run.saving import resume_run
-    again.run_state = resume_run(again, tmp_path / "checkpoint-2", None)
+    assert again._maybe_resume(None) == str(tmp_path / "checkpoint-2")   # as train() resumes
     assert again.learner.scaler.get_scale() == scale

@@ -21,19 +21,20 @@ from pathlib import Path
 
 import torch
 
-from cppo.algorithm import (adapted_entropy_coef, applied_entropy_coef, mix_into_reference,
-                            recompute_advantages_on_kept)
+from cppo.algorithm import mix_into_reference, recompute_advantages_on_kept
 from cppo.algorithm.advantages import round_advantages
-from cppo.algorithm.balance import AUTO, balanced_pruning_rate
-from cppo.algorithm.selection import GLOBAL_SCOPE, round_keep_mask, rule_traits
+from cppo.algorithm.loss import TOKEN_NORMALISED_LOSSES
+from cppo.algorithm.selection import (GLOBAL_SCOPE, round_inclusion_weights, round_keep_mask,
+                                      rule_traits)
 from cppo.algorithm.allocation import total_steps
 from cppo.algorithm.two_stage import completions_to_keep
 from cppo.config import CPPOConfig
 from cppo.config.checks import check_generation_batch_size, check_reference_sync
 from cppo.config.startup import check_startup
-from cppo.data.questions import QuestionStream, draw_skipping, next_streaks
+from cppo.data.questions import QuestionStream
 from cppo.data.sources import run_task
 from cppo.errors import CallbackError
+from cppo.features import build_features, states_of_old_checkpoint
 from cppo.evaluate import evaluate, sampled_metrics
 from cppo.models.loading import frozen_copy, load_policy
 from cppo.parallel.engines import Engine, pad_rows, resolve_strategy
@@ -42,7 +43,7 @@ from cppo.parallel.memory import check_run_batches, device_memory_bytes, plan_fo
 from cppo.parallel.processes import Distributed, first_process, launcher_restarts
 from cppo.rewards.runner import RewardRunner, Scores, reward_sources
 from cppo.run import checkpoint as ckpt
-from cppo.run.batch import StepBatch, kept_batch
+from cppo.run.batch import StepBatch, kept_batch, loss_token_counts
 from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
 from cppo.run.optimizer import advance_schedule, make_adamw, make_scheduler
@@ -108,6 +109,7 @@ class CPPOTrainer:
         self.scheduler = make_scheduler(self.optimizer, args, self.total_steps)
         self.learner = Learner(self.policy, self.reference, self.engine, self.dist, self.optimizer,
                                self.scheduler, args, self.device, self.matmul_dtype)
+        self.features = build_features(args, fp16=self.learner.fp16)   # the optional parts on
         self.questions = QuestionStream(len(self.task.train_rows),
                                         args.seed if args.data_seed is None else args.data_seed)
         self.output_dir = Path(args.output_dir)
@@ -171,15 +173,16 @@ class CPPOTrainer:
     def training_round(self) -> dict:
         """Generate for a batch of questions, score, prune, and run steps_per_round updates."""
         args, timer = self.args, self.timer
+        auto, skipping = self.features.get("auto_pruning"), self.features.get("prompt_skipping")
         with timer("generate"):
             rows, order, skipped, prompts, completions, two_stage, rollout = self.rollout_round()
-        if args.pruning_rate == AUTO:   # this round's rate, from how long each side waited
-            rollout["cppo/pruning_rate"] = self.balance_pruning(rollout)
+        if auto is not None:   # this round's rate, from how long each side waited (the first
+            rollout["cppo/pruning_rate"] = auto.rate_for_round(   # process's, on every one)
+                rollout, self.rollouts.rounds_taken, agree=self.dist.broadcast_object)
         with timer("score"):
             scores = self.score(rows, completions)
-            if args.skip_zero_variance_prompts:
-                self.run_state.prompt_streaks = next_streaks(
-                    self.run_state.prompt_streaks, order, self.dist.gather(scores.rewards))
+            if skipping is not None:
+                skipping.after_scores(order, self.dist.gather(scores.rewards))
             advantages = self.advantages(scores)
             keep_mask = self.select(advantages, scores.rewards)
             if rule_traits(args.selection_rule).advantages_on_kept:  # question scope: local statistics
@@ -221,22 +224,6 @@ class CPPOTrainer:
             questions_state=self.questions.state)
         return rows, order, None, prompts, completions, None, metrics
 
-    def balance_pruning(self, rollout: dict) -> float:
-        """pruning_rate auto: the rate this round's selection applies (kept in the run state),
-        moved from the last round's by the trainer's wait for this round and the generator's
-        wait for its task (cppo.algorithm.balance). A session's first round keeps it: the
-        generator's start-up is in that wait. Under torchrun the first process's rate, on all."""
-        args, state = self.args, self.run_state
-        rate = args.pruning_rate_start if state.pruning_rate is None else state.pruning_rate
-        if self.rollouts.rounds_taken > 1:
-            rate = balanced_pruning_rate(
-                rate, trainer_wait=rollout["perf/rollout_wait_s"],
-                generator_idle=rollout["rollout/generator_idle_s"],
-                round_seconds=rollout["rollout/duration_s"], low=args.pruning_rate_min,
-                high=args.pruning_rate_max)
-        state.pruning_rate = self.dist.broadcast_object(rate)   # each process waited its own
-        return state.pruning_rate
-
     def take_questions(self) -> tuple[list[dict], list[int], int | None]:
         """This process's slice of the round's questions, the round's question indices (all
         processes') and how many were passed over (None without skip_zero_variance_prompts):
@@ -245,10 +232,10 @@ class CPPOTrainer:
         predicted to have zero reward variance are passed over (cppo.data.questions)."""
         q = self.plan.questions_per_step
         want = q * self.dist.world_size
-        if self.args.skip_zero_variance_prompts:
+        skipping = self.features.get("prompt_skipping")
+        if skipping is not None:
             gen = torch.Generator().manual_seed(chunk_seed(self.args.seed, self.round_index, -1_000))
-            order, skipped = draw_skipping(self.questions, want, self.run_state.prompt_streaks,
-                                           self.args.skip_exploration_floor, gen)
+            order, skipped = skipping.draw(self.questions, want, gen)
         else:
             order, skipped = self.questions.take(want), None
         return self.rows_of(order, self.dist.rank), order, skipped
@@ -302,7 +289,8 @@ class CPPOTrainer:
         if args.pruning_rate == 0:
             return torch.ones_like(advantages, dtype=torch.bool)
         key = -1 if args.selection_scope == GLOBAL_SCOPE else -1 - self.dist.rank
-        auto = self.run_state.pruning_rate if args.pruning_rate == AUTO else None   # the rate now
+        auto = self.features.get("auto_pruning")
+        auto = None if auto is None else auto.rate   # pruning_rate auto: this round's rate
         return round_keep_mask(
             advantages, rewards, rule=args.selection_rule, scope=args.selection_scope,
             num_keep=completions_to_keep(self.plan, advantages.shape[0], args.num_generations, auto),
@@ -312,10 +300,35 @@ class CPPOTrainer:
     def build_batch(self, prompts: PromptBatch, completions: Completions, advantages: torch.Tensor,
                     keep_mask: torch.Tensor) -> StepBatch:
         stale = self.rollouts is not None and self.args.max_staleness > 0   # behaviour != policy
+        advantages = self.loss_advantages(advantages, keep_mask, completions)
         return kept_batch(prompts, completions, advantages, keep_mask,
                           num_generations=self.args.num_generations,
                           mask_truncated=self.args.mask_truncated_completions,
                           sampler_logprobs=self.args.importance_sampling_correction or stale)
+
+    def loss_advantages(self, advantages: torch.Tensor, keep_mask: torch.Tensor,
+                        completions: Completions) -> torch.Tensor:
+        """(Q, G) the advantages the loss takes: as they are, or, for a rule that reweights
+        (selection_rule unbiased), times its inclusion weights (cppo.algorithm.inclusion) over the
+        design `select` drew from (num_keep: this process's kept count; the global scope's, every
+        process's over world_size), with the loss normaliser's kept share over every process:
+        of the loss tokens for token-normalised losses, of the completions otherwise."""
+        args = self.args
+        if not rule_traits(args.selection_rule).reweights:
+            return advantages
+        kept, world = int(keep_mask.sum()), self.dist.world_size
+        num_keep = int(self.dist.sum(kept)) // world if args.selection_scope == GLOBAL_SCOPE else kept
+        share = None
+        if args.loss_type in TOKEN_NORMALISED_LOSSES:
+            tokens = loss_token_counts(completions, mask_truncated=args.mask_truncated_completions)
+            tokens = tokens.view(keep_mask.shape).to(keep_mask.device)
+            total = self.dist.sum_values({"kept": float(tokens[keep_mask].sum()),
+                                          "all": float(tokens.sum())})
+            share = total["kept"] / max(total["all"], 1.0)
+        weights = round_inclusion_weights(advantages, num_keep=num_keep, scope=args.selection_scope,
+                                          kept_share=share, rank=self.dist.rank, world_size=world,
+                                          gather=self.dist.gather)
+        return advantages * weights.to(advantages.device, advantages.dtype)
 
     def step_metrics(self, done: Round) -> dict:
         return round_metrics(done, self.dist.gather(done.scores.rewards),
@@ -371,27 +384,17 @@ class CPPOTrainer:
         self.learner.fill_old_and_ref_logprobs(batch)
 
     def update(self, batch: StepBatch, round_tokens: float | None = None) -> dict:
-        """One optimizer step over (a slice of) the kept batch (cppo.learning.update.Learner.step)."""
-        return self.learner.step(batch, self.entropy_coef_now(), self.adapt_entropy_coef,
-                                 round_tokens)
+        """One optimizer step over (a slice of) the kept batch (cppo.learning.update.Learner.step);
+        adaptive entropy control moves its coefficient after it."""
+        entropy = self.features.get("adaptive_entropy")
+        return self.learner.step(batch, self.entropy_coef_now(),
+                                 None if entropy is None else entropy.after_step, round_tokens)
 
     def entropy_coef_now(self) -> float:
-        """The coefficient this step applies (adaptive: gated by the last step's entropy)."""
-        args, state = self.args, self.run_state
-        coef = args.entropy_coef if state.entropy_coef is None else state.entropy_coef
-        if not args.use_adaptive_entropy:
-            return coef
-        return applied_entropy_coef(coef, state.last_world_entropy, args.entropy_target)
-
-    def adapt_entropy_coef(self, entropy: float) -> float:
-        """Adaptive control's update after an optimizer step; returns the new coefficient."""
-        args, state = self.args, self.run_state
-        coef = args.entropy_coef if state.entropy_coef is None else state.entropy_coef
-        state.entropy_coef = adapted_entropy_coef(
-            coef, entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
-            coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
-        state.last_world_entropy = entropy
-        return state.entropy_coef
+        """The coefficient this step applies: entropy_coef, or adaptive control's (gated by the
+        last step's entropy)."""
+        entropy = self.features.get("adaptive_entropy")
+        return self.args.entropy_coef if entropy is None else entropy.coef_now()
 
     # ---------------------------------------------------------------- the loop --------------
     def train(self) -> dict:
@@ -490,8 +493,7 @@ class CPPOTrainer:
         self.run_state.wall_offset = time.perf_counter() - start_wall
         self.run_state.questions = self.questions.state() if self.rollouts is None else \
             self.rollouts.questions_state(self.questions.state())   # in-flight rounds replay
-        if self.learner.scaler is not None:
-            self.run_state.fp16_scaler = self.learner.scaler.state_dict()
+        self.run_state.features = self.features.state_dict()
         state = self.run_state.to_dict(config=self.args.to_dict(), world_size=self.dist.world_size,
                                        distributed=self.engine.strategy)
         with self.timer("checkpoint"):
@@ -533,6 +535,8 @@ class CPPOTrainer:
                                       restarts=launcher_restarts())
         if latest is not None:
             self.run_state = resume_run(self, latest, log)
+            self.features.load_state_dict(   # an older checkpoint: its flat keys
+                self.run_state.features or states_of_old_checkpoint(ckpt.load_trainer_state(latest)))
         return None if latest is None else str(latest)
 
     def _summary(self, status: str, start_wall: float, resumed_from, log) -> dict:
@@ -542,6 +546,9 @@ class CPPOTrainer:
                               plan=self.plan, resumed_from=resumed_from, output_dir=self.output_dir,
                               skipped_data_rows=len(self.task.skipped_rows),
                               asynchronous=self.rollouts and self.rollouts.summary())
+        auto = self.features.get("auto_pruning")
+        if auto is not None and auto.rate is not None:   # the last round's
+            summary["pruning_rate_last"] = round(auto.rate, 4)
         if self.learner.compile is not None:   # torch_compile: inside the phases' seconds
             summary["compile_seconds"] = round(self.learner.compile_seconds, 1)
         if self.dist.is_main:

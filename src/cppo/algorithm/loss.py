@@ -20,6 +20,8 @@ LOSS_TYPES = tuple(POLICY_TERMS)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SEQUENCE_LEVEL_LOSSES = ("luspo",)   # TRL warns unless importance_sampling_level is sequence
 TOKEN_SUM_LOSSES = ("bnpo", "dr_grpo", "dapo", "cispo")  # sum tokens: sequence level weights by length
+# reduce_loss divides by a count of tokens (the rest: by a count of sequences)
+TOKEN_NORMALISED_LOSSES = ("bnpo", "dapo", "cispo", "vespo")
 
 
 def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:

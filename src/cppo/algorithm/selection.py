@@ -15,6 +15,10 @@ RULE_TRAITS):
   max_variance  PODS (Xu et al., 2025): per question keep the subset with maximum reward
                 variance; 'question' scope only. Advantages are then recomputed on the kept
                 subset with `recompute_advantages_on_kept` (traits advantages_on_kept=True).
+  unbiased      draw num_keep completions with probabilities pi ~ |A| + 0.1 mean|A| (capped
+                at 1; systematic sampling, seeded generator) and weight each kept advantage by
+                kept share / pi (traits reweights=True; `round_inclusion_weights`), so the
+                policy term's gradient is unbiased for the unpruned one (cppo.algorithm.inclusion).
 
 Tie-breaking (deterministic, never torch.topk): score-based rules sort with a stable sort, so
 among exactly equal scores the lower flat index wins -- question-major, then completion index
@@ -32,6 +36,8 @@ from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
+
+from cppo.algorithm.inclusion import inclusion_weights, keep_by_inclusion
 
 SCOPES = ("question", "step")
 GLOBAL_SCOPE = "global"   # the step scope, ranked over every process's completions
@@ -62,10 +68,13 @@ class RuleTraits:
 
     scopes: the scopes it can rank in. advantages_on_kept: the advantages used for the loss are
     recomputed within each question's kept completions (`recompute_advantages_on_kept`).
+    reweights: the kept advantages are multiplied by the rule's inclusion weights
+    (`round_inclusion_weights`) before the loss.
     """
 
     scopes: tuple[str, ...] = SCOPES
     advantages_on_kept: bool = False
+    reweights: bool = False
 
 
 SELECTION_RULES: dict[str, SelectionRule] = {}
@@ -73,7 +82,8 @@ RULE_TRAITS: dict[str, RuleTraits] = {}
 
 
 def register_rule(
-    name: str, *, scopes: tuple[str, ...] = SCOPES, advantages_on_kept: bool = False
+    name: str, *, scopes: tuple[str, ...] = SCOPES, advantages_on_kept: bool = False,
+    reweights: bool = False,
 ) -> Callable[[SelectionRule], SelectionRule]:
     """Decorator adding a rule to SELECTION_RULES (and its traits to RULE_TRAITS) under `name`.
 
@@ -88,7 +98,7 @@ def register_rule(
         if name in SELECTION_RULES:
             raise ValueError(f"selection rule {name!r} is already registered")
         SELECTION_RULES[name] = rule
-        RULE_TRAITS[name] = RuleTraits(tuple(scopes), advantages_on_kept)
+        RULE_TRAITS[name] = RuleTraits(tuple(scopes), advantages_on_kept, reweights)
         return rule
 
     return add
@@ -168,6 +178,7 @@ register_rule("largest_abs")(keep_largest_abs_advantage)
 register_rule("smallest_abs")(keep_smallest_abs_advantage)
 register_rule("random")(keep_random)
 register_rule("max_variance", scopes=("question",), advantages_on_kept=True)(keep_max_reward_variance)
+register_rule("unbiased", reweights=True)(keep_by_inclusion)
 
 
 def _is_int(value) -> bool:
@@ -257,3 +268,19 @@ def round_keep_mask(advantages: Tensor, rewards: Tensor, *, num_keep: int, rule:
                              rows=slice(rank * q, (rank + 1) * q), rule=rule, generator=generator)
     return select_completions(advantages, rewards, num_keep=num_keep, scope=local_scope(scope),
                               rule=rule, generator=generator)
+
+
+def round_inclusion_weights(advantages: Tensor, *, num_keep: int, scope: str,
+                            kept_share: float | None = None, rank: int = 0, world_size: int = 1,
+                            gather: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """(Q, G) float64 inclusion weights of this process's completions for a rule with traits
+    reweights (`inclusion_weights`), over the same design as `round_keep_mask` (num_keep per
+    process; the global scope over several processes: one design over every process's
+    completions, num_keep * world_size of them). kept_share: the loss normaliser's kept / all
+    over every process (None: the kept share of sequences)."""
+    if scope == GLOBAL_SCOPE and world_size > 1:
+        q = advantages.shape[0]
+        return inclusion_weights(gather(advantages), num_keep=num_keep * world_size, scope="step",
+                                 kept_share=kept_share)[rank * q:(rank + 1) * q]
+    return inclusion_weights(advantages, num_keep=num_keep, scope=local_scope(scope),
+                             kept_share=kept_share)

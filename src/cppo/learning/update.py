@@ -17,6 +17,7 @@ from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, add_micro_batch, emp
                                         micro_batch_loss, step_metrics)
 from cppo.algorithm.loss import router_aux_coef, router_aux_loss
 from cppo.errors import ConfigError
+from cppo.features.fp16_scaling import FP16Scaling
 from cppo.models.compiled import compile_seconds, compile_settings
 from cppo.models.loading import torch_dtype
 from cppo.run.batch import StepBatch
@@ -36,7 +37,8 @@ class Learner:
         # speed and precision (transformers' names): torch_compile, use_liger_kernel, fp16
         self.compile = compile_settings(args)
         self.compile_seconds, self._compile_mark = 0.0, compile_seconds() if self.compile else 0.0
-        self.scaler = fp16_scaler(args, device, optimizer)
+        self.fp16 = FP16Scaling.for_weights(device, optimizer) if args.fp16 else None
+        self.scaler = None if self.fp16 is None else self.fp16.scaler
         self.aux_coef = moe_aux_coef(policy, args.router_aux_loss_coef)
 
     def logprobs(self, model, batch: StepBatch, entropies: list | None = None,
@@ -79,10 +81,11 @@ class Learner:
                         batch.ref_logps = self.logprobs(self.policy, batch)
 
     def step(self, batch: StepBatch, entropy_coef: float,
-             adapt_entropy_coef: Callable[[float], float], tokens: float | None = None) -> dict:
+             adapt_entropy_coef: Callable[[float], float] | None, tokens: float | None = None) -> dict:
         """One optimizer step over the kept batch: the micro-batches' losses backward in turn
         (gradient accumulation), then the step; never a NaN/inf one ("nonfinite": True then).
-        `adapt_entropy_coef(step entropy)` returns the next coefficient (adaptive control).
+        `adapt_entropy_coef(step entropy)` returns the next coefficient (adaptive control; None:
+        off).
         `tokens`: the token-sum losses' normaliser (None: this batch's tokens, all processes')."""
         args = self.args
         self.optimizer.zero_grad(set_to_none=True)
@@ -98,7 +101,7 @@ class Learner:
         totals = {**self.dist.sum_values({k: totals[k] for k in SUM_KEYS}),   # the global batch's
                   **(self.dist.max_values({k: totals[k] for k in MAX_KEYS})
                      if batch.sampler_logps is not None else {})}
-        if args.use_adaptive_entropy:   # the whole step's tokens, every process's (TRL)
+        if adapt_entropy_coef is not None:   # the whole step's tokens, every process's (TRL)
             coef = adapt_entropy_coef(totals["bonus_entropy"] / max(totals["bonus_tokens"], 1.0))
         metrics = step_metrics(totals, kl=self.loss.beta > 0, grad_norm=grad_norm,
                                learning_rate=self.scheduler.get_last_lr()[0],
@@ -164,19 +167,6 @@ class Learner:
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             add_micro_batch(totals, {**part, "loss": loss.item() / world})
         return totals
-
-
-def fp16_scaler(args, device: torch.device, optimizer):
-    """fp16: transformers' mixed precision, a gradient scaler over float32 weights (None
-    without fp16). Half-precision trainable weights are refused (the scaler cannot unscale them)."""
-    if not args.fp16:
-        return None
-    half = sorted({str(p.dtype) for group in optimizer.param_groups for p in group["params"]
-                   if p.dtype != torch.float32})
-    if half:
-        raise ConfigError(f"'fp16' is true but the trainable weights are {', '.join(half)}; fp16 "
-                          f"mixed precision keeps float32 weights: set torch_dtype: float32")
-    return torch.amp.GradScaler(device.type)
 
 
 def moe_aux_coef(policy, coef: float | None) -> float:

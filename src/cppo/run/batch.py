@@ -87,6 +87,22 @@ class StepBatch:
         return self._map(grow, filler_rows=self.filler_rows + extra)
 
 
+def trained_mask(completions, *, mask_truncated: bool) -> torch.Tensor:
+    """(N, T) the completion mask, none on a completion without EOS when mask_truncated."""
+    if not mask_truncated:
+        return completions.mask
+    return completions.mask * (~completions.truncated).long()[:, None]
+
+
+def loss_token_counts(completions, *, mask_truncated: bool) -> torch.Tensor:
+    """(N,) each completion's tokens in the loss, as `kept_batch`'s batch counts them (its
+    loss_mask: the trained mask less the tokens a tool wrote)."""
+    mask = trained_mask(completions, mask_truncated=mask_truncated)
+    if completions.tool_mask is not None:
+        mask = mask * completions.tool_mask
+    return mask.sum(1)
+
+
 def kept_batch(prompts, completions, advantages: torch.Tensor, keep_mask: torch.Tensor, *,
                num_generations: int, mask_truncated: bool, sampler_logprobs: bool) -> StepBatch:
     """The kept completions (keep_mask (Q, G)) with their prompts (one row per question, or per
@@ -95,9 +111,7 @@ def kept_batch(prompts, completions, advantages: torch.Tensor, keep_mask: torch.
     runs on pruned widths."""
     kept = keep_mask.flatten().nonzero().squeeze(1).to(completions.ids.device)  # of Q*G rows
     question = kept if len(prompts) == len(completions.ids) else kept // num_generations
-    mask = completions.mask[kept]
-    if mask_truncated:
-        mask = mask * (~completions.truncated[kept]).long()[:, None]
+    mask = trained_mask(completions, mask_truncated=mask_truncated)[kept]
     sampler_logps = None
     if completions.logprobs is not None and sampler_logprobs:
         sampler_logps = completions.logprobs[kept].float()

@@ -63,12 +63,9 @@ class RunState:
     history: list = field(default_factory=list)   # held-out evaluations
     wall_offset: float = 0.0            # wall time spent so far (before a resume: earlier sessions)
     questions: dict = field(default_factory=dict)   # the question stream's position (its state())
-    prompt_streaks: dict = field(default_factory=dict)   # question index (str) -> its zero-
-    #                                     reward-variance streak, where > 0 (skip_zero_variance_prompts)
-    entropy_coef: float | None = None   # use_adaptive_entropy: the coefficient now (None: the config's)
-    last_world_entropy: float = float("inf")   # use_adaptive_entropy: the last step's mean entropy
-    fp16_scaler: dict | None = None     # fp16: the gradient scaler's state (its loss scale)
-    pruning_rate: float | None = None   # pruning_rate auto: the last round's (None: none yet)
+    features: dict = field(default_factory=dict)    # each optional feature's state, by its name
+    #   (cppo.features: adaptive_entropy, auto_pruning, prompt_skipping, fp16_scaling); empty in a
+    #   checkpoint written before features were saved by name: their states are flat keys there
 
     def to_dict(self, **about_run) -> dict[str, Any]:
         """JSON-ready; `about_run` (config, world size, strategy) is written beside it for
@@ -78,7 +75,8 @@ class RunState:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "RunState":
         """From a trainer_state.json (unknown keys ignored, missing ones default; counters merged
-        into the defaults)."""
+        into the defaults). An older file's flat feature keys are read by
+        cppo.features.states_of_old_checkpoint."""
         state = cls()
         for f in fields(cls):
             if f.name in values:

@@ -72,13 +72,12 @@ def load_run(latest: Path, *, model, optimizer, scheduler, engine, rank: int,
 
 def resume_run(trainer, latest: Path, log):
     """Load checkpoint `latest` into the trainer's model, optimizer, schedule, RNG and question
-    stream; cut the metrics log and the completions table back to its step. Returns its run state."""
+    stream; cut the metrics log and the completions table back to its step. Returns its run state
+    (the features' states, in its `features`, are the trainer's to load)."""
     state = load_run(latest, model=trainer.policy, optimizer=trainer.optimizer,
                      scheduler=trainer.scheduler, engine=trainer.engine, rank=trainer.dist.rank,
                      device=trainer.device)
     trainer.questions.load_state(state.questions)
-    if trainer.learner.scaler is not None and state.fp16_scaler:
-        trainer.learner.scaler.load_state_dict(state.fp16_scaler)
     if log is not None:
         log.truncate_after(state.step)
     if trainer.completions_log is not None:

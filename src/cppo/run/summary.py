@@ -13,8 +13,9 @@ def run_summary(status: str, *, run_state, wall_seconds: float, phase_seconds: d
                 total_steps: int, plan, resumed_from, output_dir: Path,
                 skipped_data_rows: int, asynchronous: dict | None = None) -> dict:
     """The summary of a run that ended with `status`: steps, held-out accuracy before and after
-    (None without evaluations), times, the run counters, the step plan, pruning_rate auto's last
-    rate, asynchronous rollouts' figures (async_rollout, this session) and the history."""
+    (None without evaluations), times, the run counters, the step plan, asynchronous rollouts'
+    figures (async_rollout, this session) and the history. (pruning_rate auto adds its last rate,
+    `pruning_rate_last`: cppo.features.auto_pruning.)"""
     history = run_state.history
     return {"status": status, "steps": run_state.step, "total_steps": total_steps,
             "accuracy_before": history[0]["accuracy"] if history else None,
@@ -25,8 +26,6 @@ def run_summary(status: str, *, run_state, wall_seconds: float, phase_seconds: d
             "questions_per_step": plan.questions_per_step,
             "completions_kept_per_step": plan.completions_kept,
             "effective_pruning_rate": round(plan.effective_pruning_rate, 4),
-            **({"pruning_rate_last": round(run_state.pruning_rate, 4)}   # pruning_rate auto
-               if run_state.pruning_rate is not None else {}),
             "resumed_from": resumed_from, "output_dir": str(output_dir),
             "skipped_data_rows": skipped_data_rows,
             **({"asynchronous": asynchronous} if asynchronous else {}), "history": history}

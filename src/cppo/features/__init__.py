@@ -1,0 +1,87 @@
+"""The optional parts of a run, one object each: adaptive entropy control, pruning_rate auto,
+prompt skipping and fp16 loss scaling. Each holds its settings (read from the config once), its
+state, and the hooks the trainer calls at named points of a round; the state is saved in the
+checkpoint under the feature's name (`Features.state_dict`) and read back on resume.
+
+`build_features(args, fp16=...)` returns the ones the config turns on. A run without a feature
+has no object for it: the trainer asks `features.get(name)`."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from cppo.algorithm.balance import AUTO
+from cppo.features.adaptive_entropy import AdaptiveEntropy, EntropySettings
+from cppo.features.auto_pruning import AutoPruning, AutoPruningSettings
+from cppo.features.fp16_scaling import FP16Scaling
+from cppo.features.prompt_skipping import PromptSkipping
+
+__all__ = ["AdaptiveEntropy", "AutoPruning", "FP16Scaling", "Feature", "Features",
+           "PromptSkipping", "build_features", "states_of_old_checkpoint"]
+
+
+class Feature(Protocol):
+    name: str
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class Features:
+    """The features a run has, by name, with their states saved and loaded together."""
+
+    def __init__(self, features: list[Feature]) -> None:
+        self.by_name = {f.name: f for f in features}
+
+    def get(self, name: str):
+        return self.by_name.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.by_name
+
+    def state_dict(self) -> dict[str, dict]:
+        return {name: f.state_dict() for name, f in self.by_name.items()}
+
+    def load_state_dict(self, states: dict[str, dict]) -> None:
+        """Each feature's saved state (a feature the checkpoint has no state for keeps its own;
+        states of features this run does not have are ignored)."""
+        for name, feature in self.by_name.items():
+            if states.get(name) is not None:
+                feature.load_state_dict(states[name])
+
+
+def build_features(args, fp16: FP16Scaling | None = None) -> Features:
+    """The features the config `args` turns on, each with its settings read from it; fp16: the
+    learner's loss scaling (it owns the scaler)."""
+    found: list[Feature] = []
+    if args.use_adaptive_entropy:
+        found.append(AdaptiveEntropy(EntropySettings(
+            start=args.entropy_coef, target=args.entropy_target, delta=args.entropy_coef_delta,
+            low=args.entropy_coef_min, high=args.entropy_coef_max)))
+    if args.pruning_rate == AUTO:
+        found.append(AutoPruning(AutoPruningSettings(
+            start=args.pruning_rate_start, low=args.pruning_rate_min, high=args.pruning_rate_max)))
+    if args.skip_zero_variance_prompts:
+        found.append(PromptSkipping(floor=args.skip_exploration_floor))
+    if fp16 is not None:
+        found.append(fp16)
+    return Features(found)
+
+
+def states_of_old_checkpoint(values: dict) -> dict[str, dict]:
+    """The features' states of a trainer_state.json written before features were saved by
+    name (flat keys entropy_coef, last_world_entropy, pruning_rate, prompt_streaks,
+    fp16_scaler); only the keys a checkpoint has."""
+    states: dict[str, dict] = {}
+    if values.get("entropy_coef") is not None:
+        states[AdaptiveEntropy.name] = {"coef": values["entropy_coef"],
+                                        "last_entropy": values.get("last_world_entropy",
+                                                                   float("inf"))}
+    if values.get("pruning_rate") is not None:
+        states[AutoPruning.name] = {"rate": values["pruning_rate"]}
+    if values.get("prompt_streaks"):
+        states[PromptSkipping.name] = {"streaks": values["prompt_streaks"]}
+    if values.get("fp16_scaler"):
+        states[FP16Scaling.name] = values["fp16_scaler"]
+    return states
