@@ -3,8 +3,8 @@
 weights; docs/objectives.md), at pruning rates P = 0.75 and 0.875, over seeds.
 
 Each row is one in-process run of the README's main job (`cppo train`: the shipped tiny model,
-the arithmetic task, G = 8, allocation) changed only by selection_rule, pruning_rate and seed,
-in float32 (generation_dtype and matmul_dtype off, so every machine computes the same thing).
+the arithmetic task, G = 8, allocation, its dtypes as `auto` picks them on this machine)
+changed only by selection_rule, pruning_rate and seed.
 
     python benchmarks/selection_rules.py                          # 2 rules x 2 rates x 3 seeds
     python benchmarks/selection_rules.py --seeds 42 --max_steps 100   # a quick look
@@ -35,7 +35,7 @@ def run_row(rule: str, pruning_rate: float, seed: int, args, runs_dir: Path) -> 
     trainer = trainer_for(selection_rule=rule, pruning_rate=pruning_rate, seed=seed,
                           max_steps=args.max_steps, eval_steps=0, save_steps=0,
                           output_dir=str(runs_dir / f"{rule}-P{pruning_rate}-s{seed}"),
-                          report_to=["jsonl"], generation_dtype=None, matmul_dtype=None)
+                          report_to=["jsonl"])
     summary = trainer.train()
     return {"rule": rule, "pruning_rate": pruning_rate, "seed": seed, "steps": summary["steps"],
             "accuracy_before": summary["accuracy_before"],
@@ -68,7 +68,7 @@ def report(data: dict) -> list[str]:
     m = data["machine"]
     return ["# Selection rules: largest |A| (CPPO) against the unbiased rule", "",
             f"The README's main job (embedded model and task, G = 8, allocation), "
-            f"{data['max_steps']} optimizer steps, float32; {m['cpu']}, torch CPU capability "
+            f"{data['max_steps']} optimizer steps, the default dtypes; {m['cpu']}, torch CPU capability "
             f"{m['cpu_capability']}, {m['cores']} cores (`python benchmarks/selection_rules.py`). "
             f"Accuracy: greedy, the whole held-out split. Train seconds exclude evaluations; "
             f"this machine's speed drifts by 25 % or more (each row records the load average "
