@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from cppo.algorithm import LOSS_TYPES, per_token_policy_loss, reduce_loss
-from cppo.algorithm.inclusion import (design_rows, inclusion_probabilities, inclusion_weights,
-                                      keep_by_inclusion, systematic_sample)
+from cppo.algorithm.inclusion import (CAP_TOLERANCE, capped_probabilities, design_rows,
+                                      inclusion_probabilities, inclusion_weights, keep_by_inclusion,
+                                      systematic_sample)
 from cppo.algorithm.loss import TOKEN_NORMALISED_LOSSES
-from cppo.algorithm.selection import (RULE_TRAITS, round_inclusion_weights, round_keep_mask,
-                                      rule_traits, select_completions)
+from cppo.algorithm import selection
+from cppo.algorithm.selection import (RULE_TRAITS, register_rule, round_inclusion_weights,
+                                      round_keep_mask, rule_traits, select_completions)
 from cppo.config import CPPOConfig
 from helpers import make_trainer
 
@@ -95,6 +97,30 @@ def test_probabilities_sum_to_num_keep_lie_in_0_1_and_grow_with_abs_advantage(sc
         assert ((size[order].diff() == 0) <= (p[order].diff() == 0)).all()   # equal |A|, equal pi
 
 
+def test_probabilities_edge_cases_per_question_mean_and_capping_to_the_end():
+    # no completions: an empty float64 (0, G); one completion kept: pi 1 (weight 1)
+    empty = inclusion_probabilities(torch.zeros(0, 4, dtype=D), num_keep=0, scope="question")
+    assert empty.dtype == D and empty.shape == (0, 4)
+    assert inclusion_probabilities(t([[0.7]]), num_keep=1, scope="step").tolist() == [[1.0]]
+    assert inclusion_weights(t([[0.7]]), num_keep=1, scope="step").tolist() == [[1.0]]
+    # float32 advantages: computed (and returned) in float64
+    pi = inclusion_probabilities(ADVANTAGES.float(), num_keep=7, scope="step")
+    assert pi.dtype == D
+    torch.testing.assert_close(pi, inclusion_probabilities(ADVANTAGES.float().double(), num_keep=7,
+                                                           scope="step"), rtol=1e-15, atol=0)
+    # the floor is 0.1 of each question's own mean |A|: row 1 mean 1, row 2 mean 0.1
+    pi = inclusion_probabilities(t([[2.0, 0.0], [0.2, 0.0]]), num_keep=2, scope="question")
+    torch.testing.assert_close(pi, t([[21 / 22, 1 / 22], [21 / 22, 1 / 22]]), rtol=1e-14, atol=0)
+    # 'question' scope: num_keep // Q per question
+    pi = inclusion_probabilities(ADVANTAGES, num_keep=10, scope="question")
+    torch.testing.assert_close(pi.sum(1), t([3.0, 3.0, 3.0]), rtol=0, atol=1e-12)
+    # capping one unit a round until every unit is capped (N rounds, then one that caps none)
+    assert inclusion_probabilities(t([[100.0, 1.0, 0.0]]), num_keep=3, scope="step").eq(1).all()
+    # the cap threshold is inclusive: c * s = 1 - CAP_TOLERANCE exactly counts as capped
+    c = 1.0 - CAP_TOLERANCE
+    assert capped_probabilities(t([[c, 1.0 - c]]), 1).tolist() == [[1.0, 0.0]]
+
+
 # ---------------------------------------------------------------- the draw
 
 
@@ -167,6 +193,97 @@ def test_the_sampler_keeps_sure_units_and_never_draws_zero_ones():
     assert drawn.sum(2).eq(3).all()
 
 
+def scripted_rand(monkeypatch, *values):
+    """torch.rand returns these float64 tensors in turn (systematic_sample: the order's keys, then
+    U), each of the shape asked for."""
+    queue = [t(v) for v in values]
+
+    def rand(size, *args, **kwargs):
+        value = queue.pop(0)
+        assert tuple(value.shape) == tuple(size)
+        return value
+    monkeypatch.setattr(torch, "rand", rand)
+
+
+def test_a_point_on_an_interval_end_falls_in_the_next_unit(monkeypatch):
+    """Intervals are [start, end): U = 0 never draws a pi = 0 unit (laid first, empty), and a
+    point exactly on an end belongs to the next unit."""
+    pi = t([[0.0, 0.5, 0.5]])
+    scripted_rand(monkeypatch, [[0.5, 0.1, 0.2]], [[0.0]])
+    assert systematic_sample(pi, None).tolist() == [[False, True, False]]
+    scripted_rand(monkeypatch, [[0.5, 0.1, 0.2]], [[0.5]])
+    assert systematic_sample(pi, None).tolist() == [[False, False, True]]
+
+
+def test_sure_units_stay_out_of_the_draw(monkeypatch):
+    """pi = 1 units are kept outright, not laid in the line: a point just below an interval's end
+    stays in it (were the sure unit's length-1 interval laid first, U + 1 would round onto 1.4)."""
+    pi = t([[1.0, 0.4, 0.6]])
+    scripted_rand(monkeypatch, [[0.0, 0.1, 0.2]], [[math.nextafter(0.4, 0.0)]])
+    assert systematic_sample(pi, None).tolist() == [[True, True, False]]
+
+
+def test_zero_units_are_laid_first_so_a_rounding_overshoot_never_draws_one(monkeypatch):
+    """Ten units of 0.1 end at 0.9999999999999999: U at that end falls past the last interval and
+    goes to the last unit, which must be one with pi > 0 (the pi = 0 unit, whose key is the
+    largest, is laid first)."""
+    pi = t([[0.1] * 10 + [0.0]])
+    scripted_rand(monkeypatch, [[i / 100 for i in range(10)] + [0.99]], [[0.9999999999999999]])
+    drawn = systematic_sample(pi, None)
+    assert drawn.sum() == 1 and not drawn[0, 10] and drawn[0, 9]
+
+
+def test_float32_probabilities_are_laid_end_to_end_in_float64(monkeypatch):
+    """0.1f + 0.2f ends at 0.30000000447 in float64 (0.30000001192 in float32 arithmetic): a
+    point at 0.30000001 lies past it, in the third unit."""
+    pi = torch.tensor([[0.1, 0.2, 0.7]], dtype=torch.float32)
+    scripted_rand(monkeypatch, [[0.1, 0.2, 0.3]], [[0.30000001]])
+    assert systematic_sample(pi, None).tolist() == [[False, False, True]]
+
+
+def test_the_draw_is_the_systematic_draw_of_the_generators_float64_numbers():
+    """Replayed by hand: keys (R, N) then U (R, 1), both float64 uniforms from the generator; the
+    units with 0 < pi < 1 laid end to end by key, kept where one of U, U + 1, ... falls."""
+    generator = torch.Generator().manual_seed(11)
+    advantages = torch.randn(40, 6, generator=generator, dtype=D)
+    pi = inclusion_probabilities(advantages, num_keep=40 * 3, scope="question")
+    state = generator.get_state()
+    drawn = systematic_sample(pi, generator)
+    replay = torch.Generator()
+    replay.set_state(state)
+    keys = torch.rand(pi.shape, generator=replay, dtype=D).tolist()
+    starts = torch.rand((40, 1), generator=replay, dtype=D).tolist()
+    for row, key, (u,), mask in zip(pi.tolist(), keys, starts, drawn.tolist()):
+        rest = [p if p < 1 else 0.0 for p in row]
+        count, end, expected = round(sum(rest)), 0.0, [p >= 1 for p in row]
+        for i in sorted(range(6), key=lambda i: key[i] + (rest[i] > 0)):
+            start, end = end, end + rest[i]
+            expected[i] |= any(start <= u + k < end for k in range(count))
+        assert mask == expected
+
+
+def test_a_unit_drawn_twice_is_an_error():
+    """Probabilities that do not sum to an integer (1.5: two points over a line of length 1.5)
+    put two points on one unit: refused, not a silent draw."""
+    pi = t([[0.9, 0.6]]).repeat(200, 1)
+    with pytest.raises(RuntimeError, match="^systematic_sample: a unit was drawn twice "
+                                           r"\(probabilities above 1\?\)$"):
+        systematic_sample(pi, torch.Generator().manual_seed(0))
+
+
+def test_without_a_generator_float32_probabilities_and_no_rows():
+    pi = t([[0.5, 0.25, 0.75, 0.5, 0.0, 1.0]]).repeat(50, 1)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        assert systematic_sample(pi, None).sum(1).eq(3).all()
+        mask = keep_by_inclusion(ADVANTAGES, ADVANTAGES, num_keep=7, scope="step", generator=None)
+        assert int(mask.sum()) == 7
+    # float32 probabilities: drawn in float64, the same draw as the float64 ones (exact values)
+    assert torch.equal(systematic_sample(pi.float(), torch.Generator().manual_seed(3)),
+                       systematic_sample(pi, torch.Generator().manual_seed(3)))
+    assert systematic_sample(torch.zeros(0, 4, dtype=D), torch.Generator()).shape == (0, 4)
+
+
 # ---------------------------------------------------------------- the weights: unbiased gradients
 
 
@@ -196,6 +313,15 @@ def test_weighted_kept_gradient_is_unbiased_and_unweighted_is_not(scope):
     largest = select_completions(ADVANTAGES, ADVANTAGES, num_keep=num_keep, scope=scope)
     biased = gradient_estimates(largest[None], torch.ones_like(weights), gradients, num_keep)[0]
     assert ((biased - full).abs() / bound).max() > 30
+
+
+def test_weights_take_the_floor_and_are_zero_where_pi_is_zero():
+    weights = inclusion_weights(ADVANTAGES, num_keep=7, scope="step", floor=0.5)
+    pi = inclusion_probabilities(ADVANTAGES, num_keep=7, scope="step", floor=0.5)
+    torch.testing.assert_close(weights, 7 / (18 * pi), rtol=1e-14, atol=0)
+    assert not torch.allclose(weights, inclusion_weights(ADVANTAGES, num_keep=7, scope="step"))
+    # nothing kept: every pi 0, every weight 0 (not kept_share / tiny)
+    assert inclusion_weights(ADVANTAGES, num_keep=0, scope="step", kept_share=0.5).eq(0).all()
 
 
 def per_draw_loss_gradients(loss_type, masks, advantages, logps, old_logps, completion_mask, *,
@@ -318,6 +444,28 @@ def test_global_scope_is_one_design_over_every_process():
     # one process: the step scope's weights
     torch.testing.assert_close(round_inclusion_weights(mine, num_keep=4, scope="global"),
                                inclusion_weights(mine, num_keep=4, scope="step"))
+
+
+def test_global_weights_are_each_ranks_slice_with_the_given_kept_share():
+    mine = ADVANTAGES[:2]
+    other = t([[0.5, -1.0, 2.0, 0.0, 0.3, 0.1], [-0.2, 0.0, 0.0, 4.0, 1.0, -1.0]])
+    both = torch.cat([mine, other])
+    whole = inclusion_weights(both, num_keep=10, scope="step", kept_share=0.3)
+    for rank, own, gather in ((0, mine, lambda x: torch.cat([x, other])),
+                              (1, other, lambda x: torch.cat([mine, x]))):
+        weights = round_inclusion_weights(own, num_keep=5, scope="global", kept_share=0.3,
+                                          rank=rank, world_size=2, gather=gather)
+        torch.testing.assert_close(weights, whole[2 * rank:2 * rank + 2], rtol=1e-15, atol=0)
+
+
+def test_register_rule_passes_its_traits_and_does_not_reweight_by_default(monkeypatch):
+    monkeypatch.setattr(selection, "SELECTION_RULES", dict(selection.SELECTION_RULES))
+    monkeypatch.setattr(selection, "RULE_TRAITS", dict(selection.RULE_TRAITS))
+    register_rule("plain_test_rule")(selection.keep_random)
+    register_rule("weighted_test_rule", scopes=("step",), reweights=True)(selection.keep_random)
+    assert selection.rule_traits("plain_test_rule").reweights is False
+    assert selection.rule_traits("weighted_test_rule") == selection.RuleTraits(("step",), False, True)
+    assert selection.rule_traits("weighted_test_rule").reweights is True
 
 
 # ---------------------------------------------------------------- in the trainer
