@@ -1,7 +1,7 @@
-"""What the benchmark programs share: the machine record, a trainer to time, writing results, and
-ranges over repeats.
+"""What the benchmark programs share: the machine record, a trainer or a run's parts to time,
+writing results, and ranges over repeats.
 
-    from common import machine, machine_of, trainer_for, write_results, read_results, spread
+    from common import machine, machine_of, trainer_for, parts_for, write_results, read_results, spread
 
 A program run as `python benchmarks/X.py` finds this module beside it. Nothing heavy is imported
 here (headlines.py and the tests import it): torch and cppo only inside the functions that use them.
@@ -69,25 +69,47 @@ def machine_of(data: dict) -> dict:
 
 
 # ----------------------------------------------------------------- a trainer to time ----------
-def trainer_for(model: str | None = None, rows: list[dict] | None = None, reward=None, *,
-                quiet: bool = True, prefix: str = "cppo_bench_", **fields):
-    """A CPPOTrainer to time: CPPOConfig's defaults, then `fields` (strings are parsed as on the
-    command line), the progress bar off and, unless `fields` name one, a new temporary
-    output_dir (`prefix`). `model`: a model folder or name (None: the config's own); `rows` and
-    `reward`: the training rows and the reward function (None: the config's task). quiet: the
-    trainer's start-up prints are swallowed."""
+def bench_config(model: str | None = None, *, prefix: str = "cppo_bench_", **fields):
+    """CPPOConfig's defaults, then `fields` (strings are parsed as on the command line), the
+    progress bar off and, unless `fields` name one, a new temporary output_dir (`prefix`).
+    `model`: a model folder or name (None: the config's own)."""
     from cppo.config import CPPOConfig
-    from cppo.trainer import CPPOTrainer
     values = {"progress_bar": False, **fields}
     if "output_dir" not in values:
         values["output_dir"] = tempfile.mkdtemp(prefix=prefix)
     if model:
         values["model"] = model
+    return CPPOConfig.load(overrides=values)
+
+
+def trainer_for(model: str | None = None, rows: list[dict] | None = None, reward=None, *,
+                quiet: bool = True, prefix: str = "cppo_bench_", **fields):
+    """A CPPOTrainer to time, of bench_config(model, prefix=prefix, **fields). `rows` and
+    `reward`: the training rows and the reward function (None: the config's task). quiet: the
+    trainer's start-up prints are swallowed."""
+    from cppo.trainer import CPPOTrainer
     data = {} if rows is None else {"train_dataset": rows}
     if reward is not None:
         data["reward_funcs"] = [reward]
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        return CPPOTrainer(args=CPPOConfig.load(overrides=values), **data)
+        return CPPOTrainer(args=bench_config(model, prefix=prefix, **fields), **data)
+
+
+def parts_for(model: str | None = None, rows: list[dict] | None = None, reward=None, *,
+              quiet: bool = True, prefix: str = "cppo_bench_", **fields):
+    """The parts of a run to time (cppo.assembly.build_run), without a trainer around them: the
+    same arguments as trainer_for."""
+    from cppo.assembly import build_run
+    data = {} if rows is None else {"train_dataset": rows}
+    if reward is not None:
+        data["reward_funcs"] = [reward]
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        return build_run(bench_config(model, prefix=prefix, **fields), **data)
+
+
+def first_round_rows(parts) -> list[dict]:
+    """The questions of a run's first round (one process, no skipping): as the trainer takes them."""
+    return [parts.task.train_rows[i] for i in parts.questions.take(parts.plan.questions_per_step)]
 
 
 # ----------------------------------------------------------------- results files --------------

@@ -385,9 +385,10 @@ def test_the_edge_of_a_rule_is_allowed(values, supported_vllm):
 def test_sync_ref_model_with_a_peft_config_given_to_the_trainer_is_refused_before_loading(
         monkeypatch, tmp_path):
     """The same rule as use_peft's, for TRL's `peft_config=` argument: one home, one message."""
+    import cppo.assembly.models
     import cppo.trainer
     loaded = []
-    monkeypatch.setattr(cppo.trainer, "load_policy", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr(cppo.assembly.models, "load_policy", lambda *a, **k: loaded.append(1))
     args = CPPOConfig.from_dict({"sync_ref_model": True, "beta": 0.04,
                                  "output_dir": str(tmp_path / "run")})
     with pytest.raises(ConfigError) as err:

@@ -92,7 +92,7 @@ def test_the_circle_finder_finds_one(tmp_path):
 # The floors, bottom up: a room imports only rooms on lower floors (and itself), so no import
 # runs back up. errors imports nothing; algorithm and eca are pure; the user's modules on top.
 FLOORS = [{"errors"}, {"algorithm", "eca"}, {"models"}, {"run"}, {"parallel"}, {"sampling"},
-          {"rewards"}, {"data"}, {"config"}, {"features"}, {"learning"}, {"evaluate"}, {"pretrain", "trainer"}, {"cli"},
+          {"rewards"}, {"data"}, {"config"}, {"features"}, {"learning"}, {"assembly"}, {"evaluate"}, {"pretrain", "trainer"}, {"cli"},
           {"cppo"}]
 
 
@@ -300,6 +300,8 @@ TAKES_THE_CONFIG = {
     "parallel/memory.py": 2, "pretrain.py": 2, "trainer.py": 2, "models/compiled.py": 1,
     "rewards/runner.py": 1, "run/callbacks.py": 1, "sampling/settings.py": 1,
     "features/__init__.py": 1,
+    # the builders: where a run's config becomes its parts (build_run, build_models, ...)
+    "assembly/run.py": 4, "assembly/models.py": 1,
 }
 
 

@@ -201,8 +201,9 @@ def test_cli_error(env, tmp_path, capsys, monkeypatch, extra, message, request):
     monkeypatch.setitem(sys.modules, "vllm", None)   # as where vLLM is not installed
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)   # ... and bitsandbytes
     loaded = []   # start-up failures (paths, extras) are found before any model loads
-    original_load = cppo.trainer.load_policy
-    monkeypatch.setattr(cppo.trainer, "load_policy",
+    import cppo.assembly.models
+    original_load = cppo.assembly.models.load_policy
+    monkeypatch.setattr(cppo.assembly.models, "load_policy",
                         lambda *a, **k: loaded.append(1) or original_load(*a, **k))
     if request.node.callspec.id in NEEDS_PEFT:
         pytest.importorskip("peft")   # the plain install stops earlier, naming the extra

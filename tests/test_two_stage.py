@@ -71,7 +71,7 @@ def test_trainer_drops_questions_after_the_first_stage(tiny_model_dir, tmp_path)
 
     def spy_two_stage(rows):
         out = two_stage(rows)
-        results.append(([r["prompt"] for r in rows], *out))
+        results.append(([r["prompt"] for r in rows], out))
         return out
     trainer.backend.generate, trainer.score = spy_generate, spy_score
     trainer.generate_two_stage = spy_two_stage
@@ -80,8 +80,8 @@ def test_trainer_drops_questions_after_the_first_stage(tiny_model_dir, tmp_path)
     records = [r for r in records if "cppo/two_stage_dropped" in r]
     assert len(results) == 8 and len(calls) == 16
     total_dropped = 0
-    for step, ((prompts, first_rewards), (asked, kept_rows, _, completions, _)) in enumerate(
-            zip(firsts, results)):
+    for step, ((prompts, first_rewards), (asked, draw)) in enumerate(zip(firsts, results)):
+        kept_rows, completions = draw.rows, draw.completions
         assert calls[2 * step][:2] == (4, k) and calls[2 * step + 1][1] == G - k
         first = calls[2 * step][2]
         kept = [r["prompt"] for r in kept_rows]

@@ -23,45 +23,29 @@ import torch
 
 from cppo.algorithm import mix_into_reference, recompute_advantages_on_kept
 from cppo.algorithm.advantages import round_advantages
-from cppo.algorithm.loss import TOKEN_NORMALISED_LOSSES
-from cppo.algorithm.selection import (GLOBAL_SCOPE, round_inclusion_weights, round_keep_mask,
-                                      rule_traits)
-from cppo.algorithm.allocation import total_steps
-from cppo.algorithm.two_stage import completions_to_keep
+from cppo.assembly import Round, Rollout, build_run, round_counts, round_metrics
 from cppo.config import CPPOConfig
-from cppo.config.checks import check_generation_batch_size, check_reference_sync
-from cppo.config.startup import check_startup
-from cppo.data.questions import QuestionStream
-from cppo.data.sources import run_task
 from cppo.errors import CallbackError
-from cppo.features import build_features, states_of_old_checkpoint
+from cppo.features import states_of_old_checkpoint
 from cppo.evaluate import evaluate, sampled_metrics
-from cppo.models.loading import frozen_copy, load_policy
-from cppo.parallel.engines import Engine, pad_rows, resolve_strategy
-from cppo.parallel.hardware import apply_tf32, run_dtypes, warn_slow_precision
-from cppo.parallel.memory import check_run_batches, device_memory_bytes, plan_for_run
-from cppo.parallel.processes import Distributed, first_process, launcher_restarts
-from cppo.rewards.runner import RewardRunner, Scores, reward_sources
+from cppo.parallel.engines import pad_rows
+from cppo.parallel.processes import launcher_restarts
+from cppo.rewards.runner import Scores
 from cppo.run import checkpoint as ckpt
-from cppo.run.batch import StepBatch, kept_batch, loss_token_counts
+from cppo.run.batch import StepBatch, kept_batch
 from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
-from cppo.run.optimizer import advance_schedule, make_adamw, make_scheduler
+from cppo.run.optimizer import advance_schedule, make_adamw
 from cppo.run.loop import record_evaluation, run_rounds
-from cppo.run.metrics import Round, round_counts, round_metrics
 from cppo.run.signals import EXIT_CODES, stop_handlers, stop_request
-from cppo.run.saving import checkpoint_to_resume, resume_run, save_pretrained_folder, save_run
+from cppo.run.saving import save_pretrained_folder
 from cppo.run.summary import run_summary, write_summary
 from cppo.run.tracking import MetricsLog, MetricsWindow, PhaseTimer
 from cppo.sampling.async_rollout import RolloutScheduler, start_rollouts
-from cppo.sampling.backends import make_backend, speculation_slots
 from cppo.sampling.batches import Completions, PromptBatch
-from cppo.sampling.generation import Generation
-from cppo.sampling.sampler import chunk_seed, prompts_length
-from cppo.sampling.settings import SamplingSettings
+from cppo.sampling.generation import TwoStageDraw
+from cppo.sampling.sampler import chunk_seed
 from cppo.sampling.tools import ToolContext, ToolLoop, rollout_function
-from cppo.sampling.vllm import vllm_engine_bytes
-from cppo.learning.update import Learner
 
 __all__ = ["CPPOTrainer", "EXIT_CODES", "make_adamw", "train"]   # EXIT_CODES: for cppo.cli
 
@@ -75,43 +59,24 @@ class CPPOTrainer:
                  peft_config=None, callbacks=None, reward_processing_classes=None,
                  rollout_func=None, tools=None, environment_factory=None) -> None:
         self.args = args = args or CPPOConfig()
-        self.rollout_func = rollout_function(rollout_func, tools, environment_factory,
-                                             args.max_tool_calling_iterations, args.two_stage_generations)
-        check_startup(args, model=model, own_data=train_dataset is not None,   # before loading
-                      output_dir="create" if first_process() else "skip")
-        funcs, weights, reward_processing_classes = reward_sources(   # environments' get_reward too
-            reward_funcs, args, getattr(self.rollout_func, "env_rewards", []), reward_processing_classes)
-        self.dist = Distributed.from_environment()
-        self.device = self.dist.device
-        apply_tf32(args)   # transformers' rule (tf32, torch_compile); CUDA only
-        self._load_models(model, processing_class, peft_config)
-        self.plan = args.step_plan()   # questions sampled, scored and kept per step
-        self.generation_dtype, self.matmul_dtype = run_dtypes(   # 'auto' resolved; args kept
-            args, self.policy, self.device, engine=self.engine, announce=self.dist.is_main,
-            built_in=args.lean_forward and not args.use_vllm and self.rollout_func is None,
-            questions_per_step=self.plan.questions_per_step)
-        warn_slow_precision(args, self.device)   # bf16 on a CPU without native bf16
-        self.task = run_task(args, self.tokenizer, train_dataset, eval_dataset)
-        self.batch_sizes = self._plan_memory()   # how many completions fit at once, in each pass
-        self.sampling = SamplingSettings.of(args)
-        self.backend = make_backend(self.policy, self.tokenizer, args, sampling=self.sampling,
-                                    chunk_size=args.generation_chunk_size or self.batch_sizes.generation,
-                                    generation_dtype=self.generation_dtype)
-        self.rewards = RewardRunner(funcs, weights, processing_classes=reward_processing_classes,
-                                    device=self.device, trust_remote_code=args.trust_remote_code)
-        self.rewards.preflight(self.task.train_rows, self.tokenizer)  # every row's gold, up front
-        check_run_batches(self.batch_sizes, args, self.plan.questions_per_step, self.dist.world_size,
-                          check_generation_batch_size)
-        self.total_steps = total_steps(args.max_steps, len(self.task.train_rows),
-                                       self.plan.questions_per_step * self.dist.world_size,
-                                       args.num_train_epochs, args.steps_per_round)
-        self.optimizer = make_adamw([p for p in self.policy.parameters() if p.requires_grad], args)
-        self.scheduler = make_scheduler(self.optimizer, args, self.total_steps)
-        self.learner = Learner(self.policy, self.reference, self.engine, self.dist, self.optimizer,
-                               self.scheduler, args, self.device, self.matmul_dtype)
-        self.features = build_features(args, fp16=self.learner.fp16)   # the optional parts on
-        self.questions = QuestionStream(len(self.task.train_rows),
-                                        args.seed if args.data_seed is None else args.data_seed)
+        parts = build_run(args, model=model, reward_funcs=reward_funcs, train_dataset=train_dataset,
+                          eval_dataset=eval_dataset, processing_class=processing_class,
+                          peft_config=peft_config, reward_processing_classes=reward_processing_classes,
+                          rollout_func=rollout_function(rollout_func, tools, environment_factory,
+                                                        args.max_tool_calling_iterations,
+                                                        args.two_stage_generations))
+        # the run's parts (cppo.assembly.run.RunParts), under TRL's and the stages' names
+        self.dist, self.device, self.rollout_func = parts.dist, parts.dist.device, parts.rollout_func
+        models = parts.models
+        self.policy, self.tokenizer, self.reference = models.policy, models.tokenizer, models.reference
+        self.engine, self.use_lora = models.engine, models.lora
+        self.plan, self.task, self.batch_sizes = parts.plan, parts.task, parts.batch_sizes
+        self.generation_dtype, self.matmul_dtype = parts.generation_dtype, parts.matmul_dtype
+        self.sampling, self.backend, self.generation = parts.sampling, parts.backend, parts.generation
+        self.rewards, self.selector, self.learner = parts.rewards, parts.selector, parts.learner
+        self.optimizer, self.scheduler = parts.learner.optimizer, parts.learner.scheduler
+        self.total_steps, self.features, self.questions = parts.total_steps, parts.features, parts.questions
+        self.checkpointer = parts.checkpointer
         self.output_dir = Path(args.output_dir)
         self.timer = PhaseTimer()
         self.run_state = ckpt.RunState()   # step, counters, history, ...: what a checkpoint resumes
@@ -127,44 +92,7 @@ class CPPOTrainer:
                             optimizer=self.optimizer, lr_scheduler=self.scheduler)
         self.callbacks.event("on_init_end")
 
-    # ---------------------------------------------------------------- setup -----------------
-    def _load_models(self, model, processing_class, peft_config) -> None:
-        """The policy (on every process the same), its tokenizer, the reference and the engine.
-        No reference when beta = 0; with LoRA the base (adapters disabled) is the reference."""
-        args = self.args
-        torch.manual_seed(args.seed)   # same LoRA init everywhere; rank 0's is broadcast anyway
-        self.use_lora = args.use_peft or peft_config is not None
-        check_reference_sync(args.sync_ref_model, lora=self.use_lora)   # a peft_config given here
-        self.policy, self.tokenizer = load_policy(model, processing_class, args, self.device,
-                                                  lora=self.use_lora, peft_config=peft_config)
-        self.dist.broadcast_parameters(self.policy)
-        reference = None if args.beta == 0 or self.use_lora else frozen_copy(self.policy)
-        self.engine = Engine(resolve_strategy(args.distributed), self.dist, self.policy,
-                             bf16=args.bf16, block_names=args.fsdp_transformer_layer_cls_to_wrap)
-        self.reference = self.engine.shard_reference(reference)   # copied before sharding
-        torch.manual_seed(args.seed + self.dist.rank)  # dropout differs per process
-
-    def _plan_memory(self):
-        args, rows = self.args, self.task.train_rows
-        prompt_length = args.max_prompt_length if args.max_prompt_length is not None else \
-            (prompts_length(self.tokenizer, rows) if rows else 2048)
-        return plan_for_run(
-            self.policy, self.reference, self.device, prompt_length=prompt_length,
-            max_completion_length=args.max_completion_length, num_generations=args.num_generations,
-            generation_dtype=self.generation_dtype, bf16=args.bf16,
-            gradient_checkpointing=args.gradient_checkpointing,
-            memory_budget_gib=args.memory_budget_gib, speculation_slots=speculation_slots(args),
-            matmul_dtype=self.matmul_dtype,
-            engine_bytes=vllm_engine_bytes(args, self.policy, self.device,
-                                           device_memory_bytes(self.device)))
-
     # ---------------------------------------------------------------- one round -------------
-    @property
-    def generation(self) -> Generation:
-        args = self.args
-        return Generation(self.backend, self.tokenizer, self.engine, self.device, self.dist.rank,
-                          args.num_generations, args.max_prompt_length, args.seed)
-
     @property
     def round_index(self) -> int:
         """Generation rounds done (each runs steps_per_round optimizer steps); seeds sampling."""
@@ -175,45 +103,44 @@ class CPPOTrainer:
         args, timer = self.args, self.timer
         auto, skipping = self.features.get("auto_pruning"), self.features.get("prompt_skipping")
         with timer("generate"):
-            rows, order, skipped, prompts, completions, two_stage, rollout = self.rollout_round()
+            rollout = self.rollout_round()
         if auto is not None:   # this round's rate, from how long each side waited (the first
-            rollout["cppo/pruning_rate"] = auto.rate_for_round(   # process's, on every one)
-                rollout, self.rollouts.rounds_taken, agree=self.dist.broadcast_object)
+            rollout.metrics["cppo/pruning_rate"] = auto.rate_for_round(   # process's, on every one)
+                rollout.metrics, self.rollouts.rounds_taken, agree=self.dist.broadcast_object)
         with timer("score"):
-            scores = self.score(rows, completions)
+            scores = self.score(rollout.rows, rollout.completions)
             if skipping is not None:
-                skipping.after_scores(order, self.dist.gather(scores.rewards))
+                skipping.after_scores(rollout.order, self.dist.gather(scores.rewards))
             advantages = self.advantages(scores)
             keep_mask = self.select(advantages, scores.rewards)
-            if rule_traits(args.selection_rule).advantages_on_kept:  # question scope: local statistics
+            if self.selector.advantages_on_kept:  # question scope: local statistics
                 advantages = recompute_advantages_on_kept(scores.rewards, keep_mask, args.scale_rewards)
-            batch = self.build_batch(prompts, completions, advantages, keep_mask)
-        done = Round(rows, order, skipped, prompts, completions, two_stage, scores, advantages,
-                     keep_mask, batch)
+            batch = self.build_batch(rollout.prompts, rollout.completions, advantages, keep_mask)
+        done = Round(rollout, scores, advantages, keep_mask, batch)
         if self.completions_log is not None:
-            self.completions_log.capture_scores(rows, scores.texts, scores.per_function)
+            self.completions_log.capture_scores(rollout.rows, scores.texts, scores.per_function)
             self.completions_log.capture_selection(scores.rewards, advantages, keep_mask)
         metrics = self.step_metrics(done)
         self._count(done)
         metrics.update(getattr(self.rollout_func, "metrics", {}))   # tools/*: the tool loop's
-        metrics.update(self.learn(batch), **rollout)
+        metrics.update(self.learn(batch), **rollout.metrics)
         if self.rollouts is not None:   # the new weights to the generator process
             pushed = self.rollouts.sync(self.policy, self.run_state.step, args.weight_sync_steps)
             metrics.update({} if pushed is None else {"perf/weight_sync_s": pushed})
         return metrics
 
-    def rollout_round(self) -> tuple:
-        """This round's rows, question order, skipped count, prompts, completions, two-stage
-        counts and rollout metrics: sampled now, or (async_rollout) arrived from the generator."""
+    def rollout_round(self) -> Rollout:
+        """This round's generation stage: sampled now, or (async_rollout) arrived from the
+        generator."""
         if self.rollouts is not None:
             return self.arrived_round()
         rows, order, skipped = self.take_questions()
         if self.args.two_stage_generations:   # rows: the questions that get all G completions
-            rows, prompts, completions, two_stage = self.generate_two_stage(rows)
-            return rows, order, skipped, prompts, completions, two_stage, {}
-        return rows, order, skipped, *self.generate(rows), None, {}
+            draw = self.generate_two_stage(rows)
+            return Rollout(draw.rows, order, draw.prompts, draw.completions, skipped, draw.counts)
+        return Rollout(rows, order, *self.generate(rows), skipped_prompts=skipped)
 
-    def arrived_round(self) -> tuple:
+    def arrived_round(self) -> Rollout:
         """async_rollout: this round as it arrived from the generator (cppo.sampling.async_rollout)."""
         def every_process_rows() -> tuple[list[list[dict]], list[int]]:
             order = self.take_questions()[1]
@@ -222,7 +149,7 @@ class CPPOTrainer:
             self.round_index, (self.total_steps - 1) // self.args.steps_per_round,
             version=self.run_state.step, take_questions=every_process_rows,
             questions_state=self.questions.state)
-        return rows, order, None, prompts, completions, None, metrics
+        return Rollout(rows, order, prompts, completions, metrics=metrics)
 
     def take_questions(self) -> tuple[list[dict], list[int], int | None]:
         """This process's slice of the round's questions, the round's question indices (all
@@ -253,7 +180,7 @@ class CPPOTrainer:
         caller = self.tool_context() if isinstance(self.rollout_func, ToolLoop) else self
         return self.generation.rollout(self.rollout_func, rows, self.round_index, caller)
 
-    def generate_two_stage(self, rows: list[dict]) -> tuple[list[dict], PromptBatch, Completions, dict]:
+    def generate_two_stage(self, rows: list[dict]) -> TwoStageDraw:
         """The continued rows, their prompts, G completions each, and the stage's counts."""
         return self.generation.two_stage(
             rows, self.round_index, k=self.args.two_stage_generations,
@@ -282,53 +209,21 @@ class CPPOTrainer:
                                 scale_rewards=self.args.scale_rewards, gather=self.dist.gather)
 
     def select(self, advantages: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
-        """keep_mask (Q, G): which completions go on to the forward passes. selection_rule
-        random draws from a generator seeded per round: the same on all processes for the
-        global scope (they must agree), per process otherwise."""
-        args = self.args
-        if args.pruning_rate == 0:
-            return torch.ones_like(advantages, dtype=torch.bool)
-        key = -1 if args.selection_scope == GLOBAL_SCOPE else -1 - self.dist.rank
+        """keep_mask (Q, G): which completions go on to the forward passes (the selector,
+        cppo.assembly.selector; pruning_rate auto: this round's rate)."""
         auto = self.features.get("auto_pruning")
-        auto = None if auto is None else auto.rate   # pruning_rate auto: this round's rate
-        return round_keep_mask(
-            advantages, rewards, rule=args.selection_rule, scope=args.selection_scope,
-            num_keep=completions_to_keep(self.plan, advantages.shape[0], args.num_generations, auto),
-            generator=torch.Generator().manual_seed(chunk_seed(args.seed, self.round_index, key)),
-            rank=self.dist.rank, world_size=self.dist.world_size, gather=self.dist.gather)
+        return self.selector.keep_mask(advantages, rewards, self.round_index,
+                                       None if auto is None else auto.rate)
 
     def build_batch(self, prompts: PromptBatch, completions: Completions, advantages: torch.Tensor,
                     keep_mask: torch.Tensor) -> StepBatch:
+        """The kept completions as the updates' batch, with the advantages the loss takes."""
         stale = self.rollouts is not None and self.args.max_staleness > 0   # behaviour != policy
-        advantages = self.loss_advantages(advantages, keep_mask, completions)
+        advantages = self.selector.loss_advantages(advantages, keep_mask, completions)
         return kept_batch(prompts, completions, advantages, keep_mask,
                           num_generations=self.args.num_generations,
                           mask_truncated=self.args.mask_truncated_completions,
                           sampler_logprobs=self.args.importance_sampling_correction or stale)
-
-    def loss_advantages(self, advantages: torch.Tensor, keep_mask: torch.Tensor,
-                        completions: Completions) -> torch.Tensor:
-        """(Q, G) the advantages the loss takes: as they are, or, for a rule that reweights
-        (selection_rule unbiased), times its inclusion weights (cppo.algorithm.inclusion) over the
-        design `select` drew from (num_keep: this process's kept count; the global scope's, every
-        process's over world_size), with the loss normaliser's kept share over every process:
-        of the loss tokens for token-normalised losses, of the completions otherwise."""
-        args = self.args
-        if not rule_traits(args.selection_rule).reweights:
-            return advantages
-        kept, world = int(keep_mask.sum()), self.dist.world_size
-        num_keep = int(self.dist.sum(kept)) // world if args.selection_scope == GLOBAL_SCOPE else kept
-        share = None
-        if args.loss_type in TOKEN_NORMALISED_LOSSES:
-            tokens = loss_token_counts(completions, mask_truncated=args.mask_truncated_completions)
-            tokens = tokens.view(keep_mask.shape).to(keep_mask.device)
-            total = self.dist.sum_values({"kept": float(tokens[keep_mask].sum()),
-                                          "all": float(tokens.sum())})
-            share = total["kept"] / max(total["all"], 1.0)
-        weights = round_inclusion_weights(advantages, num_keep=num_keep, scope=args.selection_scope,
-                                          kept_share=share, rank=self.dist.rank, world_size=world,
-                                          gather=self.dist.gather)
-        return advantages * weights.to(advantages.device, advantages.dtype)
 
     def step_metrics(self, done: Round) -> dict:
         return round_metrics(done, self.dist.gather(done.scores.rewards),
@@ -488,7 +383,7 @@ class CPPOTrainer:
 
     # ---------------------------------------------------------------- checkpoints -----------
     def save(self, start_wall: float, final: bool = False) -> Path | None:
-        """Every process takes part (cppo.run.saving.save_run): the model or LoRA adapters,
+        """Every process takes part (cppo.run.saving.Checkpointer): the model or LoRA adapters,
         optimizer, every rank's RNG and the run state."""
         self.run_state.wall_offset = time.perf_counter() - start_wall
         self.run_state.questions = self.questions.state() if self.rollouts is None else \
@@ -497,10 +392,7 @@ class CPPOTrainer:
         state = self.run_state.to_dict(config=self.args.to_dict(), world_size=self.dist.world_size,
                                        distributed=self.engine.strategy)
         with self.timer("checkpoint"):
-            path = save_run(self.output_dir, self.run_state.step, state, model=self.policy,
-                            tokenizer=self.tokenizer, optimizer=self.optimizer,
-                            scheduler=self.scheduler, engine=self.engine, dist=self.dist,
-                            device=self.device, keep=self.args.save_total_limit, final=final)
+            path = self.checkpointer.save(self.run_state.step, state, final=final)
         self.timer.pop_last()
         self.callbacks.event("on_save")
         return path
@@ -530,14 +422,21 @@ class CPPOTrainer:
 
     def _maybe_resume(self, log) -> str | None:
         """--resume, or a restart by the launcher (torchrun --max-restarts): continue from the
-        newest complete checkpoint in output_dir, if there is one (cppo.run.saving)."""
-        latest = checkpoint_to_resume(self.output_dir, self.dist, resume=self.args.resume,
-                                      restarts=launcher_restarts())
-        if latest is not None:
-            self.run_state = resume_run(self, latest, log)
-            self.features.load_state_dict(   # an older checkpoint: its flat keys
-                self.run_state.features or states_of_old_checkpoint(ckpt.load_trainer_state(latest)))
-        return None if latest is None else str(latest)
+        newest complete checkpoint in output_dir, if there is one (cppo.run.saving): the model,
+        optimizer, schedule, RNG, run state, question stream and features; the metrics log and
+        the completions table cut back to its step."""
+        latest = self.checkpointer.to_resume(resume=self.args.resume, restarts=launcher_restarts())
+        if latest is None:
+            return None
+        self.run_state = state = self.checkpointer.load(latest)
+        self.questions.load_state(state.questions)
+        self.features.load_state_dict(   # an older checkpoint: its flat keys
+            state.features or states_of_old_checkpoint(ckpt.load_trainer_state(latest)))
+        for table in (log, self.completions_log):
+            if table is not None:
+                table.truncate_after(state.step)
+        print(f"resumed from {latest} at step {state.step}")
+        return str(latest)
 
     def _summary(self, status: str, start_wall: float, resumed_from, log) -> dict:
         summary = run_summary(status, run_state=self.run_state,

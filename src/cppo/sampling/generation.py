@@ -19,6 +19,30 @@ from cppo.sampling.tools import ToolLoop
 
 
 @dataclass(frozen=True)
+class TwoStageCounts:
+    """two_stage_generations' counts for a round: the questions not continued after the first
+    stage (dropped: every process's; dropped_here: this process's), the continued ones whose
+    first stage had zero reward variance (explored), and this process's dropped questions'
+    first-stage completion tokens (dropped_tokens)."""
+
+    dropped: int
+    dropped_here: int
+    explored: int
+    dropped_tokens: int
+
+
+@dataclass(frozen=True)
+class TwoStageDraw:
+    """The second stage's outcome: the continued rows, their prompts, G completions each (the
+    k first-stage ones first) and the round's counts."""
+
+    rows: list[dict]
+    prompts: PromptBatch
+    completions: Completions
+    counts: TwoStageCounts
+
+
+@dataclass(frozen=True)
 class Generation:
     """What generation uses, set once per run: the backend, the tokenizer, the engine (its
     `gathered()` hands the sampler the full weights under fsdp, once per round), the device,
@@ -48,12 +72,10 @@ class Generation:
 
     def two_stage(self, rows: list[dict], round_index: int, *, k: int, exploration: float,
                   score: Callable[[list[dict], Completions, int], torch.Tensor], dist
-                  ) -> tuple[list[dict], PromptBatch, Completions, dict]:
+                  ) -> TwoStageDraw:
         """two_stage_generations = k: k completions per row, scored (`score(rows, completions, k)`
         -> rewards (Q, k)); the other G - k only for the rows cppo.algorithm.two_stage continues
-        (the same decision on every process, from all processes' first-stage rewards). Returns the
-        continued rows, their prompts, G completions each (the k first-stage ones first) and the
-        stage's counts (dropped, dropped_here, explored, dropped_tokens)."""
+        (the same decision on every process, from all processes' first-stage rewards)."""
         q, rank = len(rows), self.rank
         prompts = self.prompts(rows)
         with self.engine.gathered():
@@ -71,11 +93,12 @@ class Generation:
                                            question_offset=rank * len(mine),
                                            num_generations=self.num_generations - k, stage=2)
         dropped_here = (~keep[rank]).nonzero().squeeze(1).to(first.mask.device)
-        counts = {"dropped": int((~keep).sum()), "dropped_here": len(dropped_here),
-                  "explored": int((keep & zero_variance_groups(first_rewards).view(-1, q)).sum()),
-                  "dropped_tokens": int(first.mask[group_rows(dropped_here, k)].sum())}
-        return ([rows[i] for i in mine.tolist()], prompts.select(mine.to(self.device)),
-                merge_groups(first, k, mine, second, self.tokenizer.pad_token_id), counts)
+        counts = TwoStageCounts(
+            dropped=int((~keep).sum()), dropped_here=len(dropped_here),
+            explored=int((keep & zero_variance_groups(first_rewards).view(-1, q)).sum()),
+            dropped_tokens=int(first.mask[group_rows(dropped_here, k)].sum()))
+        return TwoStageDraw([rows[i] for i in mine.tolist()], prompts.select(mine.to(self.device)),
+                            merge_groups(first, k, mine, second, self.tokenizer.pad_token_id), counts)
 
     def rollout(self, rollout_func, rows: list[dict], round_index: int,
                 caller) -> tuple[PromptBatch, Completions]:

@@ -1,0 +1,145 @@
+"""A run built from parts: `build_run(config, ...)` loads and wires what a run uses (models,
+task, batch sizes, sampler, rewards, learner, features, question stream, selector,
+checkpointer) and returns them in one `RunParts`; CPPOTrainer is TRL's facade over them. Each
+part comes from a small builder that tests and benchmarks call directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cppo.algorithm.allocation import StepShape, total_steps
+from cppo.assembly.models import Models, build_models
+from cppo.assembly.selector import Selector
+from cppo.config.checks import check_generation_batch_size
+from cppo.config.startup import check_startup
+from cppo.data.questions import QuestionStream
+from cppo.data.sources import TaskData, run_task
+from cppo.features import Features, build_features
+from cppo.learning.update import Learner
+from cppo.parallel.hardware import apply_tf32, run_dtypes, warn_slow_precision
+from cppo.parallel.memory import BatchSizes, check_run_batches, device_memory_bytes, plan_for_run
+from cppo.parallel.processes import Distributed, first_process
+from cppo.rewards.runner import RewardRunner, reward_sources
+from cppo.run.optimizer import make_adamw, make_scheduler
+from cppo.run.saving import Checkpointer
+from cppo.sampling.backends import GenerationBackend, make_backend, speculation_slots
+from cppo.sampling.generation import Generation
+from cppo.sampling.sampler import prompts_length
+from cppo.sampling.settings import SamplingSettings
+from cppo.sampling.vllm import vllm_engine_bytes
+
+
+@dataclass
+class RunParts:
+    """Everything a run is made of, built once (build_run). plan: questions sampled, scored
+    and kept per step; generation_dtype / matmul_dtype: 'auto' resolved (names, None: the
+    weights' dtype); total_steps: the optimizer steps of the whole run; rollout_func: TRL's
+    rollout function or cppo's tool loop (None: one sampled turn per completion)."""
+
+    dist: Distributed
+    models: Models
+    plan: StepShape
+    generation_dtype: str | None
+    matmul_dtype: str | None
+    task: TaskData
+    batch_sizes: BatchSizes
+    sampling: SamplingSettings
+    backend: GenerationBackend
+    generation: Generation
+    rewards: RewardRunner
+    total_steps: int
+    learner: Learner
+    features: Features
+    questions: QuestionStream
+    selector: Selector
+    checkpointer: Checkpointer
+    rollout_func: object = None
+
+
+def build_run(args, *, model=None, reward_funcs=None, train_dataset=None, eval_dataset=None,
+              processing_class=None, peft_config=None, reward_processing_classes=None,
+              rollout_func=None) -> RunParts:
+    """The parts of a run of config `args` (CPPOConfig), in the order they depend on each
+    other; the other arguments are CPPOTrainer's (TRL's names). Start-up checks run before any
+    loading; every row's gold answer is checked before the first round."""
+    check_startup(args, model=model, own_data=train_dataset is not None,
+                  output_dir="create" if first_process() else "skip")
+    funcs, weights, reward_processing_classes = reward_sources(   # environments' get_reward too
+        reward_funcs, args, getattr(rollout_func, "env_rewards", []), reward_processing_classes)
+    dist = Distributed.from_environment()
+    apply_tf32(args)   # transformers' rule (tf32, torch_compile); CUDA only
+    models = build_models(args, dist, model, processing_class, peft_config)
+    plan = args.step_plan()
+    generation_dtype, matmul_dtype = run_dtypes(
+        args, models.policy, dist.device, engine=models.engine, announce=dist.is_main,
+        built_in=args.lean_forward and not args.use_vllm and rollout_func is None,
+        questions_per_step=plan.questions_per_step)
+    warn_slow_precision(args, dist.device)   # bf16 on a CPU without native bf16
+    task = run_task(args, models.tokenizer, train_dataset, eval_dataset)
+    batch_sizes = plan_batches(args, models, task, generation_dtype, matmul_dtype, dist.device)
+    sampling = SamplingSettings.of(args)
+    backend = build_sampler(args, models, sampling, batch_sizes, generation_dtype)
+    rewards = RewardRunner(funcs, weights, processing_classes=reward_processing_classes,
+                           device=dist.device, trust_remote_code=args.trust_remote_code)
+    rewards.preflight(task.train_rows, models.tokenizer)   # every row's gold, up front
+    check_run_batches(batch_sizes, args, plan.questions_per_step, dist.world_size,
+                      check_generation_batch_size)
+    steps = total_steps(args.max_steps, len(task.train_rows), plan.questions_per_step * dist.world_size,
+                        args.num_train_epochs, args.steps_per_round)
+    learner = build_learner(args, models, dist, steps, matmul_dtype)
+    return RunParts(
+        dist=dist, models=models, plan=plan, generation_dtype=generation_dtype,
+        matmul_dtype=matmul_dtype, task=task, batch_sizes=batch_sizes, sampling=sampling,
+        backend=backend, generation=Generation(
+            backend, models.tokenizer, models.engine, dist.device, dist.rank,
+            args.num_generations, args.max_prompt_length, args.seed),
+        rewards=rewards, total_steps=steps, learner=learner,
+        features=build_features(args, fp16=learner.fp16),   # the optional parts that are on
+        questions=QuestionStream(len(task.train_rows),
+                                 args.seed if args.data_seed is None else args.data_seed),
+        selector=Selector(args.selection_rule, args.selection_scope, args.pruning_rate, plan,
+                          args.num_generations, args.seed, args.loss_type,
+                          args.mask_truncated_completions, dist),
+        checkpointer=Checkpointer(Path(args.output_dir), models.policy, models.tokenizer,
+                                  learner.optimizer, learner.scheduler, models.engine, dist,
+                                  keep=args.save_total_limit),
+        rollout_func=rollout_func)
+
+
+def plan_batches(args, models: Models, task: TaskData, generation_dtype: str | None,
+                 matmul_dtype: str | None, device: torch.device) -> BatchSizes:
+    """How many completions fit at once in each pass (cppo.parallel.memory), for the task's
+    longest prompt (max_prompt_length when set) and the config's memory budget."""
+    rows = task.train_rows
+    prompt_length = args.max_prompt_length if args.max_prompt_length is not None else \
+        (prompts_length(models.tokenizer, rows) if rows else 2048)
+    return plan_for_run(
+        models.policy, models.reference, device, prompt_length=prompt_length,
+        max_completion_length=args.max_completion_length, num_generations=args.num_generations,
+        generation_dtype=generation_dtype, bf16=args.bf16,
+        gradient_checkpointing=args.gradient_checkpointing,
+        memory_budget_gib=args.memory_budget_gib, speculation_slots=speculation_slots(args),
+        matmul_dtype=matmul_dtype,
+        engine_bytes=vllm_engine_bytes(args, models.policy, device, device_memory_bytes(device)))
+
+
+def build_sampler(args, models: Models, sampling: SamplingSettings, batch_sizes: BatchSizes,
+                  generation_dtype: str | None) -> GenerationBackend:
+    """The generation backend (cppo's sampler or vLLM) on the policy: the built-in sampler
+    decodes generation_chunk_size completions together (0: what the memory plan fits)."""
+    return make_backend(models.policy, models.tokenizer, args, sampling=sampling,
+                        chunk_size=args.generation_chunk_size or batch_sizes.generation,
+                        generation_dtype=generation_dtype)
+
+
+def build_learner(args, models: Models, dist: Distributed, steps: int,
+                  matmul_dtype: str | None) -> Learner:
+    """The learner (cppo.learning.update): AdamW over the trainable parameters, the learning-rate
+    schedule over `steps` optimizer steps, the loss settings and the precision of each pass."""
+    optimizer = make_adamw([p for p in models.policy.parameters() if p.requires_grad], args)
+    scheduler = make_scheduler(optimizer, args, steps)
+    return Learner(models.policy, models.reference, models.engine, dist, optimizer, scheduler,
+                   args, dist.device, matmul_dtype)
