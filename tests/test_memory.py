@@ -1,6 +1,7 @@
 """Memory budget -> batch sizes: a hand count for Qwen2.5-1.5B's real config, the trainer and
 `cppo eval` using the sizes, and clear errors for budgets and batch settings that cannot work."""
 
+import dataclasses
 import pytest
 import torch
 
@@ -76,13 +77,12 @@ def test_a_budget_too_small_for_one_sequence_is_an_error():
 
 
 def tiny_sizes(trainer, budget_gib):
-    from cppo.parallel.memory import plan_for_run
+    from cppo.parallel.memory import RunShape, plan_for_run
     args = trainer.args
-    return plan_for_run(trainer.policy, trainer.reference, trainer.device,
-                        prompt_length=args.max_prompt_length,
-                        max_completion_length=args.max_completion_length,
-                        num_generations=args.num_generations, generation_dtype=trainer.generation_dtype,
-                        bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
+    run = RunShape(args.max_prompt_length, args.max_completion_length, args.num_generations,
+                   generation_dtype=trainer.generation_dtype, bf16=args.bf16,
+                   gradient_checkpointing=args.gradient_checkpointing)
+    return plan_for_run(trainer.policy, trainer.reference, trainer.device, run,
                         memory_budget_gib=budget_gib)
 
 
@@ -228,14 +228,13 @@ def test_a_colocated_vllm_engine_takes_its_share_of_the_budget(tiny_model_dir, m
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 8 * GIB)
     cfg.vllm_mode = "colocate"
     share = vllm_engine_bytes(cfg, policy, cpu, 8 * GIB)
-    run = dict(prompt_length=8, max_completion_length=4, num_generations=4,
-               generation_dtype=None, bf16=False, gradient_checkpointing=False,
-               memory_budget_gib=None)
-    memory.plan_for_run(policy, None, cpu, **run, engine_bytes=share)
-    memory.plan_for_run(policy, None, cpu, **run)
+    run = memory.RunShape(prompt_length=8, max_completion_length=4, num_generations=4)
+    memory.plan_for_run(policy, None, cpu, run, memory_budget_gib=None, engine_bytes=share)
+    memory.plan_for_run(policy, None, cpu, run, memory_budget_gib=None)
     assert seen[1] - seen[0] == share == weights + 2 * GIB
     # and less the training passes' bfloat16 copy of the decoder's Linear weights (matmul_dtype)
-    memory.plan_for_run(policy, None, cpu, **run, matmul_dtype="bfloat16")
+    memory.plan_for_run(policy, None, cpu, dataclasses.replace(run, matmul_dtype="bfloat16"),
+                        memory_budget_gib=None)
     linear = sum(p.numel() for name, p in policy.model.layers.named_parameters()
                  if "proj" in name and name.endswith("weight"))
     assert seen[1] - seen[2] == 2 * linear

@@ -41,7 +41,7 @@ from cppo.run.signals import EXIT_CODES, stop_handlers, stop_request
 from cppo.run.saving import save_pretrained_folder
 from cppo.run.summary import run_summary, write_summary
 from cppo.run.tracking import MetricsLog, MetricsWindow, PhaseTimer
-from cppo.sampling.async_rollout import RolloutScheduler, start_rollouts
+from cppo.sampling.async_rollout import RolloutScheduler, check_async_launch, start_rollouts
 from cppo.sampling.batches import Completions, PromptBatch
 from cppo.sampling.generation import TwoStageDraw
 from cppo.sampling.sampler import chunk_seed
@@ -333,13 +333,13 @@ class CPPOTrainer:
     def start_generator(self) -> RolloutScheduler:
         """async_rollout: the generator on this policy's weights (version: the step)."""
         args = self.args
-        return start_rollouts(self.policy, self.tokenizer, args, version=self.run_state.step,
+        check_async_launch(self.dist.world_size, self.engine.strategy, self.rollout_func)
+        return start_rollouts(self.tokenizer, args, version=self.run_state.step,
                               chunk_size=args.generation_chunk_size or self.batch_sizes.generation,
                               generation_dtype=self.generation_dtype,
                               questions_per_round=self.plan.questions_per_step,
                               backend=self.backend, weights_dir=self.output_dir / ".async_weights",
-                              dist=self.dist, strategy=self.engine.strategy,
-                              gathered=self.engine.gathered, rollout_func=self.rollout_func)
+                              dist=self.dist, engine=self.engine)
 
     def _request_stop(self, signum, frame) -> None:
         """SIGINT / SIGTERM handler: the loop stops after this step (cppo.run.signals)."""

@@ -20,7 +20,8 @@ from cppo.data.sources import TaskData, run_task
 from cppo.features import Features, build_features
 from cppo.learning.update import Learner
 from cppo.parallel.hardware import apply_tf32, run_dtypes, warn_slow_precision
-from cppo.parallel.memory import BatchSizes, check_run_batches, device_memory_bytes, plan_for_run
+from cppo.parallel.memory import (BatchSizes, RunShape, check_run_batches, device_memory_bytes,
+                                  plan_for_run)
 from cppo.parallel.processes import Distributed, first_process
 from cppo.rewards.runner import RewardRunner, reward_sources
 from cppo.run.optimizer import make_adamw, make_scheduler
@@ -116,13 +117,12 @@ def plan_batches(args, models: Models, task: TaskData, generation_dtype: str | N
     rows = task.train_rows
     prompt_length = args.max_prompt_length if args.max_prompt_length is not None else \
         (prompts_length(models.tokenizer, rows) if rows else 2048)
+    run = RunShape(prompt_length, args.max_completion_length, args.num_generations,
+                   generation_dtype=generation_dtype, bf16=args.bf16,
+                   gradient_checkpointing=args.gradient_checkpointing,
+                   speculation_slots=speculation_slots(args), matmul_dtype=matmul_dtype)
     return plan_for_run(
-        models.policy, models.reference, device, prompt_length=prompt_length,
-        max_completion_length=args.max_completion_length, num_generations=args.num_generations,
-        generation_dtype=generation_dtype, bf16=args.bf16,
-        gradient_checkpointing=args.gradient_checkpointing,
-        memory_budget_gib=args.memory_budget_gib, speculation_slots=speculation_slots(args),
-        matmul_dtype=matmul_dtype,
+        models.policy, models.reference, device, run, memory_budget_gib=args.memory_budget_gib,
         engine_bytes=vllm_engine_bytes(args, models.policy, device, device_memory_bytes(device)))
 
 

@@ -263,16 +263,30 @@ def check_run_batches(sizes: BatchSizes, args, questions_per_step: int, world_si
                  world_size=world_size)
 
 
-def plan_for_run(policy, reference, device, *, prompt_length: int,
-                 max_completion_length: int, num_generations: int, generation_dtype: str | None,
-                 bf16: bool, gradient_checkpointing: bool, memory_budget_gib: float | None,
-                 engine_bytes: int = 0, speculation_slots: int = 0,
-                 matmul_dtype: str | None = None) -> BatchSizes:
-    """plan_batch_sizes for a run's loaded models: prompts of prompt_length tokens, the
-    sampler's KV cache in generation_dtype (None: the weights' dtype), activations in bf16 under `bf16`; `engine_bytes` (a colocated vLLM engine's share)
-    comes off the device's memory; `speculation_slots` KV-cache slots per completion are kept for
-    rejected drafts; with `matmul_dtype`, the training passes' copy of the decoder layers' Linear
-    weights in it (kept for the backward) comes off too."""
+@dataclass(frozen=True)
+class RunShape:
+    """What a run's passes hold per completion: prompts of prompt_length tokens and up to
+    max_completion_length new ones (plus speculation_slots KV-cache slots kept for rejected
+    drafts), G = num_generations per question, the sampler's KV cache in generation_dtype (None:
+    the weights' dtype), activations in bf16 under `bf16`, and with `matmul_dtype` the training
+    passes' copy of the decoder layers' Linear weights in it (kept for the backward)."""
+
+    prompt_length: int
+    max_completion_length: int
+    num_generations: int
+    generation_dtype: str | None = None
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    speculation_slots: int = 0
+    matmul_dtype: str | None = None
+
+
+def plan_for_run(policy, reference, device, run: RunShape, *, memory_budget_gib: float | None,
+                 engine_bytes: int = 0) -> BatchSizes:
+    """plan_batch_sizes for a run's loaded models and its RunShape, in memory_budget_gib (None:
+    90% of the device); `engine_bytes` (a colocated vLLM engine's share) and the matmul copy come
+    off the device's memory."""
+    generation_dtype, matmul_dtype = run.generation_dtype, run.matmul_dtype
     weight_bytes = next(policy.parameters()).element_size()
     sampling_bytes = (torch.empty(0, dtype=torch_dtype(generation_dtype)).element_size()
                       if generation_dtype else weight_bytes)
@@ -284,12 +298,12 @@ def plan_for_run(policy, reference, device, *, prompt_length: int,
                           state_bytes=model_state_bytes(policy, reference) + matmul_copy,
                           engine_bytes=engine_bytes)
     return plan_batch_sizes(shape, budget_bytes=budget,
-                            prompt_length=prompt_length,
-                            completion_length=max_completion_length + speculation_slots,
-                            num_generations=num_generations,
+                            prompt_length=run.prompt_length,
+                            completion_length=run.max_completion_length + run.speculation_slots,
+                            num_generations=run.num_generations,
                             sampling_dtype_bytes=sampling_bytes,
-                            activation_bytes=2 if bf16 else weight_bytes,
-                            gradient_checkpointing=gradient_checkpointing)
+                            activation_bytes=2 if run.bf16 else weight_bytes,
+                            gradient_checkpointing=run.gradient_checkpointing)
 
 
 def eval_batch_size(model, prompt_length: int, *, max_new_tokens: int, k: int,

@@ -176,19 +176,36 @@ def _keep_newest(output_dir: Path, keep: int) -> None:
         shutil.rmtree(hidden, ignore_errors=True)
 
 
-def save_checkpoint(output_dir: str | Path, step: int, *, model=None, tokenizer=None,
-                    optimizer=None, scheduler=None, rng_states: dict[str, torch.Tensor] | None = None,
-                    trainer_state: dict[str, Any] | None = None, keep: int | None = None,
-                    dist=None, sharded_state: dict | None = None,
-                    consolidated: dict | None = None) -> Path | None:
+@dataclass
+class CheckpointContents:
+    """What checkpoint-<step> holds: the model (or its LoRA adapters) and tokenizer, the
+    optimizer and schedule, every rank's RNG states and the run state (trainer_state.json);
+    under fsdp, sharded_state (a torch.distributed.checkpoint state dict: every process's shards
+    of the model and optimizer) and consolidated (the full model state dict, on rank 0, for the
+    final checkpoint's Hugging Face folder)."""
+
+    model: Any = None
+    tokenizer: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    rng_states: dict[str, torch.Tensor] | None = None
+    trainer_state: dict[str, Any] | None = None
+    sharded_state: dict | None = None
+    consolidated: dict | None = None
+
+
+def save_checkpoint(output_dir: str | Path, step: int, contents: CheckpointContents, *,
+                    keep: int | None = None, dist=None) -> Path | None:
     """Write checkpoint-<step> atomically; keep only the newest `keep` checkpoints.
 
     One process (dist None): everything is written by this process. Several (dist given): every
     process calls this; rank 0 makes the temporary directory and writes all the files, except
-    `sharded_state` (a torch.distributed.checkpoint state dict: every process's shards of the
-    model and optimizer), which all processes write together into `sharded/`. `consolidated`
-    (the full model state dict, on rank 0) is then written as a Hugging Face model folder
+    the sharded state, which all processes write together into `sharded/`; the consolidated
+    state is then written as a Hugging Face model folder
     (`model.save_pretrained(..., state_dict=consolidated)`). Returns the path on rank 0."""
+    model, tokenizer, optimizer, scheduler = (contents.model, contents.tokenizer,
+                                              contents.optimizer, contents.scheduler)
+    sharded_state, consolidated = contents.sharded_state, contents.consolidated
     output_dir = Path(output_dir)
     main = dist is None or dist.is_main
     tmp = None
@@ -217,8 +234,8 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model=None, tokenizer=
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if scheduler is not None:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_states or {}, tmp / "rng_state.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {}, indent=2))
+    torch.save(contents.rng_states or {}, tmp / "rng_state.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(contents.trainer_state or {}, indent=2))
     (tmp / COMPLETE_MARKER).write_text(str(step))
     _fsync_tree(tmp)
     _test_pause("written", step)

@@ -44,12 +44,11 @@ class Checkpointer:
         rng = {**per_rank[0], **{f"rank{r}/{k}": v for r, states in enumerate(per_rank)
                                  for k, v in states.items()}}
         sharded = engine.sharded
-        return ckpt.save_checkpoint(
-            self.output_dir, step, model=self.model, tokenizer=self.tokenizer,
-            optimizer=self.optimizer, scheduler=self.scheduler, rng_states=rng,
-            trainer_state=trainer_state, keep=self.keep, dist=dist,
+        contents = ckpt.CheckpointContents(
+            self.model, self.tokenizer, self.optimizer, self.scheduler, rng, trainer_state,
             sharded_state=engine.sharded_state(self.optimizer) if sharded else None,
             consolidated=engine.full_model_state() if sharded and final else None)
+        return ckpt.save_checkpoint(self.output_dir, step, contents, keep=self.keep, dist=dist)
 
     def to_resume(self, *, resume: bool, restarts: int) -> Path | None:
         """--resume, or a restart by the launcher (`restarts`, torchrun --max-restarts): the

@@ -591,16 +591,15 @@ class RolloutScheduler:
         self.generator.close()
 
 
-def start_rollouts(policy, tokenizer, args, *, version: int, chunk_size: int,
+def start_rollouts(tokenizer, args, *, version: int, chunk_size: int,
                    generation_dtype: str | None, questions_per_round: int, backend,
-                   weights_dir: Path, dist, strategy: str, gathered,
-                   rollout_func) -> RolloutScheduler:
+                   weights_dir: Path, dist, engine) -> RolloutScheduler:
     """The generator (cppo's sampler in its own process; with use_vllm, the vLLM server that
     `backend` talks to), held by the first training process, on the policy's weights as
     `version`, and this process's scheduler: rounds ahead as max_staleness,
-    max_inflight_tasks and queue_maxsize allow (questions_per_round: each process's)."""
-    check_async_launch(dist.world_size, strategy, rollout_func)
-    generator = None
+    max_inflight_tasks and queue_maxsize allow (questions_per_round: each process's). engine:
+    the policy's (cppo.parallel.engines.Engine; call check_async_launch first)."""
+    policy, generator = engine.policy, None
     if dist.is_main and args.use_vllm:
         generator = ServerGenerator(backend, tokenizer, args, weights_dir,
                                     heartbeat_stale_after_s=args.heartbeat_stale_after_s)
@@ -610,7 +609,7 @@ def start_rollouts(policy, tokenizer, args, *, version: int, chunk_size: int,
                                      threads=args.generator_threads or torch.get_num_threads(),
                                      heartbeat_stale_after_s=args.heartbeat_stale_after_s,
                                      cpus=args.generator_cpus)
-    share = ProcessShare(generator, dist, dist.device, gathered)
+    share = ProcessShare(generator, dist, dist.device, engine.gathered)
     questions = questions_per_round * dist.world_size
     waiting = args.queue_maxsize // (questions * args.num_generations)
     in_flight = min(rounds_in_flight(args.max_inflight_tasks, args.max_staleness, questions),
