@@ -43,7 +43,7 @@ from cppo.run.summary import run_summary, write_summary
 from cppo.run.tracking import MetricsLog, MetricsWindow, PhaseTimer
 from cppo.sampling.async_rollout import RolloutScheduler, check_async_launch, start_rollouts
 from cppo.sampling.batches import Completions, PromptBatch
-from cppo.sampling.generation import TwoStageDraw
+from cppo.features.two_stage import TwoStageDraw
 from cppo.sampling.sampler import chunk_seed
 from cppo.sampling.tools import ToolContext, ToolLoop, rollout_function
 
@@ -135,7 +135,7 @@ class CPPOTrainer:
         if self.rollouts is not None:
             return self.arrived_round()
         rows, order, skipped = self.take_questions()
-        if self.args.two_stage_generations:   # rows: the questions that get all G completions
+        if "two_stage" in self.features:   # rows: the questions that get all G completions
             draw = self.generate_two_stage(rows)
             return Rollout(draw.rows, order, draw.prompts, draw.completions, skipped, draw.counts)
         return Rollout(rows, order, *self.generate(rows), skipped_prompts=skipped)
@@ -182,9 +182,8 @@ class CPPOTrainer:
 
     def generate_two_stage(self, rows: list[dict]) -> TwoStageDraw:
         """The continued rows, their prompts, G completions each, and the stage's counts."""
-        return self.generation.two_stage(
-            rows, self.round_index, k=self.args.two_stage_generations,
-            exploration=self.args.two_stage_exploration, dist=self.dist,
+        return self.features.get("two_stage").draw(
+            self.generation, rows, self.round_index, dist=self.dist,
             score=lambda rows, completions, k: self.score(rows, completions, group_size=k).rewards)
 
     def tool_context(self) -> ToolContext:
@@ -226,16 +225,20 @@ class CPPOTrainer:
                           sampler_logprobs=self.args.importance_sampling_correction or stale)
 
     def step_metrics(self, done: Round) -> dict:
-        return round_metrics(done, self.dist.gather(done.scores.rewards),
-                             scale_rewards=self.args.scale_rewards,
-                             num_generations=self.args.num_generations,
-                             two_stage_k=self.args.two_stage_generations)
+        """The round's metrics (cppo.assembly.rounds), the two-stage draw's with them."""
+        g, two_stage = self.args.num_generations, self.features.get("two_stage")
+        metrics = round_metrics(done, self.dist.gather(done.scores.rewards),
+                                scale_rewards=self.args.scale_rewards, num_generations=g)
+        if two_stage is not None:
+            metrics.update(two_stage.metrics(done.rollout.two_stage, g))
+        return metrics
 
     def _count(self, done: Round) -> None:
-        counts = round_counts(done, num_generations=self.args.num_generations,
-                              two_stage_k=self.args.two_stage_generations)
+        counts = round_counts(done, num_generations=self.args.num_generations)
         counts["num_tokens"] = int(self.dist.sum(counts["num_tokens"]))
-        for key, value in counts.items():
+        two_stage = self.features.get("two_stage")
+        for key, value in [*counts.items(),
+                           *(two_stage.counted(done.rollout.two_stage).items() if two_stage else ())]:
             self.run_state.counters[key] += value
 
     def learn(self, batch: StepBatch) -> dict:

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 import torch
 
 from cppo.algorithm import reward_stats
+from cppo.features.two_stage import TwoStageCounts
 from cppo.rewards.runner import Scores
 from cppo.run.batch import StepBatch
 from cppo.run.metrics import model_token_lengths
 from cppo.run.tracking import length_metrics
 from cppo.sampling.batches import Completions, PromptBatch
-from cppo.sampling.generation import TwoStageCounts
 
 
 @dataclass
@@ -45,13 +45,13 @@ class Round:
     batch: StepBatch
 
 
-def round_metrics(done: Round, all_rewards: torch.Tensor, *, scale_rewards, num_generations: int,
-                  two_stage_k: int = 0) -> dict:
+def round_metrics(done: Round, all_rewards: torch.Tensor, *, scale_rewards,
+                  num_generations: int) -> dict:
     """The round's metrics: reward statistics of every process's rewards `all_rewards` (Q, G),
     the reward functions' means, completion lengths, what selection kept, skip_zero_variance_prompts'
-    and two_stage_generations' counts (when on) and the sampler's statistics."""
+    counts (when on) and the sampler's statistics (two_stage_generations' own: its feature's)."""
     rollout, keep_mask = done.rollout, done.keep_mask
-    completions, skipped, two_stage = rollout.completions, rollout.skipped_prompts, rollout.two_stage
+    completions, skipped = rollout.completions, rollout.skipped_prompts
     lengths = model_token_lengths(completions)
     abs_adv, pruned = done.advantages.abs(), ~keep_mask
     metrics = {**reward_stats(all_rewards, scale_rewards),
@@ -66,30 +66,23 @@ def round_metrics(done: Round, all_rewards: torch.Tensor, *, scale_rewards, num_
     if skipped is not None:
         metrics["cppo/skipped_prompts"] = skipped
         metrics["cppo/skipped_completions"] = skipped * num_generations
-    if two_stage is not None:
-        metrics["cppo/two_stage_dropped"] = two_stage.dropped
-        metrics["cppo/two_stage_explored"] = two_stage.explored
-        metrics["cppo/two_stage_saved_completions"] = two_stage.dropped * (num_generations - two_stage_k)
     for stats in (completions.speculation, completions.decode):
         if stats is not None:
             metrics.update(stats.metrics())
     return metrics
 
 
-def round_counts(done: Round, *, num_generations: int, two_stage_k: int = 0) -> dict:
+def round_counts(done: Round, *, num_generations: int) -> dict:
     """What the round adds to the run counters, on this process ("num_tokens": TRL's prompt +
-    completion tokens, this process's; the caller sums it over processes)."""
+    completion tokens, this process's; the caller sums it over processes; two_stage_generations'
+    dropped questions: its feature's)."""
     rollout = done.rollout
-    completions, prompts, two_stage = rollout.completions, rollout.prompts, rollout.two_stage
+    completions, prompts = rollout.completions, rollout.prompts
     lengths = model_token_lengths(completions)
     counts = {"questions_seen": len(rollout.rows), "completions_scored": done.scores.rewards.numel(),
               "tokens_generated": int(lengths.sum())}
     if rollout.skipped_prompts is not None:
         counts["prompts_skipped"] = rollout.skipped_prompts
-    if two_stage is not None:   # the dropped questions' first-stage completions count too
-        counts["two_stage_dropped"] = two_stage.dropped
-        counts["completions_scored"] += two_stage.dropped_here * two_stage_k
-        counts["tokens_generated"] += two_stage.dropped_tokens
     per_question = len(prompts) != len(completions.ids)   # rollouts: a prompt each
     prompt_tokens = int(prompts.mask.sum()) * (num_generations if per_question else 1)
     counts["num_tokens"] = prompt_tokens + int(lengths.sum())

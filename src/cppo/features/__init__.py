@@ -1,5 +1,5 @@
 """The optional parts of a run, one object each: adaptive entropy control, pruning_rate auto,
-prompt skipping and fp16 loss scaling. Each holds its settings (read from the config once), its
+prompt skipping, the two-stage draw and fp16 loss scaling. Each holds its settings (read from the config once), its
 state, and the hooks the trainer calls at named points of a round; the state is saved in the
 checkpoint under the feature's name (`Features.state_dict`) and read back on resume.
 
@@ -15,9 +15,10 @@ from cppo.features.adaptive_entropy import AdaptiveEntropy, EntropySettings
 from cppo.features.auto_pruning import AutoPruning, AutoPruningSettings
 from cppo.features.fp16_scaling import FP16Scaling
 from cppo.features.prompt_skipping import PromptSkipping
+from cppo.features.two_stage import TwoStage
 
 __all__ = ["AdaptiveEntropy", "AutoPruning", "FP16Scaling", "Feature", "Features",
-           "PromptSkipping", "build_features", "states_of_old_checkpoint"]
+           "PromptSkipping", "TwoStage", "build_features", "states_of_old_checkpoint"]
 
 
 class Feature(Protocol):
@@ -64,6 +65,8 @@ def build_features(args, fp16: FP16Scaling | None = None) -> Features:
             start=args.pruning_rate_start, low=args.pruning_rate_min, high=args.pruning_rate_max)))
     if args.skip_zero_variance_prompts:
         found.append(PromptSkipping(floor=args.skip_exploration_floor))
+    if args.two_stage_generations:
+        found.append(TwoStage(args.two_stage_generations, args.two_stage_exploration))
     if fp16 is not None:
         found.append(fp16)
     return Features(found)
