@@ -64,14 +64,14 @@ def micro_batches(batch, rows: int):
             for s in range(0, len(ids), rows)]
 
 
-def nograd_pass(model, batch, rows, **kw):
+def nograd_pass(model, batch, rows, packed: bool):
     with torch.no_grad():
-        completion_logprobs(model, *batch, batch_size=rows, **kw)
+        completion_logprobs(model, *batch, forward=ForwardSettings(batch_size=rows, packed=packed))
 
 
-def grad_pass(model, batch, rows, **kw):
+def grad_pass(model, batch, rows, packed: bool):
     for micro in micro_batches(batch, rows):
-        logps = completion_logprobs(model, *micro, **kw)
+        logps = completion_logprobs(model, *micro, forward=ForwardSettings(packed=packed))
         (logps * micro[3]).sum().backward()
     model.zero_grad(set_to_none=True)
 
@@ -127,9 +127,9 @@ def main() -> None:
     parser.add_argument("--output", default="benchmarks/results/padding_free")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    global completion_logprobs
+    global completion_logprobs, ForwardSettings
     from cppo.models import load_model, load_tokenizer
-    from cppo.sampling.logprobs import completion_logprobs
+    from cppo.sampling.logprobs import ForwardSettings, completion_logprobs
     from cppo.sampling.sampler import encode_prompts, sample_completions
     load_start = os.getloadavg()[0]
     shape = {k: v for k, v in QUICK.items() if k not in ("steps", "repeats")}
@@ -147,7 +147,7 @@ def main() -> None:
         encoded = encode_prompts(tok, prompts, max_prompt_length=128)
         out = sample_completions(model, encoded, num_generations=per_prompt, max_new_tokens=shape["max_new"],
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                 temperature=1.0, generator=torch.Generator().manual_seed(args.seed))
+                                 generator=torch.Generator().manual_seed(args.seed))
         question = torch.arange(len(prompts)).repeat_interleave(per_prompt)
         return trimmed(encoded.ids[question], encoded.mask[question], out.ids, out.mask)
 

@@ -24,8 +24,8 @@ import torch
 
 from cppo.data import arithmetic
 from cppo.models import load_model, load_tokenizer
-from cppo.sampling.logprobs import completion_logprobs
-from cppo.sampling.sampler import encode_prompts, sample_completions
+from cppo.sampling.logprobs import ForwardSettings, completion_logprobs
+from cppo.sampling.sampler import Decoding, encode_prompts, sample_completions
 
 from common import machine, write_results
 
@@ -81,7 +81,7 @@ def main() -> None:
             return lambda: sample_completions(
                 model, prompts, num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=gen,
-                lean=lean, dtype=dtype)
+                decoding=Decoding(lean=lean, dtype=dtype))
 
         def theirs():
             with torch.no_grad():
@@ -109,7 +109,8 @@ def main() -> None:
         def scoring(lean):
             def run():
                 model.zero_grad(set_to_none=True)
-                completion_logprobs(model, prompts.ids, prompts.mask, ids, mask, lean=lean).sum().backward()
+                completion_logprobs(model, prompts.ids, prompts.mask, ids, mask,
+                                    forward=ForwardSettings(lean=lean)).sum().backward()
             return run
         plain, lean = interleaved([scoring(False), scoring(True)], args.repeats)
         lines.append(f"| {q} x {per} | {plain:.3f} | {lean:.3f} | {plain / lean:.2f}x |")

@@ -38,7 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cppo.sampling.sampler import encode_prompts, sample_completions  # noqa: E402
+from cppo.sampling.sampler import Decoding, encode_prompts, sample_completions  # noqa: E402
+from cppo.sampling.settings import SamplingSettings  # noqa: E402
 from cppo.sampling.speculative import Speculation  # noqa: E402
 
 from common import machine, spread, write_results  # noqa: E402
@@ -72,8 +73,9 @@ def measure(model, tok, prompts, *, group: int, max_new: int, ks: list[int], rep
         out = sample_completions(model, batch, num_generations=group, max_new_tokens=max_new,
                                  eos_token_id=tok.eos_token_id if stop else -1,
                                  pad_token_id=tok.pad_token_id,
-                                 temperature=temperature, generator=torch.Generator().manual_seed(seed),
-                                 speculative=Speculation(k) if k else None)
+                                 sampling=SamplingSettings(temperature=temperature),
+                                 generator=torch.Generator().manual_seed(seed),
+                                 decoding=Decoding(speculative=Speculation(k) if k else None))
         return time.perf_counter() - start, out
     for k in ks:                                   # warm-up
         run(k, 10_000)

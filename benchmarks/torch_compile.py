@@ -71,10 +71,10 @@ def batches(vocab: int, count: int, rows: int, prompt: int, completion: int) -> 
 
 def one_pass(model, batch, *, lean: bool, settings) -> float:
     """Seconds of one training pass (forward + backward) on a micro-batch."""
-    from cppo.sampling.logprobs import completion_logprobs
+    from cppo.sampling.logprobs import ForwardSettings, completion_logprobs
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    completion_logprobs(model, *batch, lean=lean, compile=settings).sum().backward()
+    completion_logprobs(model, *batch, forward=ForwardSettings(lean=lean, compile=settings)).sum().backward()
     if batch[0].is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - start

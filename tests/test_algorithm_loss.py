@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from cppo.algorithm import LOSS_TYPES, masked_mean, per_token_policy_loss, reduce_loss
+from cppo.algorithm import LOSS_TYPES, Objective, masked_mean, per_token_policy_loss, reduce_loss
 
 # ---------------------------------------------------------------- independent references (plain Python)
 
@@ -71,8 +71,8 @@ def test_per_token_loss_matches_reference_loops():
     ref_logps = logps + 0.3 * torch.randn(3, 5, generator=generator, dtype=torch.float64)
     advantages = torch.tensor([1.5, -0.7, 0.0], dtype=torch.float64)
     loss, _ = per_token_policy_loss(
-        logps, old_logps, advantages, epsilon_low=0.2, epsilon_high=0.28, beta=0.04, ref_logps=ref_logps
-    )
+        logps, old_logps, advantages, Objective(epsilon_low=0.2, epsilon_high=0.28), beta=0.04,
+        ref_logps=ref_logps)
     expected = reference_per_token(
         logps.tolist(), old_logps.tolist(), advantages.tolist(), 0.2, 0.28, 0.04, ref_logps.tolist()
     )
@@ -82,7 +82,8 @@ def test_per_token_loss_matches_reference_loops():
 def test_ratio_one_gives_minus_advantage_and_its_gradient():
     logps = torch.log(torch.tensor([[0.5, 0.25], [0.1, 0.9]])).requires_grad_()
     advantages = torch.tensor([2.0, -1.0])
-    loss, stats = per_token_policy_loss(logps, None, advantages, epsilon_low=0.2, epsilon_high=0.2)
+    loss, stats = per_token_policy_loss(logps, None, advantages,
+                                        Objective(epsilon_low=0.2, epsilon_high=0.2))
     torch.testing.assert_close(loss, torch.tensor([[-2.0, -2.0], [1.0, 1.0]]))
     loss.sum().backward()
     # d(-rho A)/d logp = -rho A = -A at rho = 1
@@ -93,8 +94,10 @@ def test_ratio_one_gives_minus_advantage_and_its_gradient():
 
 def test_advantages_may_be_a_column():
     logps = torch.zeros(2, 3)
-    flat, _ = per_token_policy_loss(logps, logps, torch.tensor([1.0, 2.0]), epsilon_low=0.2, epsilon_high=0.2)
-    column, _ = per_token_policy_loss(logps, logps, torch.tensor([[1.0], [2.0]]), epsilon_low=0.2, epsilon_high=0.2)
+    flat, _ = per_token_policy_loss(logps, logps, torch.tensor([1.0, 2.0]),
+                                    Objective(epsilon_low=0.2, epsilon_high=0.2))
+    column, _ = per_token_policy_loss(logps, logps, torch.tensor([[1.0], [2.0]]),
+                                      Objective(epsilon_low=0.2, epsilon_high=0.2))
     assert torch.equal(flat, column)
 
 
@@ -102,9 +105,8 @@ def test_k3_kl_known_values():
     logps = torch.zeros(1, 3, dtype=torch.float64)
     ref_logps = torch.tensor([[0.0, 1.0, -1.0]], dtype=torch.float64)  # ref - logp = 0, 1, -1
     loss, stats = per_token_policy_loss(
-        logps, logps, torch.zeros(1, dtype=torch.float64), epsilon_low=0.2, epsilon_high=0.2,
-        beta=0.5, ref_logps=ref_logps,
-    )
+        logps, logps, torch.zeros(1, dtype=torch.float64),
+        Objective(epsilon_low=0.2, epsilon_high=0.2), beta=0.5, ref_logps=ref_logps)
     expected_kl = torch.tensor([[0.0, math.e - 2.0, math.exp(-1.0)]], dtype=torch.float64)
     torch.testing.assert_close(stats["kl"], expected_kl)
     assert stats["kl"][0, 0].item() == 0.0 and (stats["kl"][0, 1:] > 0).all()
@@ -114,7 +116,9 @@ def test_k3_kl_known_values():
 def test_kl_reported_without_penalty_when_ref_given():
     logps = torch.zeros(1, 2)
     ref_logps = torch.tensor([[1.0, 0.0]])
-    loss, stats = per_token_policy_loss(logps, logps, torch.ones(1), epsilon_low=0.2, epsilon_high=0.2, ref_logps=ref_logps)
+    loss, stats = per_token_policy_loss(logps, logps, torch.ones(1),
+                                        Objective(epsilon_low=0.2, epsilon_high=0.2),
+                                        ref_logps=ref_logps)
     torch.testing.assert_close(loss, -torch.ones(1, 2))
     assert stats["kl"][0, 0].item() == pytest.approx(math.e - 2)
 
@@ -124,8 +128,9 @@ def test_kl_gradient_pulls_towards_reference(bias_correction):
     logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref_logps = torch.tensor([[-0.5, -2.5]])
     loss, _ = per_token_policy_loss(
-        logps, logps.detach(), torch.zeros(1), epsilon_low=0.2, epsilon_high=0.2, beta=1.0,
-        ref_logps=ref_logps, use_bias_correction_kl=bias_correction)
+        logps, logps.detach(), torch.zeros(1),
+        Objective(epsilon_low=0.2, epsilon_high=0.2, use_bias_correction_kl=bias_correction),
+        beta=1.0, ref_logps=ref_logps)
     loss.sum().backward()
     # d/dlogp [exp(ref - logp) - (ref - logp) - 1] = 1 - exp(ref - logp); with the ratio rho
     # (= 1 here, d rho / d logp = 1), the KL itself is added: d/dlogp [KL rho] = dKL + KL
@@ -140,21 +145,25 @@ def test_kl_gradient_pulls_towards_reference(bias_correction):
 def test_beta_without_reference_is_an_error():
     logps = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=r"beta=0.04 .* needs ref_logps"):
-        per_token_policy_loss(logps, logps, torch.ones(1), epsilon_low=0.2, epsilon_high=0.2, beta=0.04)
+        per_token_policy_loss(logps, logps, torch.ones(1),
+                              Objective(epsilon_low=0.2, epsilon_high=0.2), beta=0.04)
 
 
 def test_shape_errors():
     logps = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"advantages must have shape \(2,\).*got \(3,\)"):
-        per_token_policy_loss(logps, logps, torch.ones(3), epsilon_low=0.2, epsilon_high=0.2)
+        per_token_policy_loss(logps, logps, torch.ones(3),
+                              Objective(epsilon_low=0.2, epsilon_high=0.2))
     with pytest.raises(ValueError, match=r"old_logps shape \(2, 4\) must equal logps shape \(2, 3\)"):
-        per_token_policy_loss(logps, torch.zeros(2, 4), torch.ones(2), epsilon_low=0.2, epsilon_high=0.2)
+        per_token_policy_loss(logps, torch.zeros(2, 4), torch.ones(2),
+                              Objective(epsilon_low=0.2, epsilon_high=0.2))
 
 
 def test_zero_advantage_is_never_counted_as_clipped():
     old_logps = torch.zeros(1, 3)
     logps = torch.log(torch.tensor([[1.5, 0.5, 1.0]]))
-    loss, stats = per_token_policy_loss(logps, old_logps, torch.zeros(1), epsilon_low=0.2, epsilon_high=0.2)
+    loss, stats = per_token_policy_loss(logps, old_logps, torch.zeros(1),
+                                        Objective(epsilon_low=0.2, epsilon_high=0.2))
     assert torch.equal(loss, torch.zeros(1, 3))
     assert not stats["is_region_clipped"].any()
 
@@ -166,7 +175,8 @@ def test_clipping_engages_when_policy_moved_away_from_old():
     old_logps = torch.full((2, 4), -1.0, dtype=torch.float64)
     logps = (old_logps + ratios.log()).requires_grad_()
     advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    loss, stats = per_token_policy_loss(logps, old_logps, advantages, epsilon_low=0.2, epsilon_high=0.28)
+    loss, stats = per_token_policy_loss(logps, old_logps, advantages,
+                                        Objective(epsilon_low=0.2, epsilon_high=0.28))
 
     # A > 0: ratio 1.5 > 1.28 is clipped high; 0.5 is not clipped (min keeps rho A); 1.25 < 1.28 not clipped
     # A < 0: ratio 0.5 < 0.8 and 0.7 < 0.8 are clipped low; 1.5 and 1.25 are not (min keeps rho A)
@@ -229,8 +239,8 @@ def test_gradient_accumulation_sum_equals_full_batch(loss_type):
 
     def loss_of(rows, **totals):
         per_token, _ = per_token_policy_loss(
-            logps[rows], old_logps[rows], advantages[rows], epsilon_low=0.2, epsilon_high=0.2
-        )
+            logps[rows], old_logps[rows], advantages[rows],
+            Objective(epsilon_low=0.2, epsilon_high=0.2))
         return reduce_loss(per_token, mask[rows], loss_type, max_completion_length=8, **totals)
 
     full = loss_of(slice(None))

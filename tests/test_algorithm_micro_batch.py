@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cppo.algorithm.loss import entropy_bonus, per_token_policy_loss, reduce_loss
+from cppo.algorithm.loss import Objective, entropy_bonus, per_token_policy_loss, reduce_loss
 from cppo.algorithm.masks import high_entropy_mask, off_policy_mask
 from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, LossSettings, add_micro_batch,
                                         empty_sums, entropy_bonus_on, micro_batch_loss,
@@ -37,18 +37,19 @@ def config(**changes):
                                                   lambda_neg=1.5))
     f.update(changes)
     return LossSettings(
-        epsilon_low=f["epsilon"], epsilon_high=f["effective_epsilon_high"], beta=f["beta"],
-        max_completion_length=f["max_completion_length"],
+        beta=f["beta"], max_completion_length=f["max_completion_length"],
         top_entropy_quantile=f["top_entropy_quantile"],
         off_policy_mask_threshold=f["off_policy_mask_threshold"],
         importance_sampling_mode=f["importance_sampling_mode"],
         importance_sampling_clip_min=f["importance_sampling_clip_min"],
         importance_sampling_clip_max=f["importance_sampling_clip_max"],
         entropy_bonus=entropy_bonus_on(f["entropy_coef"], f["use_adaptive_entropy"]),
-        objective=dict(loss_type=f["loss_type"], importance_sampling_level=f["importance_sampling_level"],
-                       delta=f["delta"], use_bias_correction_kl=f["use_bias_correction_kl"],
-                       sapo_temperature_pos=f["sapo_temperature_pos"],
-                       sapo_temperature_neg=f["sapo_temperature_neg"], vespo=f["vespo"]))
+        objective=Objective(
+            epsilon_low=f["epsilon"], epsilon_high=f["effective_epsilon_high"],
+            loss_type=f["loss_type"], importance_sampling_level=f["importance_sampling_level"],
+            delta=f["delta"], use_bias_correction_kl=f["use_bias_correction_kl"],
+            sapo_temperature_pos=f["sapo_temperature_pos"],
+            sapo_temperature_neg=f["sapo_temperature_neg"], vespo=f["vespo"]))
 
 
 def test_the_config_makes_the_loss_settings_field_by_field():
@@ -61,16 +62,17 @@ def test_the_config_makes_the_loss_settings_field_by_field():
         use_bias_correction_kl=True, sapo_temperature_pos=0.7, sapo_temperature_neg=1.3,
         vespo_k_pos=1.1, vespo_lambda_pos=1.2, vespo_k_neg=1.4, vespo_lambda_neg=1.6))
     assert cfg.loss_settings() == LossSettings(
-        epsilon_low=0.11, epsilon_high=0.33, beta=0.05, max_completion_length=7,
-        top_entropy_quantile=0.4, off_policy_mask_threshold=0.6,
+        beta=0.05, max_completion_length=7, top_entropy_quantile=0.4, off_policy_mask_threshold=0.6,
         importance_sampling_mode="token_mask", importance_sampling_clip_min=0.25,
         importance_sampling_clip_max=4.0, entropy_bonus=True,
-        objective=dict(loss_type="sapo", importance_sampling_level="token", delta=2.5,
-                       use_bias_correction_kl=True, sapo_temperature_pos=0.7,
-                       sapo_temperature_neg=1.3,
-                       vespo=dict(k_pos=1.1, lambda_pos=1.2, k_neg=1.4, lambda_neg=1.6)))
+        objective=Objective(epsilon_low=0.11, epsilon_high=0.33, loss_type="sapo",
+                            importance_sampling_level="token", delta=2.5,
+                            use_bias_correction_kl=True, sapo_temperature_pos=0.7,
+                            sapo_temperature_neg=1.3,
+                            vespo=dict(k_pos=1.1, lambda_pos=1.2, k_neg=1.4, lambda_neg=1.6)))
     assert cfg.loss_settings().loss_type == "sapo"
-    assert CPPOConfig.from_dict({"epsilon": 0.3}).loss_settings().epsilon_high == 0.3   # TRL: None
+    objective = CPPOConfig.from_dict({"epsilon": 0.3}).loss_settings().objective
+    assert objective.epsilon_high == 0.3   # TRL: None
     assert CPPOConfig.from_dict({"use_adaptive_entropy": True}).loss_settings().entropy_bonus
 
 
@@ -93,10 +95,9 @@ def micro(**changes):
 
 def expected_loss(args, batch, *, weights=None, mask=None, totals=(3, 6), num_micro=2):
     per_token, stats = per_token_policy_loss(   # the micro-batch's loss is in float32
-        LOGPS.float(), batch.old_logps, batch.advantages, epsilon_low=args.epsilon_low,
-        epsilon_high=args.epsilon_high, beta=args.beta, ref_logps=batch.ref_logps,
-        sampling_weights=weights, completion_mask=batch.loss_mask, policy_mask=mask,
-        **args.objective)
+        LOGPS.float(), batch.old_logps, batch.advantages, args.objective, beta=args.beta,
+        ref_logps=batch.ref_logps, sampling_weights=weights, completion_mask=batch.loss_mask,
+        policy_mask=mask)
     loss = reduce_loss(per_token, batch.loss_mask, args.loss_type,
                        max_completion_length=args.max_completion_length,
                        total_sequences=totals[0], total_tokens=totals[1], accumulation_steps=num_micro)

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from cppo.algorithm import (entropy_bonus, gamma_weights, high_entropy_mask, importance_ratio,
-                            masked_mean, off_policy_mask, per_token_policy_loss, reduce_loss,
-                            sampler_correction_stats, sampler_importance_weights)
+from cppo.algorithm import (Objective, entropy_bonus, gamma_weights, high_entropy_mask,
+                            importance_ratio, masked_mean, off_policy_mask, per_token_policy_loss,
+                            reduce_loss, sampler_correction_stats, sampler_importance_weights)
 from cppo.algorithm.loss import router_aux_coef, router_aux_loss
 
 D = torch.float64
@@ -33,11 +33,13 @@ LOGPS = [[LN(r) for r in row] for row in RATIOS]
 ADV = [1.0, -0.5]
 
 
-def loss_of(loss_type, logps=None, **kwargs):
+def loss_of(loss_type, logps=None, **fields):
+    """The loss of LOGPS (or logps) under the objective's fields (eps 0.2 / 0.28 unless given)."""
     logps = t(LOGPS) if logps is None else logps
-    kwargs.setdefault("epsilon_low", 0.2)
-    kwargs.setdefault("epsilon_high", 0.28)
-    return per_token_policy_loss(logps, torch.zeros_like(logps), t(ADV), loss_type=loss_type, **kwargs)
+    fields.setdefault("epsilon_low", 0.2)
+    fields.setdefault("epsilon_high", 0.28)
+    return per_token_policy_loss(logps, torch.zeros_like(logps), t(ADV),
+                                 Objective(loss_type=loss_type, **fields))
 
 
 # ------------------------------------------------------------------------- policy terms
@@ -59,7 +61,7 @@ def test_clip_bounds_are_epsilon_low_and_epsilon_high_and_inclusive():
     # ratios exactly at 1 - eps_low and 1 + eps_high are not clipped
     logps = t([[LN(0.75), LN(1.25)], [LN(0.75), LN(1.25)]])
     loss, stats = per_token_policy_loss(logps, torch.zeros_like(logps), t([-1.0, 1.0]),
-                                        epsilon_low=0.25, epsilon_high=0.25)
+                                        Objective(epsilon_low=0.25, epsilon_high=0.25))
     torch.testing.assert_close(loss, t([[0.75, 1.25], [-0.75, -1.25]]))
     assert not stats["is_region_clipped"].any()
 
@@ -89,8 +91,8 @@ def test_sapo_term_uses_the_temperature_of_the_advantages_sign():
     torch.testing.assert_close(loss, t(expected))
     # at rho = 1 the term is -2 A / tau, its gradient -A (sigmoid'(0) = 1/4, times 4)
     logps = torch.zeros(1, 1, dtype=D, requires_grad=True)
-    term, _ = per_token_policy_loss(logps, logps.detach(), t([3.0]), epsilon_low=0.2,
-                                    epsilon_high=0.2, loss_type="sapo", sapo_temperature_pos=2.0)
+    sapo = Objective(epsilon_low=0.2, epsilon_high=0.2, loss_type="sapo", sapo_temperature_pos=2.0)
+    term, _ = per_token_policy_loss(logps, logps.detach(), t([3.0]), sapo)
     term.sum().backward()
     assert term.item() == pytest.approx(-3.0) and logps.grad.item() == pytest.approx(-3.0)
 
@@ -175,8 +177,9 @@ def test_vespo_gamma_weights_that_overflow_or_are_nan_are_zero():
 def test_vespo_term_is_minus_phi_a_logp_with_old_logps():
     logps = t([[-1.0, -2.0], [-0.5, -0.25]]).requires_grad_(True)
     old = t([[-1.2, -1.9], [-0.5, -0.75]])
-    loss, _ = per_token_policy_loss(logps, old, t([2.0, -1.0]), epsilon_low=0.2, epsilon_high=0.2,
-                                    loss_type="vespo", vespo={"k_pos": 1.0, "lambda_pos": 2.0})
+    vespo = Objective(epsilon_low=0.2, epsilon_high=0.2, loss_type="vespo",
+                      vespo={"k_pos": 1.0, "lambda_pos": 2.0})
+    loss, _ = per_token_policy_loss(logps, old, t([2.0, -1.0]), vespo)
     p0, p1 = phi(0.1, True, 1.0, 2.0), phi(0.5, False)
     torch.testing.assert_close(loss, t([[p0 * 2.0, p0 * 4.0], [-p1 * 0.5, -p1 * 0.25]]))
     loss.sum().backward()   # phi is detached
@@ -186,8 +189,9 @@ def test_vespo_term_is_minus_phi_a_logp_with_old_logps():
 def test_vespo_takes_sampling_weights_into_phi_not_as_a_factor():
     logps = t([[-1.0, -2.0]])
     sampling = t([[2.0, 1.5]])
-    loss, _ = per_token_policy_loss(logps, logps, t([1.0]), epsilon_low=0.2, epsilon_high=0.2,
-                                    loss_type="vespo", sampling_weights=sampling)
+    loss, _ = per_token_policy_loss(logps, logps, t([1.0]),
+                                    Objective(epsilon_low=0.2, epsilon_high=0.2, loss_type="vespo"),
+                                    sampling_weights=sampling)
     p = phi(LN(3.0), True)
     torch.testing.assert_close(loss, t([[-p * -1.0, -p * -2.0]]))
 
@@ -196,9 +200,9 @@ def test_sampling_weights_and_policy_mask_multiply_the_policy_term_only():
     logps = t([[LN(1.1), 0.0]])
     ref = t([[0.5, -0.5]])
     loss, stats = per_token_policy_loss(
-        logps, torch.zeros_like(logps), t([1.0]), epsilon_low=0.2, epsilon_high=0.2, beta=0.1,
-        ref_logps=ref, sampling_weights=t([[2.0, 3.0]]), policy_mask=t([[1.0, 0.0]]),
-        use_bias_correction_kl=False, loss_type="grpo")
+        logps, torch.zeros_like(logps), t([1.0]),
+        Objective(epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo", use_bias_correction_kl=False),
+        beta=0.1, ref_logps=ref, sampling_weights=t([[2.0, 3.0]]), policy_mask=t([[1.0, 0.0]]))
     kl = [math.exp(0.5 - LN(1.1)) - (0.5 - LN(1.1)) - 1, math.exp(-0.5) + 0.5 - 1]
     torch.testing.assert_close(stats["kl"], t([kl]))
     torch.testing.assert_close(loss, t([[-1.1 * 2.0 + 0.1 * kl[0], 0.1 * kl[1]]]))
@@ -214,9 +218,10 @@ def test_kl_is_k3_of_ref_minus_logp_and_its_bias_correction_is_times_rho():
     diffs = [0.2 - LN(1.5), 0.5]
     kl = [math.exp(d) - d - 1 for d in diffs]
     for bias_correction, factor in ((True, [1.5, 1.0]), (False, [1.0, 1.0])):
-        loss, stats = per_token_policy_loss(logps, old, t([0.0]), epsilon_low=0.2, epsilon_high=0.2,
-                                            beta=0.25, ref_logps=ref,
-                                            use_bias_correction_kl=bias_correction)
+        objective = Objective(epsilon_low=0.2, epsilon_high=0.2,
+                              use_bias_correction_kl=bias_correction)
+        loss, stats = per_token_policy_loss(logps, old, t([0.0]), objective, beta=0.25,
+                                            ref_logps=ref)
         torch.testing.assert_close(stats["kl"], t([kl]))
         torch.testing.assert_close(loss, t([[0.25 * k * f for k, f in zip(kl, factor)]]))
 
@@ -243,9 +248,9 @@ def test_sequence_level_ratio_is_the_exp_of_the_masked_mean_log_ratio():
 
 def test_gspo_clips_the_sequence_ratio():
     logps = t([[LN(2.0), LN(2.0)], [LN(0.5), LN(0.5)]])
-    loss, stats = per_token_policy_loss(logps, torch.zeros_like(logps), t([1.0, -1.0]),
-                                        epsilon_low=0.2, epsilon_high=0.3,
-                                        importance_sampling_level="sequence", loss_type="luspo")
+    gspo = Objective(epsilon_low=0.2, epsilon_high=0.3, loss_type="luspo",
+                     importance_sampling_level="sequence")
+    loss, stats = per_token_policy_loss(logps, torch.zeros_like(logps), t([1.0, -1.0]), gspo)
     torch.testing.assert_close(loss, t([[-1.3, -1.3], [0.8, 0.8]]))
     assert stats["is_region_clipped"].all()
 
@@ -368,8 +373,8 @@ def test_off_policy_mask_by_hand():
 def test_off_policy_mask_on_the_loss_masks_negative_sequences_only():
     logps = torch.zeros(2, 2, dtype=D)
     keep = off_policy_mask(t([1.0, -1.0]), logps, torch.ones(2, 2, dtype=D), torch.ones(2, 2, dtype=D), 0.5)
-    loss, _ = per_token_policy_loss(logps, logps, t([1.0, -1.0]), epsilon_low=0.2, epsilon_high=0.2,
-                                    policy_mask=keep)
+    loss, _ = per_token_policy_loss(logps, logps, t([1.0, -1.0]),
+                                    Objective(epsilon_low=0.2, epsilon_high=0.2), policy_mask=keep)
     torch.testing.assert_close(loss, t([[-1.0, -1.0], [0.0, 0.0]]))
 
 
@@ -464,9 +469,9 @@ def test_per_token_loss_passes_the_mask_and_level_to_the_ratio():
     # GSPO through per_token_policy_loss: the masked token's 9.0 must not count
     # (token level, or a mask of ones, would clip the first row at 1.3)
     logps = t([[LN(1.125), 9.0], [LN(0.5), LN(0.5)]])
-    loss, stats = per_token_policy_loss(logps, torch.zeros_like(logps), t([1.0, -1.0]),
-                                        epsilon_low=0.2, epsilon_high=0.3, loss_type="grpo",
-                                        importance_sampling_level="sequence",
+    gspo = Objective(epsilon_low=0.2, epsilon_high=0.3, loss_type="grpo",
+                     importance_sampling_level="sequence")
+    loss, stats = per_token_policy_loss(logps, torch.zeros_like(logps), t([1.0, -1.0]), gspo,
                                         completion_mask=t([[1, 0], [1, 1]]))
     torch.testing.assert_close(loss, t([[-1.125, -1.125], [0.8, 0.8]]), rtol=1e-12, atol=0)
     assert stats["is_high_clipped"].tolist() == [[False, False], [False, False]]
@@ -475,8 +480,8 @@ def test_per_token_loss_passes_the_mask_and_level_to_the_ratio():
 
 def test_the_loss_has_the_log_probs_dtype():
     logps = torch.tensor([[-1.0, -0.5]], dtype=torch.float32)
-    loss, _ = per_token_policy_loss(logps, logps - 0.25, t([0.1]), epsilon_low=0.2,
-                                    epsilon_high=0.2, loss_type="grpo",
+    loss, _ = per_token_policy_loss(logps, logps - 0.25, t([0.1]),
+                                    Objective(epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo"),
                                     policy_mask=torch.tensor([[1.0, 0.0]], dtype=D))
     assert loss.dtype == torch.float32
     assert loss[0, 1].item() == 0.0
@@ -486,12 +491,13 @@ def test_the_loss_has_the_log_probs_dtype():
 def test_checked_inputs_name_what_is_wrong():
     logps = t([[-1.0, -0.5]])
     with pytest.raises(ValueError, match=r"^logps must be \(sequences, tokens\), got shape \(2,\)$"):
-        per_token_policy_loss(logps[0], None, t([1.0]), epsilon_low=0.2, epsilon_high=0.2)
+        per_token_policy_loss(logps[0], None, t([1.0]),
+                              Objective(epsilon_low=0.2, epsilon_high=0.2))
     with pytest.raises(ValueError, match=r"^loss_type must be one of \('grpo', .*\), got 'ppo'$"):
-        per_token_policy_loss(logps, None, t([1.0]), epsilon_low=0.2, epsilon_high=0.2,
-                              loss_type="ppo")
+        per_token_policy_loss(logps, None, t([1.0]),
+                              Objective(epsilon_low=0.2, epsilon_high=0.2, loss_type="ppo"))
     with pytest.raises(ValueError, match=r"^sampling_weights shape \(1, 3\) must equal logps shape \(1, 2\)$"):
-        per_token_policy_loss(logps, None, t([1.0]), epsilon_low=0.2, epsilon_high=0.2,
+        per_token_policy_loss(logps, None, t([1.0]), Objective(epsilon_low=0.2, epsilon_high=0.2),
                               sampling_weights=torch.ones(1, 3, dtype=D))
 
 
@@ -499,21 +505,23 @@ def test_cispo_counts_high_clipping_strictly_above_and_for_positive_advantages()
     logps = t([[0.0, LN(2.0)], [LN(2.0), 0.0]])
     # ratio 1 = epsilon_high: not clipped; ratio 2 with A = 0: not counted
     _, stats = per_token_policy_loss(logps, torch.zeros_like(logps), t([1.0, 0.0]),
-                                     epsilon_low=0.2, epsilon_high=1.0, loss_type="cispo")
+                                     Objective(epsilon_low=0.2, epsilon_high=1.0, loss_type="cispo"))
     assert stats["is_high_clipped"].tolist() == [[False, True], [False, False]]
 
 
 def test_checked_inputs_name_the_reference_and_the_epsilons():
     logps = t([[-1.0, -0.5]])
     with pytest.raises(ValueError, match=r"^ref_logps shape \(1, 3\) must equal logps shape \(1, 2\)$"):
-        per_token_policy_loss(logps, None, t([1.0]), epsilon_low=0.2, epsilon_high=0.2,
+        per_token_policy_loss(logps, None, t([1.0]), Objective(epsilon_low=0.2, epsilon_high=0.2),
                               ref_logps=torch.zeros(1, 3, dtype=D))
     for low, high in ((-0.1, 0.2), (0.2, -0.1)):
         with pytest.raises(ValueError, match=rf"^epsilon_low and epsilon_high must be >= 0, got {low} and {high}$"):
-            per_token_policy_loss(logps, None, t([1.0]), epsilon_low=low, epsilon_high=high)
+            per_token_policy_loss(logps, None, t([1.0]),
+                                  Objective(epsilon_low=low, epsilon_high=high))
     # 0 is a bound: the ratio 1 stays, the term is -A
     for low, high in ((0.0, 0.2), (0.2, 0.0), (0.0, 0.0)):
-        loss, _ = per_token_policy_loss(logps, None, t([1.0]), epsilon_low=low, epsilon_high=high)
+        loss, _ = per_token_policy_loss(logps, None, t([1.0]),
+                                        Objective(epsilon_low=low, epsilon_high=high))
         assert loss.tolist() == [[-1.0, -1.0]]
 
 

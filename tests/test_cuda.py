@@ -97,7 +97,7 @@ def test_tf32_is_set_as_transformers_sets_it():
 @pytest.mark.parametrize("lean", [True, False])
 def test_torch_compile_inductor_on_the_gpu_matches_eager(tiny_model_dir, lean):
     from cppo.models.compiled import CompileSettings, compile_seconds
-    from cppo.sampling.logprobs import completion_logprobs
+    from cppo.sampling.logprobs import ForwardSettings, completion_logprobs
     model = load_model(tiny_model_dir).cuda().train()
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, model.config.vocab_size, (8, 6), generator=gen).cuda()
@@ -108,8 +108,8 @@ def test_torch_compile_inductor_on_the_gpu_matches_eager(tiny_model_dir, lean):
         torch._dynamo.reset()
         model.zero_grad()
         start = compile_seconds()
-        completion_logprobs(model, prompts, torch.ones_like(prompts), ids, mask, lean=lean,
-                            compile=settings).sum().backward()
+        completion_logprobs(model, prompts, torch.ones_like(prompts), ids, mask,
+                            forward=ForwardSettings(lean=lean, compile=settings)).sum().backward()
         assert (compile_seconds() > start) == (settings is not None)
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
@@ -119,7 +119,7 @@ def test_torch_compile_inductor_on_the_gpu_matches_eager(tiny_model_dir, lean):
 def test_liger_kernels_are_applied_on_the_gpu(tiny_model_dir):
     pytest.importorskip("liger_kernel")
     from cppo.models.loading import apply_liger_kernels
-    from cppo.sampling.logprobs import completion_logprobs
+    from cppo.sampling.logprobs import ForwardSettings, completion_logprobs
     model = load_model(tiny_model_dir).cuda()
     ids = torch.randint(3, model.config.vocab_size, (4, 6), device="cuda")
     prompts = torch.randint(3, model.config.vocab_size, (4, 5), device="cuda")
@@ -127,7 +127,8 @@ def test_liger_kernels_are_applied_on_the_gpu(tiny_model_dir):
     with torch.no_grad():
         lean = completion_logprobs(model, prompts, ones(prompts), ids, ones(ids))
         assert apply_liger_kernels(model, CPPOConfig(use_liger_kernel=True), torch.device("cuda"))
-        own = completion_logprobs(model, prompts, ones(prompts), ids, ones(ids), lean=False)
+        own = completion_logprobs(model, prompts, ones(prompts), ids, ones(ids),
+                                  forward=ForwardSettings(lean=False))
     torch.testing.assert_close(own, lean, atol=1e-4, rtol=1e-4)
 
 

@@ -337,3 +337,39 @@ def test_no_module_takes_the_config_in_more_functions_than_before():
 def test_the_config_scan_counts_parameters(tmp_path):
     (tmp_path / "m.py").write_text("def f(args): ...\ndef g(x, *, cfg): ...\ndef h(conf): ...\n")
     assert config_takers(tmp_path) == {"m.py": 2}
+
+
+# Functions that may take more than MOST_PARAMETERS, each with its reason: none may be added.
+WIDE_SIGNATURES = {
+    "trainer.py:__init__": "TRL's GRPOTrainer signature (model, reward_funcs, args, datasets, ...)",
+}
+MOST_PARAMETERS = 10
+
+
+def wide_signatures(package: Path = PACKAGE) -> dict[str, int]:
+    """'module:function' -> its parameter count (self and cls not counted), for every function of
+    the package that takes more than MOST_PARAMETERS."""
+    wide = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+                count = len(names) - (names[:1] in (["self"], ["cls"]))
+                if count > MOST_PARAMETERS:
+                    wide[f"{path.relative_to(package)}:{node.name}"] = count
+    return wide
+
+
+def test_no_function_takes_more_than_ten_parameters():
+    """A stage takes its settings object or plain values; a long list of loose values is a
+    settings object that is missing."""
+    assert sorted(wide_signatures()) == sorted(WIDE_SIGNATURES)
+
+
+def test_the_signature_scan_counts_parameters(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "def f(a, b, c, d, e, f, g, h, i, j, *, k): ...\n"
+        "class C:\n    def m(self, a, b, c, d, e, f, g, h, i, j): ...\n"
+        "def g(a, b, c, d, e, f, g, h, i, j): ...\n")
+    assert wide_signatures(tmp_path) == {"m.py:f": 11}

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from cppo.models.lean import lean_forward_for, unsupported_reason
-from cppo.sampling.logprobs import completion_logprobs
-from cppo.sampling.sampler import encode_prompts, sample_completions
+from cppo.sampling.logprobs import ForwardSettings, completion_logprobs
+from cppo.sampling.sampler import Decoding, encode_prompts, sample_completions
+from cppo.sampling.settings import SamplingSettings
 from helpers import closeness, note_margin
 
 pytestmark = pytest.mark.cpu_paths   # two code paths compared: tests/test_cpu_paths.py
@@ -94,7 +95,7 @@ def test_gradients_reach_the_models_parameters_and_match(name, attention):
     for lean in (False, True):
         model.zero_grad()
         logprobs = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids,
-                                       completion_mask, lean=lean)
+                                       completion_mask, forward=ForwardSettings(lean=lean))
         (logprobs * completion_mask).sum().backward()
         grads[lean] = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -111,11 +112,12 @@ def test_sampled_completions_are_the_same_tokens(tiny_model_dir, tiny_tokenizer)
     model = load_model(tiny_model_dir).eval()
     prompts = encode_prompts(tiny_tokenizer, ["12*34=", "5*6=", "99*01="])
     kwargs = dict(num_generations=8, max_new_tokens=6, eos_token_id=tiny_tokenizer.eos_token_id,
-                  pad_token_id=tiny_tokenizer.pad_token_id, temperature=0.9, top_k=10)
+                  pad_token_id=tiny_tokenizer.pad_token_id,
+                  sampling=SamplingSettings(temperature=0.9, top_k=10))
     plain = sample_completions(model, prompts, generator=torch.Generator().manual_seed(3),
-                               lean=False, **kwargs)
+                               decoding=Decoding(lean=False), **kwargs)
     lean = sample_completions(model, prompts, generator=torch.Generator().manual_seed(3),
-                              lean=True, **kwargs)
+                              decoding=Decoding(lean=True), **kwargs)
     assert torch.equal(plain.ids, lean.ids) and torch.equal(plain.mask, lean.mask)
     assert torch.equal(plain.truncated, lean.truncated)
 
@@ -156,7 +158,8 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients(name, attention):
     for lean in (False, True):
         model.zero_grad()
         logprobs = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids,
-                                       completion_mask, lean=lean, temperature=0.7)
+                                       completion_mask, forward=ForwardSettings(lean=lean),
+                                       temperature=0.7)
         (logprobs * completion_mask).sum().backward()
         results[lean] = (logprobs.detach() * completion_mask,
                          [p.grad.clone() for p in model.parameters()])
@@ -207,8 +210,8 @@ def test_matmul_dtype_runs_the_decoder_linears_in_it_and_nothing_else(name, pack
         try:
             logprobs = completion_logprobs(
                 model, ids[rows], mask[rows], completion_ids, completion_mask, temperature=0.7,
-                lean=run != "reference", packed=packed,
-                matmul_dtype=torch.bfloat16 if run == "bfloat16" else None)
+                forward=ForwardSettings(lean=run != "reference", packed=packed,
+                                        matmul_dtype=torch.bfloat16 if run == "bfloat16" else None))
             (logprobs * completion_mask).sum().backward()
         finally:
             for m in patched:
@@ -227,7 +230,7 @@ def test_matmul_dtype_needs_the_lean_forward():
     with pytest.raises(ValueError, match="matmul_dtype.*lean forward"):
         completion_logprobs(MODELS["llama"], *_padded_batch(n=2, length=3)[:2],
                             torch.ones(2, 2, dtype=torch.long), torch.ones(2, 2, dtype=torch.long),
-                            lean=False, matmul_dtype=torch.bfloat16)
+                            forward=ForwardSettings(lean=False, matmul_dtype=torch.bfloat16))
 
 
 def test_half_precision_matmuls_on_a_cpu_run_on_bucketed_row_counts():

@@ -54,10 +54,10 @@ def calculator(prompt: str) -> str:
 def calculator_rollout(prompts, trainer):
     """Two model turns around a calculator call: the model writes 2 tokens, the calculator's
     answer and ';' follow (written by the tool), then the model writes up to 3 more."""
-    from cppo.sampling.sampler import encode_prompts, sample_completions
+    from cppo.sampling.sampler import Decoding, encode_prompts, sample_completions
     tok, args = trainer.tokenizer, trainer.args
     kw = dict(num_generations=1, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-              lean=args.lean_forward, generator=torch.Generator().manual_seed(trainer.run_state.step))
+              decoding=Decoding(lean=args.lean_forward), generator=torch.Generator().manual_seed(trainer.run_state.step))
     batch = encode_prompts(tok, prompts)
     first = sample_completions(trainer.policy, batch, max_new_tokens=2, **kw)
     out = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [], "tool_calls": []}

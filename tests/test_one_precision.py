@@ -21,9 +21,9 @@ def test_bf16_first_iteration_ratio_is_one_and_kl_is_zero(tiny_model_dir, tmp_pa
     calls = []
     policy_loss = micro_batch.per_token_policy_loss
 
-    def spy(logps, old_logps, advantages, **kw):
+    def spy(logps, old_logps, advantages, objective, **kw):
         calls.append((logps.detach().clone(), old_logps.clone(), kw["ref_logps"].clone()))
-        return policy_loss(logps, old_logps, advantages, **kw)
+        return policy_loss(logps, old_logps, advantages, objective, **kw)
     monkeypatch.setattr(micro_batch, "per_token_policy_loss", spy)
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=2, num_iterations=2, beta=0.04,
                            **precision, lean_forward=lean_forward, per_device_train_batch_size=4,
@@ -65,7 +65,7 @@ def test_matmul_dtype_passes_differ_from_fp32_ones_and_reach_every_pass(tiny_mod
     logprobs_of = update_module.completion_logprobs
 
     def spy(model, *args, **kw):
-        asked.append(kw.get("matmul_dtype"))
+        asked.append(kw["forward"].matmul_dtype)
         return logprobs_of(model, *args, **kw)
     monkeypatch.setattr(update_module, "completion_logprobs", spy)
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", max_steps=1, beta=0.04,

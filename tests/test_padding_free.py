@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cppo.sampling.logprobs import completion_logprobs, token_entropy
+from cppo.sampling.logprobs import ForwardSettings, completion_logprobs, token_entropy
 from helpers import closeness, note_margin
 from test_lean_forward import MODELS
 
@@ -72,7 +72,8 @@ def test_packed_gradients_match_the_padded_pass(name, shared):
     for packed in (True, False):
         model.zero_grad()
         logps = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                    temperature=0.7, batch_size=4, packed=packed)
+                                    temperature=0.7,
+                                    forward=ForwardSettings(batch_size=4, packed=packed))
         (logps * completion_mask * weights).sum().backward()
         grads[packed] = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -124,7 +125,7 @@ def test_projections_and_head_see_only_real_tokens(shared):
     for packed in (True, False):
         with torch.no_grad(), MatmulRows() as mode:
             completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                packed=packed)
+                                forward=ForwardSettings(packed=packed))
         counted[packed] = mode.rows
     assert counted[True][qkv_width] == layers * inputs
     assert counted[True][2 * config.intermediate_size] == layers * inputs

@@ -5,7 +5,7 @@ import torch
 from cppo.models import load_model, load_tokenizer
 from cppo.sampling.logits import filter_logits
 from cppo.sampling.logprobs import completion_logprobs
-from cppo.sampling.sampler import encode_prompts, sample_completions
+from cppo.sampling.sampler import Decoding, encode_prompts, sample_completions
 
 
 def _setup(path):
@@ -66,7 +66,7 @@ def test_batched_generation_equals_one_batch(tiny_model_dir):
     kw = dict(num_generations=2, max_new_tokens=5, greedy=True, eos_token_id=tok.eos_token_id,
               pad_token_id=tok.pad_token_id)
     whole = sample_completions(model, prompts, **kw)
-    chunked = sample_completions(model, prompts, batch_size=2, **kw)
+    chunked = sample_completions(model, prompts, decoding=Decoding(batch_size=2), **kw)
     assert torch.equal(whole.ids, chunked.ids) and torch.equal(whole.mask, chunked.mask)
     assert torch.equal(whole.truncated, chunked.truncated)
 
@@ -200,7 +200,8 @@ def test_finished_rows_leave_the_decode_batch():
             return original(logits, counted, *args, **kwargs)
         rollout._decode = spy
         try:
-            out = sample_completions(model, prompts, lean=lean, share_prefixes=False, **kw)
+            out = sample_completions(model, prompts, decoding=Decoding(lean=lean, share_prefixes=False),
+                                     **kw)
         finally:
             rollout._decode = original
         lengths = out.mask.sum(1)
@@ -247,7 +248,8 @@ def test_identical_prefixes_are_decoded_once(monkeypatch):
     for lean in (True, False):
         for share in (True, False):
             sizes = _decode_batch_sizes(monkeypatch)
-            out = sample_completions(model, prompts, lean=lean, share_prefixes=share, **kw)
+            out = sample_completions(model, prompts, decoding=Decoding(lean=lean, share_prefixes=share),
+                                     **kw)
             lengths = out.mask.sum(1)
             per_question = lengths.view(4, 4)[:, 0]
             assert per_question.min() < per_question.max()   # questions end at different steps
@@ -276,7 +278,7 @@ def test_shared_prefixes_sample_each_completion_from_the_policy(monkeypatch):
     def draws(share: bool, first_seed: int):
         frequencies, distinct = torch.zeros(4, 18), []
         for seed in range(first_seed, first_seed + 3):
-            out = sample_completions(model, prompts, share_prefixes=share,
+            out = sample_completions(model, prompts, decoding=Decoding(share_prefixes=share),
                                      generator=torch.Generator().manual_seed(seed), **kw)
             for position in range(out.ids.shape[1]):
                 frequencies[position] += torch.bincount(out.ids[:, position], minlength=18).float()

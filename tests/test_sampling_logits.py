@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from cppo.models import load_model, load_tokenizer
-from cppo.sampling.sampler import encode_prompts, sample_completions
+from cppo.sampling.sampler import Decoding, encode_prompts, sample_completions
 from cppo.sampling.logits import greedy_logits, sampling_logits, seen_tokens
+from cppo.sampling.settings import SamplingSettings
 
 SETTINGS = [
     dict(repetition_penalty=1.3),
@@ -67,9 +68,11 @@ def test_greedy_repetition_penalty_matches_transformers_generate(tiny_model_dir,
     prompts = encode_prompts(tok, ["37*42=", "11*11=", "90*12="])
     assert bool(prompts.mask.all())
     kw = dict(max_new_tokens=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    ours = sample_completions(model, prompts, num_generations=1, greedy=True, lean=lean,
-                              repetition_penalty=3.0, **kw)
-    plain = sample_completions(model, prompts, num_generations=1, greedy=True, lean=lean, **kw)
+    ours = sample_completions(model, prompts, num_generations=1, greedy=True,
+                              decoding=Decoding(lean=lean),
+                              sampling=SamplingSettings(repetition_penalty=3.0), **kw)
+    plain = sample_completions(model, prompts, num_generations=1, greedy=True,
+                               decoding=Decoding(lean=lean), **kw)
     ref = model.generate(input_ids=prompts.ids, attention_mask=prompts.mask, do_sample=False,
                          repetition_penalty=3.0, **kw)[:, prompts.ids.shape[1]:]
     assert not torch.equal(ours.ids, plain.ids)     # the penalty changes these completions
@@ -86,11 +89,15 @@ def test_min_p_one_samples_the_most_likely_token(tiny_model_dir, lean):
     model, tok = _model(tiny_model_dir)
     prompts = encode_prompts(tok, ["37*42=", "1*2=", "12*34+56="])
     kw = dict(max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-              lean=lean, repetition_penalty=1.5)
-    greedy = sample_completions(model, prompts, num_generations=2, greedy=True, **kw)
-    sampled = sample_completions(model, prompts, num_generations=2, min_p=1.0, temperature=1.5,
+              decoding=Decoding(lean=lean))
+    greedy = sample_completions(model, prompts, num_generations=2, greedy=True,
+                                sampling=SamplingSettings(repetition_penalty=1.5), **kw)
+    sampled = sample_completions(model, prompts, num_generations=2,
+                                 sampling=SamplingSettings(min_p=1.0, temperature=1.5,
+                                                           repetition_penalty=1.5),
                                  generator=torch.Generator().manual_seed(1), **kw)
-    free = sample_completions(model, prompts, num_generations=2, temperature=1.5,
+    free = sample_completions(model, prompts, num_generations=2,
+                              sampling=SamplingSettings(temperature=1.5, repetition_penalty=1.5),
                               generator=torch.Generator().manual_seed(1), **kw)
     assert torch.equal(sampled.ids, greedy.ids) and not torch.equal(free.ids, greedy.ids)
 
@@ -100,9 +107,11 @@ def test_sampler_logprobs_are_of_the_transformed_distribution(tiny_model_dir):
     with min_p = 1 that is certainty (0) for every token."""
     model, tok = _model(tiny_model_dir)
     prompts = encode_prompts(tok, ["37*42=", "1*2="])
-    out = sample_completions(model, prompts, num_generations=3, max_new_tokens=5, min_p=1.0,
+    out = sample_completions(model, prompts, num_generations=3, max_new_tokens=5,
+                             sampling=SamplingSettings(min_p=1.0),
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                             generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+                             generator=torch.Generator().manual_seed(0),
+                             decoding=Decoding(dtype=torch.bfloat16))
     assert out.logprobs is not None and float(out.logprobs.abs().max()) == 0.0
 
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from cppo.algorithm import LOSS_TYPES, per_token_policy_loss, reduce_loss
+from cppo.algorithm import LOSS_TYPES, Objective, per_token_policy_loss, reduce_loss
 from cppo.algorithm.inclusion import (CAP_TOLERANCE, capped_probabilities, design_rows,
                                       inclusion_probabilities, inclusion_weights, keep_by_inclusion,
                                       systematic_sample)
@@ -343,8 +343,9 @@ def per_draw_loss_gradients(loss_type, masks, advantages, logps, old_logps, comp
                                     kept_share=1.0).flatten()[kept] * shares[draw]
     factor = 1.0 if weighting == "none" else weights
     per_token, _ = per_token_policy_loss(
-        leaf[draw, kept], old_logps[kept], advantages.flatten()[kept] * factor, epsilon_low=0.2,
-        epsilon_high=0.28, loss_type=loss_type, completion_mask=completion_mask[kept])
+        leaf[draw, kept], old_logps[kept], advantages.flatten()[kept] * factor,
+        Objective(epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type),
+        completion_mask=completion_mask[kept])
     mask = completion_mask[kept]
     total = sum(reduce_loss(per_token[d * num_keep:(d + 1) * num_keep],
                             mask[d * num_keep:(d + 1) * num_keep], loss_type,
@@ -366,8 +367,9 @@ def loss_problem(seed=4):
 
 def full_loss_gradient(loss_type, advantages, logps, old_logps, mask):
     logps = logps.detach().clone().requires_grad_()
-    per_token, stats = per_token_policy_loss(logps, old_logps, advantages.flatten(), epsilon_low=0.2,
-                                             epsilon_high=0.28, loss_type=loss_type, completion_mask=mask)
+    objective = Objective(epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type)
+    per_token, stats = per_token_policy_loss(logps, old_logps, advantages.flatten(), objective,
+                                             completion_mask=mask)
     reduce_loss(per_token, mask, loss_type, max_completion_length=5).backward()
     return logps.grad, stats
 

@@ -10,7 +10,8 @@ from cppo.models import load_model, load_tokenizer
 from cppo.sampling.batches import PromptBatch
 from cppo.sampling.logits import sampling_logits
 from cppo.sampling.logprobs import completion_logprobs
-from cppo.sampling.sampler import encode_prompts, sample_completions
+from cppo.sampling.sampler import Decoding, encode_prompts, sample_completions
+from cppo.sampling.settings import SamplingSettings
 from cppo.sampling.speculative import Speculation
 from cppo.sampling import speculative
 from cppo.sampling.speculative import ngram_drafts
@@ -79,8 +80,10 @@ def _draw(model, speculation, questions=1500, group=8, seed=0):
     prompts = PromptBatch(torch.tensor([PROMPT] * questions), torch.ones(questions, len(PROMPT),
                                                                          dtype=torch.long))
     return sample_completions(model, prompts, num_generations=group, max_new_tokens=LENGTH,
-                              eos_token_id=EOS, pad_token_id=PAD, speculative=speculation,
-                              generator=torch.Generator().manual_seed(seed), **SAMPLING)
+                              eos_token_id=EOS, pad_token_id=PAD,
+                              decoding=Decoding(speculative=speculation),
+                              generator=torch.Generator().manual_seed(seed),
+                              sampling=SamplingSettings(**SAMPLING))
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +137,7 @@ def test_greedy_equals_plain_greedy_with_cache_repacking(tiny_model_dir, monkeyp
         packed.append(cache.length)
         return original(cache, keys)
     monkeypatch.setattr(speculative, "pack_cache", spy)
-    spec = sample_completions(model, prompts, speculative=Speculation(3), **kw)
+    spec = sample_completions(model, prompts, decoding=Decoding(speculative=Speculation(3)), **kw)
     stats = spec.speculation
     assert packed, "the test needs the cache to be repacked"
     assert 0 < stats.accepted < stats.drafted, stats
@@ -147,9 +150,10 @@ def test_greedy_equals_plain_greedy_as_rows_finish():
     model, tok = load_model("embedded").eval(), load_tokenizer("embedded")
     prompts = encode_prompts(tok, ["37*42=", "1*2=", "12*34+56=", "5*6=", "99*99="])
     kw = dict(num_generations=4, max_new_tokens=12, greedy=True, eos_token_id=tok.eos_token_id,
-              pad_token_id=tok.pad_token_id, batch_size=8)
-    plain = sample_completions(model, prompts, **kw)
-    spec = sample_completions(model, prompts, speculative=Speculation(4), **kw)
+              pad_token_id=tok.pad_token_id)
+    plain = sample_completions(model, prompts, decoding=Decoding(batch_size=8), **kw)
+    spec = sample_completions(model, prompts,
+                              decoding=Decoding(batch_size=8, speculative=Speculation(4)), **kw)
     assert plain.lengths.min() < plain.lengths.max()
     assert torch.equal(plain.ids, spec.ids) and torch.equal(plain.mask, spec.mask)
 
@@ -160,7 +164,8 @@ def test_recorded_logprobs_are_the_sampling_distributions(tiny_model_dir):
     prompts = encode_prompts(tok, ["37*42=", "1*2="])
     out = sample_completions(model, prompts, num_generations=4, max_new_tokens=10,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                             temperature=0.7, dtype=torch.float32, speculative=Speculation(3),
+                             sampling=SamplingSettings(temperature=0.7),
+                             decoding=Decoding(dtype=torch.float32, speculative=Speculation(3)),
                              generator=torch.Generator().manual_seed(0))
     assert out.speculation.accepted > 0
     expected = completion_logprobs(model, prompts.ids.repeat_interleave(4, 0),
@@ -243,9 +248,9 @@ def test_speculation_needs_the_lean_forward(tiny_model_dir):
     model, tok = load_model(tiny_model_dir).eval(), load_tokenizer(tiny_model_dir)
     prompts = encode_prompts(tok, ["1*2="])
     with pytest.raises(ValueError, match="num_speculative_tokens=2.*lean forward"):
-        sample_completions(model, prompts, num_generations=2, max_new_tokens=3, lean=False,
+        sample_completions(model, prompts, num_generations=2, max_new_tokens=3,
                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                           speculative=Speculation(2))
+                           decoding=Decoding(lean=False, speculative=Speculation(2)))
     with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
         Speculation(2, prompt_lookup_max=1, prompt_lookup_min=2)
 
@@ -301,7 +306,8 @@ def test_bfloat16_sampling_in_chunks(tiny_model_dir):
     prompts = encode_prompts(tok, ["37*42=", "1*2=", "12*34+56="])
     out = sample_completions(model, prompts, num_generations=4, max_new_tokens=12,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                             dtype=torch.bfloat16, batch_size=4, speculative=Speculation(3),
+                             decoding=Decoding(dtype=torch.bfloat16, batch_size=4,
+                                               speculative=Speculation(3)),
                              generator=torch.Generator().manual_seed(0))
     stats = out.speculation
     assert out.ids.shape[0] == 12 and stats.forwards >= 3 and stats.tokens > 0

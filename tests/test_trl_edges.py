@@ -5,7 +5,7 @@ max_steps that is not a multiple of num_iterations."""
 import pytest
 import torch
 
-from cppo.algorithm import group_advantages, per_token_policy_loss, reduce_loss
+from cppo.algorithm import Objective, group_advantages, per_token_policy_loss, reduce_loss
 
 
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
@@ -69,9 +69,9 @@ def test_sampling_weights_multiply_the_policy_term_not_the_kl():
     ref = logps - 0.2 * torch.rand(3, 4, generator=g, dtype=torch.float64)
     adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
     w = 0.5 + torch.rand(3, 4, generator=g, dtype=torch.float64)
-    kw = dict(epsilon_low=0.2, epsilon_high=0.2, beta=0.04, ref_logps=ref)
-    plain, stats = per_token_policy_loss(logps, None, adv, **kw)
-    weighted, _ = per_token_policy_loss(logps, None, adv, sampling_weights=w, **kw)
+    objective, kw = Objective(epsilon_low=0.2, epsilon_high=0.2), dict(beta=0.04, ref_logps=ref)
+    plain, stats = per_token_policy_loss(logps, None, adv, objective, **kw)
+    weighted, _ = per_token_policy_loss(logps, None, adv, objective, sampling_weights=w, **kw)
     policy_term = plain - 0.04 * stats["kl"]
     torch.testing.assert_close(weighted, w * policy_term + 0.04 * stats["kl"])
 

@@ -65,7 +65,8 @@ def test_compile_runs_the_training_passes_through_the_backend(tiny_model_dir, le
         torch._dynamo.reset()   # compiled code is cached per function: start afresh
         GRAPHS.clear()
         model.zero_grad()
-        logprobs.completion_logprobs(model, *args, lean=lean, compile=settings).sum().backward()
+        logprobs.completion_logprobs(model, *args, forward=logprobs.ForwardSettings(
+            lean=lean, compile=settings)).sum().backward()
         results.append(([p.grad.clone() for p in model.parameters()], len(GRAPHS)))
     (eager_grads, eager_graphs), (compiled_grads, compiled_graphs) = results
     assert eager_graphs == 0 and compiled_graphs >= 1

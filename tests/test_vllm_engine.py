@@ -313,6 +313,7 @@ def test_min_p_and_repetition_penalty_sample_as_cppos_sampler(untied):
     must apply it the same way (cppo.sampling.logits follows transformers; vLLM its own code).
     A penalty below 1 rewards repeats: this random model then writes more than EOS."""
     from cppo.sampling.sampler import sample_completions
+    from cppo.sampling.settings import SamplingSettings
     import dataclasses
     args, before = untied.backend.args, untied.backend.sampling
     prompts = untied.prompts()
@@ -322,7 +323,7 @@ def test_min_p_and_repetition_penalty_sample_as_cppos_sampler(untied):
     finally:
         untied.backend.sampling = before
     ours = sample_completions(untied.model, prompts, num_generations=G, greedy=True,
-                              repetition_penalty=0.2, max_new_tokens=args.max_completion_length,
+                              sampling=SamplingSettings(repetition_penalty=0.2), max_new_tokens=args.max_completion_length,
                               eos_token_id=untied.tokenizer.eos_token_id,
                               pad_token_id=untied.tokenizer.pad_token_id)
     plain = sample_completions(untied.model, prompts, num_generations=G, greedy=True,
@@ -373,17 +374,17 @@ def tool_engine(tmp_path_factory):
 
 def vllm_tool_trainer(engine, tmp_path, monkeypatch, reward_funcs, max_steps, **multi_turn):
     """CPPOTrainer(use_vllm=True, tools= or environment_factory=) on the tool engine's model,
-    with the tool engine as its backend (make_backend would start a second engine on the same
+    with the tool engine as its backend (make_backend, in build_run, would start a second engine on the same
     weights). Every generation is recorded with the policy's log-probs of its tokens, taken
     before the update; the weight pushes (each one probed once) are counted."""
-    import cppo.trainer as trainer_module
+    import cppo.assembly.run as run_module
     from cppo.trainer import CPPOTrainer
 
     def engine_backend(model, tokenizer, args, chunk_size=None, sampling=None, generation_dtype=None):
         assert model is engine.model and args.use_vllm
         engine.backend.args, engine.backend.sampling = args, sampling
         return engine.backend
-    monkeypatch.setattr(trainer_module, "make_backend", engine_backend)
+    monkeypatch.setattr(run_module, "make_backend", engine_backend)
     args = CPPOConfig(use_vllm=True, output_dir=str(tmp_path / "run"), max_steps=max_steps,
                       eval_steps=0, save_steps=0, progress_bar=False, eval_num_questions=1,
                       learning_rate=1e-2, lr_scheduler_type="constant",

@@ -186,9 +186,10 @@ def cmd_eval(args) -> int:
     if args.dry_run:
         return print_config(cfg, "eval")
     from cppo.data.sources import TaskSource, load_task
-    from cppo.evaluate import evaluate
+    from cppo.evaluate import EvalSampling, evaluate
     from cppo.parallel.memory import eval_batch_size
     from cppo.sampling.sampler import prompts_length
+    from cppo.sampling.settings import SamplingSettings
     from cppo.models import load_model, load_tokenizer
     from cppo.rewards import get_reward_function
 
@@ -205,8 +206,9 @@ def cmd_eval(args) -> int:
                                                    memory_budget_gib=cfg.memory_budget_gib)
     reward = task.scoring_reward(get_reward_function(cfg.reward_funcs[0]))
     result = evaluate(model, tokenizer, task.eval_rows, reward,
-                      k=cfg.k, temperature=cfg.temperature, max_new_tokens=max_new,
-                      batch_size=batch_size, seed=cfg.seed)
+                      k=cfg.k, sampling=EvalSampling(SamplingSettings(temperature=cfg.temperature),
+                                                     seed=cfg.seed),
+                      max_new_tokens=max_new, batch_size=batch_size)
     print(f"{cfg.model} on {task.description} ({cfg.eval_dataset_split}): {result.summary()}")
     if cfg.output_json:
         Path(cfg.output_json).parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,17 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from cppo.sampling.sampler import encode_prompts, prompts_length, sample_completions
+from cppo.sampling.sampler import Decoding, encode_prompts, prompts_length, sample_completions
+from cppo.sampling.settings import SamplingSettings
+
+
+@dataclass(frozen=True)
+class EvalSampling:
+    """How evaluate draws pass@k's k completions per question: with the sampling settings
+    (e.g. SamplingSettings(temperature=0.7)) from a CPU generator seeded with `seed`."""
+
+    settings: SamplingSettings = SamplingSettings()
+    seed: int = 0
 
 
 @dataclass
@@ -39,16 +49,19 @@ def _correct(reward_fn, rows, completions, tokenizer, num_generations: int) -> t
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16, temperature: float = 1.0,
-             max_new_tokens: int = 8, batch_size: int | None = None, seed: int = 0,
-             max_prompt_length: int | None = None, progress: bool = True) -> EvalResult:
+def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16,
+             sampling: EvalSampling = EvalSampling(), max_new_tokens: int = 8,
+             batch_size: int | None = None, max_prompt_length: int | None = None,
+             progress: bool = True) -> EvalResult:
     """Greedy accuracy and (k > 0) pass@k over rows with a 'prompt' column, in batches of
-    batch_size completions (None: as many as fit in memory, cppo.parallel.memory.eval_batch_size)."""
+    batch_size completions (None: as many as fit in memory, cppo.parallel.memory.eval_batch_size).
+    sampling: how pass@k's completions are drawn (EvalSampling: the settings and the seed); the
+    greedy completions take the plain argmax."""
     import time
     start = time.perf_counter()
     was_training = model.training
     model.eval()
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(sampling.seed)
     greedy_hits, pass_hits, sample_hits = 0, 0, 0.0
     if batch_size is None:
         from cppo.parallel.memory import eval_batch_size
@@ -64,8 +77,8 @@ def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16, temp
         greedy = sample_completions(model, prompts, num_generations=1, greedy=True, **common)
         greedy_hits += int(_correct(reward_fn, chunk, greedy, tokenizer, 1).sum())
         if k > 0:
-            sampled = sample_completions(model, prompts, num_generations=k, temperature=temperature,
-                                         generator=generator, **common)
+            sampled = sample_completions(model, prompts, num_generations=k,
+                                         sampling=sampling.settings, generator=generator, **common)
             hits = _correct(reward_fn, chunk, sampled, tokenizer, k)
             pass_hits += int(hits.any(1).sum())
             sample_hits += float(hits.float().mean(1).sum())
@@ -80,23 +93,25 @@ def evaluate(model, tokenizer, rows: list[dict], reward_fn, *, k: int = 16, temp
 
 
 @torch.no_grad()
-def sampled_metrics(policy, tokenizer, rows: list[dict], rewards, prompts, *, num_generations: int,
-                    max_new_tokens: int, sampling, generator, batch_size: int | None, lean: bool,
-                    share_prefixes: bool, scale_rewards) -> dict:
+def sampled_metrics(policy, generation, rows: list[dict], rewards, *, num_generations: int,
+                    max_new_tokens: int, sampling: SamplingSettings, generator,
+                    decoding: Decoding, scale_rewards: str) -> dict:
     """TRL's evaluation metrics (before its eval_ prefix): num_generations completions per row
-    (`prompts`: the rows' encoded prompts) sampled by cppo's sampler with the training settings
-    (`sampling`, cppo.sampling.settings), scored by the reward functions (`rewards`, a
-    RewardRunner): reward statistics, each function's mean and the completion lengths."""
+    sampled by cppo's sampler with the training settings (`sampling`, cppo.sampling.settings;
+    `decoding`, cppo.sampling.sampler.Decoding), scored by the reward functions (`rewards`, a
+    RewardRunner): reward statistics, each function's mean and the completion lengths.
+    generation: the run's cppo.sampling.generation.Generation (its tokenizer, and its prompts()
+    encoding of the rows' prompts)."""
     from cppo.algorithm import reward_stats
     from cppo.run.tracking import length_metrics
+    tokenizer, prompts = generation.tokenizer, generation.prompts(rows)
     was_training = policy.training
     policy.eval()
     try:
         completions = sample_completions(
             policy, prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            **sampling.kwargs(), generator=generator, batch_size=batch_size, lean=lean,
-            share_prefixes=share_prefixes)
+            sampling=sampling, generator=generator, decoding=decoding)
     finally:
         policy.train(was_training)
     scores = rewards.score(tokenizer, rows, completions, num_generations)

@@ -23,7 +23,7 @@ from transformers import LlamaForCausalLM
 
 from cppo.data import arithmetic
 from cppo.rewards import arithmetic as arithmetic_rewards
-from cppo.evaluate import evaluate
+from cppo.evaluate import EvalSampling, evaluate
 from cppo.config import CPPOConfig, check_fields, option, same_as
 from cppo.models.loading import tiny_model_config
 from cppo.sampling.padding import pad_token_lists
@@ -113,7 +113,7 @@ def pretrain(cfg: PretrainConfig, command: str | None = None) -> dict:
     test_rows = test_rows[:cfg.eval_questions]
     result = evaluate(model, tokenizer, test_rows, arithmetic_rewards.arithmetic_accuracy_reward,
                       k=cfg.pass_k, max_new_tokens=arithmetic.answer_width(cfg.task_level) + 1,
-                      seed=cfg.seed, progress=cfg.progress_bar)
+                      sampling=EvalSampling(seed=cfg.seed), progress=cfg.progress_bar)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -16,6 +16,7 @@ in one place.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from cppo.run.tracking import MetricsLog, MetricsWindow, PhaseTimer
 from cppo.sampling.async_rollout import RolloutScheduler, check_async_launch, start_rollouts
 from cppo.sampling.batches import Completions, PromptBatch
 from cppo.features.two_stage import TwoStageDraw
-from cppo.sampling.sampler import chunk_seed
+from cppo.sampling.sampler import Decoding, chunk_seed
 from cppo.sampling.tools import ToolContext, ToolLoop, rollout_function
 
 __all__ = ["CPPOTrainer", "EXIT_CODES", "make_adamw", "train"]   # EXIT_CODES: for cppo.cli
@@ -72,7 +73,7 @@ class CPPOTrainer:
         self.engine, self.use_lora = models.engine, models.lora
         self.plan, self.task, self.batch_sizes = parts.plan, parts.task, parts.batch_sizes
         self.generation_dtype, self.matmul_dtype = parts.generation_dtype, parts.matmul_dtype
-        self.sampling, self.backend, self.generation = parts.sampling, parts.backend, parts.generation
+        self.sampling, self.generation = parts.sampling, parts.generation   # it holds the backend
         self.rewards, self.selector, self.learner = parts.rewards, parts.selector, parts.learner
         self.optimizer, self.scheduler = parts.learner.optimizer, parts.learner.scheduler
         self.total_steps, self.features, self.questions = parts.total_steps, parts.features, parts.questions
@@ -91,6 +92,16 @@ class CPPOTrainer:
         self.callbacks.bind(model=self.policy, processing_class=self.tokenizer,
                             optimizer=self.optimizer, lr_scheduler=self.scheduler)
         self.callbacks.event("on_init_end")
+
+    @property
+    def backend(self):
+        """The generation backend (cppo's sampler or vLLM), held by the generation stage; set it
+        to sample with another one."""
+        return self.generation.backend
+
+    @backend.setter
+    def backend(self, backend) -> None:
+        self.generation = dataclasses.replace(self.generation, backend=backend)
 
     # ---------------------------------------------------------------- one round -------------
     @property
@@ -378,10 +389,11 @@ class CPPOTrainer:
         generator = torch.Generator(device=self.device).manual_seed(
             chunk_seed(args.seed, -1 - self.run_state.step, 0))   # apart from the training rounds' seeds
         metrics = sampled_metrics(
-            self.policy, self.tokenizer, rows, self.rewards, self.generation.prompts(rows),
-            num_generations=g, max_new_tokens=args.max_completion_length, sampling=self.sampling,
-            generator=generator, batch_size=self.batch_sizes.evaluation, lean=args.lean_forward,
-            share_prefixes=args.share_prefixes, scale_rewards=args.scale_rewards)
+            self.policy, self.generation, rows, self.rewards, num_generations=g,
+            max_new_tokens=args.max_completion_length, sampling=self.sampling, generator=generator,
+            decoding=Decoding(batch_size=self.batch_sizes.evaluation, lean=args.lean_forward,
+                              share_prefixes=args.share_prefixes),
+            scale_rewards=args.scale_rewards)
         return {f"eval_{key}": value for key, value in metrics.items()}
 
     # ---------------------------------------------------------------- checkpoints -----------

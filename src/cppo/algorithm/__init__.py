@@ -12,8 +12,8 @@ from cppo.algorithm.advantages import (
 )
 from cppo.algorithm.allocation import StepShape, check_pruning, plan_step, questions_per_chunk
 from cppo.algorithm.loss import (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, POLICY_TERMS,
-                                 SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, adapted_entropy_coef,
-                                 applied_entropy_coef, entropy_bonus,
+                                 SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, Objective,
+                                 adapted_entropy_coef, applied_entropy_coef, entropy_bonus,
                                  gamma_weights,
                                  importance_ratio, importance_weights, masked_mean,
                                  per_token_policy_loss, reduce_loss)
@@ -67,6 +67,7 @@ __all__ = [
     "sampler_correction_stats",
     "keep_highest_scores",
     "masked_mean",
+    "Objective",
     "per_token_policy_loss",
     "check_pruning", "plan_step", "questions_per_chunk",
     "recompute_advantages_on_kept",

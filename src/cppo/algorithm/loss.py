@@ -3,12 +3,14 @@
 N sequences (kept completions) x T tokens. completion_mask (N, T), bool or float, marks the real
 completion tokens; padding never contributes and never produces NaN. Names and defaults are TRL
 1.16's GRPOConfig's: loss_type, importance_sampling_level, delta, use_bias_correction_kl,
-sapo_temperature_pos / _neg, vespo_k_pos / _lambda_pos / _k_neg / _lambda_neg.
+sapo_temperature_pos / _neg, vespo_k_pos / _lambda_pos / _k_neg / _lambda_neg (`Objective` holds
+them).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -75,14 +77,31 @@ def gamma_weights(advantages: Tensor, log_ratio: Tensor, completion_mask: Tensor
 gamma_weights = torch.no_grad()(gamma_weights)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Objective:
+    """The policy objective's hyperparameters (TRL 1.16 GRPOConfig's names):
+    epsilon_low / epsilon_high: the clip range [1 - epsilon_low, 1 + epsilon_high] of the ratio
+    (TRL's epsilon, epsilon_high; cispo caps the ratio at epsilon_high); loss_type: the policy
+    term (POLICY_TERMS) and the reduction; importance_sampling_level: ratios per "token" or per
+    "sequence" (GSPO); delta: two-sided clipping, the unclipped ratio capped at delta (None: off);
+    use_bias_correction_kl: the KL term times the ratio; sapo_temperature_pos / _neg: sapo's
+    gate temperature for A > 0 / A <= 0; vespo: `gamma_weights`' k_pos, lambda_pos, k_neg,
+    lambda_neg (TRL's vespo_k_pos, ...; None or a missing key: its defaults)."""
+    epsilon_low: float
+    epsilon_high: float
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    delta: float | None = None
+    use_bias_correction_kl: bool = True
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo: dict[str, float] | None = None
+
+
 def per_token_policy_loss(
-    logps: Tensor, old_logps: Tensor | None, advantages: Tensor, *, epsilon_low: float,
-    epsilon_high: float, beta: float = 0.0, ref_logps: Tensor | None = None,
-    sampling_weights: Tensor | None = None, loss_type: str = "dapo",
-    importance_sampling_level: str = "token", completion_mask: Tensor | None = None,
-    delta: float | None = None, use_bias_correction_kl: bool = True,
-    policy_mask: Tensor | None = None, sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05, vespo: dict | None = None,
+    logps: Tensor, old_logps: Tensor | None, advantages: Tensor, objective: Objective, *,
+    beta: float = 0.0, ref_logps: Tensor | None = None, sampling_weights: Tensor | None = None,
+    completion_mask: Tensor | None = None, policy_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token loss (N, T) = policy term * policy_mask * sampling_weights + beta * KL_k3 (* rho).
 
@@ -90,8 +109,8 @@ def per_token_policy_loss(
     old_logps: (N, T) under the policy that sampled them (None = logps.detach(), i.e. rho = 1,
     for num_iterations = 1); ref_logps: (N, T) under the reference model, needed when beta > 0;
     advantages: (N,). rho = `importance_ratio` (per token, or per sequence: GSPO). Policy term by
-    loss_type: clipped (grpo, bnpo, dr_grpo, dapo, luspo) -min(rho' A, clip(rho, 1-eps_low,
-    1+eps_high) A) with rho' = min(rho, delta) when delta is set (two-sided clipping);
+    the objective's loss_type: clipped (grpo, bnpo, dr_grpo, dapo, luspo) -min(rho' A, clip(rho,
+    1-eps_low, 1+eps_high) A) with rho' = min(rho, delta) when delta is set (two-sided clipping);
     cispo -sg(min(rho, eps_high)) A logp; sapo -sigmoid(tau (rho - 1)) 4 / tau A, tau by the
     sign of A; vespo -`gamma_weights` A logp. KL_k3 = exp(ref - logp) - (ref - logp) - 1, times rho
     (with its gradient) when use_bias_correction_kl. sampling_weights: (N, T) importance weights
@@ -103,16 +122,13 @@ def per_token_policy_loss(
     clip_ratio/low_mean, high_mean, region_mean once masked-averaged (cispo: rho > eps_high, A > 0).
     """
     advantages, old_logps, completion_mask = _checked_inputs(
-        logps, old_logps, advantages, ref_logps, sampling_weights, completion_mask, beta=beta,
-        loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
+        logps, old_logps, advantages, ref_logps, sampling_weights, completion_mask, objective,
+        beta=beta)
     advantages = advantages.detach().to(logps.dtype).unsqueeze(1)  # (N, 1)
-    ratio = importance_ratio(logps, old_logps, completion_mask, importance_sampling_level)
-    term = POLICY_TERMS[loss_type]
+    ratio = importance_ratio(logps, old_logps, completion_mask, objective.importance_sampling_level)
+    term = POLICY_TERMS[objective.loss_type]
     per_token_loss = _policy_term(term, ratio, advantages, logps, old_logps, completion_mask,
-                                  sampling_weights, epsilon_low=epsilon_low,
-                                  epsilon_high=epsilon_high, delta=delta,
-                                  sapo_temperatures=(sapo_temperature_pos, sapo_temperature_neg),
-                                  vespo=vespo)
+                                  sampling_weights, objective)
     per_token_loss = per_token_loss.expand_as(logps)
     if policy_mask is not None:
         per_token_loss = per_token_loss * policy_mask.to(logps.dtype)
@@ -125,22 +141,24 @@ def per_token_policy_loss(
     else:
         kl = torch.zeros_like(logps)
     if beta != 0.0:
-        per_token_loss = per_token_loss + beta * (kl * ratio if use_bias_correction_kl else kl)
+        per_token_loss = per_token_loss + beta * (kl * ratio if objective.use_bias_correction_kl else kl)
 
-    stats = {"kl": kl.detach(), **_clip_stats(term, ratio, advantages, logps, epsilon_low, epsilon_high)}
+    clipped = _clip_stats(term, ratio, advantages, logps, objective.epsilon_low, objective.epsilon_high)
+    stats = {"kl": kl.detach(), **clipped}
     return per_token_loss, stats
 
 
 def _checked_inputs(logps: Tensor, old_logps: Tensor | None, advantages: Tensor,
                     ref_logps: Tensor | None, sampling_weights: Tensor | None,
-                    completion_mask: Tensor | None, *, beta: float, loss_type: str,
-                    epsilon_low: float, epsilon_high: float) -> tuple[Tensor, Tensor, Tensor]:
+                    completion_mask: Tensor | None, objective: Objective, *,
+                    beta: float) -> tuple[Tensor, Tensor, Tensor]:
     """per_token_policy_loss's inputs checked: advantages (N,), old_logps (None: logps
     detached) and the completion mask (None: all ones)."""
+    epsilon_low, epsilon_high = objective.epsilon_low, objective.epsilon_high
     if logps.dim() != 2:
         raise ValueError(f"logps must be (sequences, tokens), got shape {tuple(logps.shape)}")
-    if loss_type not in POLICY_TERMS:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if objective.loss_type not in POLICY_TERMS:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {objective.loss_type!r}")
     if old_logps is None:
         old_logps = logps.detach()
     if old_logps.shape != logps.shape:
@@ -166,22 +184,22 @@ def _checked_inputs(logps: Tensor, old_logps: Tensor | None, advantages: Tensor,
 
 
 def _policy_term(term: str, ratio: Tensor, advantages: Tensor, logps: Tensor, old_logps: Tensor,
-                 completion_mask: Tensor, sampling_weights: Tensor | None, *, epsilon_low: float,
-                 epsilon_high: float, delta: float | None, sapo_temperatures: tuple[float, float],
-                 vespo: dict | None) -> Tensor:
+                 completion_mask: Tensor, sampling_weights: Tensor | None,
+                 objective: Objective) -> Tensor:
     """The policy term per token ((N, T), or (N, 1) for sequence-level ratios) of one loss
     family (POLICY_TERMS), advantages (N, 1)."""
     if term == "clip":
-        clipped_ratio = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-        unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+        clipped_ratio = torch.clamp(ratio, 1.0 - objective.epsilon_low, 1.0 + objective.epsilon_high)
+        unclipped = ratio if objective.delta is None else torch.clamp(ratio, max=objective.delta)
         return -torch.min(unclipped * advantages, clipped_ratio * advantages)
     if term == "cispo":
-        return -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
+        return -torch.clamp(ratio, max=objective.epsilon_high).detach() * advantages * logps
     if term == "sapo":
-        tau = torch.where(advantages > 0, *sapo_temperatures)
+        tau = torch.where(advantages > 0, objective.sapo_temperature_pos,
+                          objective.sapo_temperature_neg)
         return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
     phi = gamma_weights(advantages, logps.detach() - old_logps.detach(), completion_mask,  # vespo
-                        sampling_weights, **(vespo or {}))
+                        sampling_weights, **(objective.vespo or {}))
     return -phi * advantages * logps
 
 

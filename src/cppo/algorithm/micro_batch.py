@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cppo.algorithm.loss import entropy_bonus, per_token_policy_loss, reduce_loss
+from cppo.algorithm.loss import Objective, entropy_bonus, per_token_policy_loss, reduce_loss
 from cppo.algorithm.masks import high_entropy_mask, off_policy_mask
 from cppo.algorithm.sampler_correction import sampler_correction_stats, sampler_importance_weights
 
@@ -24,11 +24,9 @@ MAX_KEYS = ("ratio_max", "ratio_min_neg", "logp_diff_max")
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The values one micro-batch's loss reads: clipping, KL, the masks on the policy term, the
-    sampler correction, whether an entropy bonus is on, and the objective's own options
-    (per_token_policy_loss's keyword arguments: loss_type, importance_sampling_level, delta, ...)."""
-    epsilon_low: float
-    epsilon_high: float
+    """The values one micro-batch's loss reads: KL, the masks on the policy term, the sampler
+    correction, whether an entropy bonus is on, and the objective (`Objective`: loss_type,
+    clipping, importance_sampling_level, delta, ...)."""
     beta: float
     max_completion_length: int
     top_entropy_quantile: float   # 1.0: no entropy mask
@@ -37,11 +35,11 @@ class LossSettings:
     importance_sampling_clip_min: float | None
     importance_sampling_clip_max: float | None
     entropy_bonus: bool
-    objective: dict
+    objective: Objective
 
     @property
     def loss_type(self) -> str:
-        return self.objective["loss_type"]
+        return self.objective.loss_type
 
 
 def entropy_bonus_on(entropy_coef: float, adaptive: bool) -> bool:
@@ -106,10 +104,9 @@ def micro_batch_loss(logps: Tensor, entropies: list[Tensor], micro, settings: Lo
     weights, part = sampler_weights(micro, logps, settings)
     mask = policy_mask(micro, logps.float(), entropies, settings)
     per_token, stats = per_token_policy_loss(   # IS weights on the policy term only (TRL)
-        logps.float(), micro.old_logps, micro.advantages, epsilon_low=settings.epsilon_low,
-        epsilon_high=settings.epsilon_high, beta=settings.beta, ref_logps=micro.ref_logps,
-        sampling_weights=weights, completion_mask=micro.loss_mask,
-        policy_mask=mask, **settings.objective)
+        logps.float(), micro.old_logps, micro.advantages, settings.objective, beta=settings.beta,
+        ref_logps=micro.ref_logps, sampling_weights=weights, completion_mask=micro.loss_mask,
+        policy_mask=mask)
     loss = reduce_loss(per_token, micro.loss_mask, settings.loss_type,
                        max_completion_length=settings.max_completion_length,
                        total_sequences=total_sequences, total_tokens=total_tokens,

@@ -48,7 +48,6 @@ class RunParts:
     task: TaskData
     batch_sizes: BatchSizes
     sampling: SamplingSettings
-    backend: GenerationBackend
     generation: Generation
     rewards: RewardRunner
     total_steps: int
@@ -58,6 +57,11 @@ class RunParts:
     selector: Selector
     checkpointer: Checkpointer
     rollout_func: object = None
+
+    @property
+    def backend(self) -> GenerationBackend:
+        """The generation backend (cppo's sampler or vLLM): the one the generation stage holds."""
+        return self.generation.backend
 
 
 def build_run(args, *, model=None, reward_funcs=None, train_dataset=None, eval_dataset=None,
@@ -94,7 +98,7 @@ def build_run(args, *, model=None, reward_funcs=None, train_dataset=None, eval_d
     return RunParts(
         dist=dist, models=models, plan=plan, generation_dtype=generation_dtype,
         matmul_dtype=matmul_dtype, task=task, batch_sizes=batch_sizes, sampling=sampling,
-        backend=backend, generation=Generation(
+        generation=Generation(
             backend, models.tokenizer, models.engine, dist.device, dist.rank,
             args.num_generations, args.max_prompt_length, args.seed),
         rewards=rewards, total_steps=steps, learner=learner,

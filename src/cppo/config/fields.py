@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from cppo.algorithm import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS,
-                            SELECTION_RULES, SELECTION_SCOPES, StepShape, local_scope,
+                            SELECTION_RULES, SELECTION_SCOPES, Objective, StepShape, local_scope,
                             plan_step)
 from cppo.algorithm.balance import AUTO
 from cppo.algorithm.micro_batch import LossSettings, entropy_bonus_on
@@ -518,21 +518,21 @@ class CPPOConfig:
     def loss_settings(self) -> LossSettings:
         """The objective's values one micro-batch's loss reads (cppo.algorithm.micro_batch)."""
         return LossSettings(
-            epsilon_low=self.epsilon, epsilon_high=self.effective_epsilon_high, beta=self.beta,
-            max_completion_length=self.max_completion_length,
+            beta=self.beta, max_completion_length=self.max_completion_length,
             top_entropy_quantile=self.top_entropy_quantile,
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             importance_sampling_mode=self.importance_sampling_mode,
             importance_sampling_clip_min=self.importance_sampling_clip_min,
             importance_sampling_clip_max=self.importance_sampling_clip_max,
             entropy_bonus=entropy_bonus_on(self.entropy_coef, self.use_adaptive_entropy),
-            objective=dict(loss_type=self.loss_type,
-                           importance_sampling_level=self.importance_sampling_level,
-                           delta=self.delta, use_bias_correction_kl=self.use_bias_correction_kl,
-                           sapo_temperature_pos=self.sapo_temperature_pos,
-                           sapo_temperature_neg=self.sapo_temperature_neg,
-                           vespo=dict(k_pos=self.vespo_k_pos, lambda_pos=self.vespo_lambda_pos,
-                                      k_neg=self.vespo_k_neg, lambda_neg=self.vespo_lambda_neg)))
+            objective=Objective(
+                epsilon_low=self.epsilon, epsilon_high=self.effective_epsilon_high,
+                loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+                delta=self.delta, use_bias_correction_kl=self.use_bias_correction_kl,
+                sapo_temperature_pos=self.sapo_temperature_pos,
+                sapo_temperature_neg=self.sapo_temperature_neg,
+                vespo=dict(k_pos=self.vespo_k_pos, lambda_pos=self.vespo_lambda_pos,
+                           k_neg=self.vespo_k_neg, lambda_neg=self.vespo_lambda_neg)))
 
     @property
     def planned_pruning_rate(self) -> float:

@@ -22,7 +22,7 @@ from cppo.models.compiled import compile_seconds, compile_settings
 from cppo.models.loading import torch_dtype
 from cppo.run.batch import StepBatch
 from cppo.run.optimizer import advance_schedule
-from cppo.sampling.logprobs import completion_logprobs
+from cppo.sampling.logprobs import ForwardSettings, completion_logprobs
 
 
 class Learner:
@@ -49,13 +49,13 @@ class Learner:
         if len(batch) == 0:  # global selection can leave a process nothing to train on
             return batch.completion_ids.new_zeros(batch.completion_ids.shape, dtype=torch.float32)
         args = self.args
+        forward = ForwardSettings(batch_size=args.per_device_train_batch_size,
+                                  lean=args.lean_forward, matmul_dtype=torch_dtype(self.matmul_dtype),
+                                  compile=self.compile, chunk_head=args.use_liger_kernel)
         return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                    batch.completion_mask, temperature=args.temperature,
-                                   batch_size=args.per_device_train_batch_size,
-                                   lean=args.lean_forward, entropies=entropies,
+                                   forward=forward, entropies=entropies,
                                    entropy_grad=entropies is not None and self.loss.entropy_bonus,
-                                   matmul_dtype=torch_dtype(self.matmul_dtype),
-                                   compile=self.compile, chunk_head=args.use_liger_kernel,
                                    aux_losses=aux_losses)
 
     def autocast(self):

@@ -26,7 +26,7 @@ from cppo.algorithm.allocation import questions_per_chunk
 from cppo.models.lean import lean_forward_for
 from cppo.models.loading import torch_dtype
 from cppo.sampling.batches import Completions, PromptBatch, concat_completions
-from cppo.sampling.sampler import chunk_seed, sample_completions
+from cppo.sampling.sampler import Decoding, chunk_seed, sample_completions
 from cppo.sampling.settings import SamplingSettings
 from cppo.sampling.speculative import Speculation
 
@@ -87,6 +87,9 @@ class TransformersBackend:
         round_key = round_index if stage == 1 else f"{round_index}/stage{stage}"
         device = next(self.model.parameters()).device
         per_chunk = self.questions_per_chunk(len(prompts), group)
+        decoding = Decoding(lean=args.lean_forward, dtype=torch_dtype(self.generation_dtype),
+                            speculative=speculation(args), share_prefixes=args.share_prefixes,
+                            record_logprobs=self.record_logprobs)
         parts = []
         was_training = self.model.training
         # dropout off for sampling; the lean forward has none, so the mode is left as it is
@@ -101,11 +104,8 @@ class TransformersBackend:
                 parts.append(sample_completions(
                     self.model, chunk, num_generations=group,
                     max_new_tokens=args.max_completion_length, eos_token_id=tok.eos_token_id,
-                    pad_token_id=tok.pad_token_id, **self.sampling.kwargs(),
-                    generator=generator, lean=args.lean_forward,
-                    dtype=torch_dtype(self.generation_dtype),
-                    speculative=speculation(args), share_prefixes=args.share_prefixes,
-                    record_logprobs=self.record_logprobs))
+                    pad_token_id=tok.pad_token_id, sampling=self.sampling,
+                    generator=generator, decoding=decoding))
         finally:
             if toggle:
                 self.model.train(was_training)

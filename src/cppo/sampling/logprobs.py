@@ -3,11 +3,13 @@ trainer runs on the kept completions."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cppo.models.compiled import compiled_model
+from cppo.models.compiled import CompileSettings, compiled_model
 from cppo.models.head import chunked_logprobs_and_entropy
 from cppo.models.lean import lean_forward_for
 
@@ -29,35 +31,50 @@ def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
     return torch.cat(rows).view(index.shape) if rows else flat.new_zeros(index.shape, dtype=torch.float32)
 
 
+@dataclass(frozen=True)
+class ForwardSettings:
+    """How completion_logprobs runs the model. batch_size: rows per forward (None: all at once).
+    lean: use cppo.models.lean's forward when it supports the model: each distinct prompt of a
+    micro-batch is run once, and with `packed` (the default) every pass but attention, the head
+    and the log-softmax run on real tokens only; packed=False: the padded layout (for
+    comparison). matmul_dtype (lean forward only): the dtype of the decoder layers' Linear
+    matmuls (cppo.models.lean). compile: a cppo.models.compiled.CompileSettings (torch_compile)
+    or None. chunk_head (use_liger_kernel): the head in chunks of tokens at every size on the
+    lean packed pass, never the full logits."""
+
+    batch_size: int | None = None
+    lean: bool = True
+    packed: bool = True
+    matmul_dtype: torch.dtype | None = None
+    compile: CompileSettings | None = None
+    chunk_head: bool = False
+
+
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, *, temperature: float = 1.0,
-                        batch_size: int | None = None, lean: bool = True,
-                        entropies: list | None = None, packed: bool = True,
-                        entropy_grad: bool = False, matmul_dtype: torch.dtype | None = None,
-                        aux_losses: list | None = None, compile=None,
-                        chunk_head: bool = False) -> Tensor:
+                        forward: ForwardSettings = ForwardSettings(),
+                        entropies: list | None = None, entropy_grad: bool = False,
+                        aux_losses: list | None = None) -> Tensor:
     """Per-token log-probs (N, T) of completion tokens given their prompts (N, Lp), of logits
-    divided by the sampling temperature (as TRL), with grad if enabled. lean: use cppo.models.lean's forward when it supports the model: each distinct prompt of a
-    micro-batch is run once, and with `packed` (the default) every pass but attention, the head
-    and the log-softmax run on real tokens only (log-probs and entropies are 0 where
-    completion_mask is 0, which must be 1 on a prefix of each row). packed=False: the padded
-    layout (for comparison). Without the lean forward, the model's own forward on padded rows
-    (log-probs and entropies are 0 at padding there too). entropy_grad: the entropies carry the
-    gradient (an entropy bonus in the loss); else they are detached. matmul_dtype (lean forward
-    only): the dtype of the decoder layers' Linear matmuls (cppo.models.lean). aux_losses:
+    divided by the sampling temperature (as TRL), with grad if enabled; `forward` says how the
+    model runs (ForwardSettings). On the lean packed pass, log-probs and entropies are 0 where
+    completion_mask (N, T) is 0, which must be 1 on a prefix of each row. Without the lean
+    forward, the model's own forward on padded rows (log-probs and entropies are 0 at padding
+    there too). entropies: each chunk's entropies (rows, T) are appended to it; entropy_grad:
+    they carry the gradient (an entropy bonus in the loss), else they are detached. aux_losses:
     mixture-of-experts models (the model's own forward) are asked for their router logits and
-    each chunk's load-balancing aux_loss (a scalar) is appended to it. compile: a
-    cppo.models.compiled.CompileSettings (torch_compile) or None. chunk_head (use_liger_kernel):
-    the head in chunks of tokens at every size on the lean packed pass, never the full logits."""
+    each chunk's load-balancing aux_loss (a scalar) is appended to it."""
+    lean, packed, matmul_dtype, chunk_head = (forward.lean, forward.packed, forward.matmul_dtype,
+                                              forward.chunk_head)
     entropy_of = differentiable_entropy if entropy_grad else (lambda lg: token_entropy(lg.detach()))
     n, out = completion_ids.shape[0], []
-    step = n if batch_size is None else batch_size
+    step = n if forward.batch_size is None else forward.batch_size
     lean_forward = lean_forward_for(model)[0] if lean and aux_losses is None else None
-    forward = model
+    own_forward = model
     if lean_forward is not None:
-        lean_forward.compile_layers(compile)   # None: the eager layers
-    elif compile is not None:
-        forward = compiled_model(model, compile)
+        lean_forward.compile_layers(forward.compile)   # None: the eager layers
+    elif forward.compile is not None:
+        own_forward = compiled_model(model, forward.compile)
     if matmul_dtype is not None and lean_forward is None:
         raise ValueError(f"matmul_dtype {matmul_dtype} needs the lean forward, which does not support "
                          f"this model: {lean_forward_for(model)[1] if lean else 'lean=False'}")
@@ -80,7 +97,7 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                                                     ids, completion_mask[rows], packed=packed,
                                                     matmul_dtype=matmul_dtype)
         else:
-            logits = _model_logits(forward, prompt_ids[rows], prompt_mask[rows], ids,
+            logits = _model_logits(own_forward, prompt_ids[rows], prompt_mask[rows], ids,
                                    completion_mask[rows], aux_losses)
         if temperature != 1.0:
             logits = logits / temperature

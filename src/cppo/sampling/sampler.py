@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,10 @@ from cppo.sampling.batches import (Completions, DecodeStats, PromptBatch, concat
                                    completions_from_ids)
 from cppo.sampling.logits import greedy_logits, mark_seen, sample_logits, sampling_logits, seen_tokens
 from cppo.sampling.padding import pad_token_lists
+from cppo.sampling.settings import SampleRequest, SamplingSettings
+
+if TYPE_CHECKING:
+    from cppo.sampling.speculative import Speculation
 
 
 def prompt_text(tokenizer, prompt) -> str:
@@ -59,18 +64,40 @@ def prompts_length(tokenizer, rows: list[dict], max_prompt_length: int | None = 
     return encode_prompts(tokenizer, [r["prompt"] for r in rows], max_prompt_length).ids.shape[1]
 
 
-def _next_tokens(logits: Tensor, *, greedy: bool, generator: torch.Generator | None,
-                 logprobs: list | None = None, seen: Tensor | None = None,
-                 workspace: Tensor | None = None, **transforms) -> Tensor:
+@dataclass(frozen=True)
+class Decoding:
+    """How sample_completions decodes. batch_size bounds the number of completions decoded
+    together (None: all Q*G at once). lean: use cppo.models.lean's forward when it supports the
+    model (same logits up to rounding). dtype: sample from a copy of the weights in this dtype
+    (e.g. bfloat16: faster on CPUs with AVX512-BF16/AMX and on GPUs; lean forward only) and record
+    each token's log-prob under it (Completions.logprobs) so that the trainer can correct for the
+    mismatch. speculative: a Speculation, to draft tokens by n-gram look-up and verify them with
+    the policy (cppo.sampling.speculative; the same distribution, fewer forwards; lean forward
+    only). share_prefixes: completions of a question that are identical so far (the same tokens
+    drawn) are decoded as one sequence until they differ, each still drawing its own next token
+    from that sequence's distribution: the same distribution, fewer rows per forward (_decode).
+    record_logprobs: record the log-probs in any dtype (asynchronous rollouts: the behaviour
+    policy's)."""
+
+    batch_size: int | None = None
+    lean: bool = True
+    dtype: torch.dtype | None = None
+    speculative: Speculation | None = None
+    share_prefixes: bool = True
+    record_logprobs: bool = False
+
+
+def _next_tokens(logits: Tensor, request: SampleRequest, *, logprobs: list | None = None,
+                 seen: Tensor | None = None, workspace: Tensor | None = None) -> Tensor:
     """Sample (or argmax) one token per row of logits (N, V) after the logit transforms of
-    cppo.sampling.logits (`transforms`: temperature, top_k, top_p, min_p, repetition_penalty; seen
-    (N, V): the tokens the repetition penalty looks at); append their log-probs under the
-    sampling distribution to `logprobs` when given. workspace (>= N, V) float32: a buffer for
-    the sampling weights, reused from step to step."""
-    if greedy:
-        return greedy_logits(logits, repetition_penalty=transforms["repetition_penalty"],
+    cppo.sampling.logits (request.sampling; seen (N, V): the tokens the repetition penalty looks
+    at); append their log-probs under the sampling distribution to `logprobs` when given.
+    workspace (>= N, V) float32: a buffer for the sampling weights, reused from step to step."""
+    if request.greedy:
+        return greedy_logits(logits, repetition_penalty=request.sampling.repetition_penalty,
                              seen=seen).argmax(-1)
-    tok, logp = sample_logits(sampling_logits(logits, seen=seen, **transforms), generator,
+    tok, logp = sample_logits(sampling_logits(logits, seen=seen, **request.sampling.kwargs()),
+                              request.generator,
                               out=None if workspace is None else workspace[:len(logits)],
                               logprobs=logprobs is not None)
     if logprobs is not None:
@@ -80,30 +107,21 @@ def _next_tokens(logits: Tensor, *, greedy: bool, generator: torch.Generator | N
 
 @torch.no_grad()
 def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max_new_tokens: int,
-                       eos_token_id: int | Sequence[int], pad_token_id: int, temperature: float = 1.0,
-                       top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
-                       generator: torch.Generator | None = None, min_p: float | None = None,
-                       repetition_penalty: float = 1.0,
-                       batch_size: int | None = None, lean: bool = True,
-                       dtype: torch.dtype | None = None, speculative=None,
-                       share_prefixes: bool = True, record_logprobs: bool = False) -> Completions:
-    """G completions for each of Q prompts: prefill each prompt once, share its KV cache.
+                       eos_token_id: int | Sequence[int], pad_token_id: int,
+                       sampling: SamplingSettings = SamplingSettings(), greedy: bool = False,
+                       generator: torch.Generator | None = None,
+                       decoding: Decoding = Decoding()) -> Completions:
+    """G completions for each of Q prompts (ids and mask (Q, Lp)): prefill each prompt once,
+    share its KV cache. Returns Completions of Q*G question-major rows (ids and mask (Q*G, T)).
 
-    batch_size bounds the number of completions decoded together (None: all Q*G at once).
-    min_p, repetition_penalty (over the prompt's and the completion's tokens): as transformers'
-    generate applies them (cppo.sampling.logits).
-    lean: use cppo.models.lean's forward when it supports the model (same logits up to rounding).
-    dtype: sample from a copy of the weights in this dtype (e.g. bfloat16: faster on CPUs with
-    AVX512-BF16/AMX and on GPUs; lean forward only) and record each token's log-prob under it
-    (Completions.logprobs) so that the trainer can correct for the mismatch.
-    record_logprobs: record them in any dtype (asynchronous rollouts: the behaviour policy's).
-    speculative: draft tokens by n-gram look-up and verify them with the policy
-    (cppo.sampling.speculative; the same distribution, fewer forwards; lean forward only).
-    share_prefixes: completions of a question that are identical so far (the same tokens drawn)
-    are decoded as one sequence until they differ, each still drawing its own next token from
-    that sequence's distribution: the same distribution, fewer rows per forward (_decode)."""
+    sampling: the logit transforms (temperature, top_k, top_p, min_p, repetition_penalty over the
+    prompt's and the completion's tokens) as transformers' generate applies them
+    (cppo.sampling.logits); greedy: the argmax (after the repetition penalty) instead of a draw
+    from `generator`. decoding: how the completions are decoded (Decoding: chunking, the lean
+    forward, the sampling dtype, speculative sampling, shared prefixes, recorded log-probs)."""
     q = len(prompts)
-    per_chunk = questions_per_chunk(batch_size, num_generations, q)
+    per_chunk = questions_per_chunk(decoding.batch_size, num_generations, q)
+    lean, dtype, speculative = decoding.lean, decoding.dtype, decoding.speculative
     lean_forward = lean_forward_for(model)[0] if lean else None
     if dtype is not None and lean_forward is None:
         raise ValueError(f"sampling in {dtype} needs the lean forward, which does not support this "
@@ -112,15 +130,13 @@ def sample_completions(model, prompts: PromptBatch, *, num_generations: int, max
         raise ValueError(f"speculative sampling (num_speculative_tokens={speculative.num_tokens}) "
                          f"needs the lean forward, which does not support this model: "
                          f"{lean_forward_for(model)[1] if lean else 'lean=False'}")
-    record = record_logprobs or dtype is not None
-    sample_chunk = (functools.partial(_sample_chunk, record) if lean_forward is None
-                    else functools.partial(_sample_chunk_lean, lean_forward, dtype, speculative, record))
-    transforms = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                      repetition_penalty=repetition_penalty)
-    share = share_prefixes and num_generations > 1
-    parts = [sample_chunk(model, prompts.select(slice(s, s + per_chunk)), num_generations,
-                          max_new_tokens, eos_token_id, pad_token_id, greedy, generator, transforms,
-                          share)
+    request = SampleRequest(num_generations, max_new_tokens, eos_token_id, pad_token_id, sampling,
+                            greedy, generator,
+                            record=decoding.record_logprobs or dtype is not None,
+                            share=decoding.share_prefixes and num_generations > 1)
+    sample_chunk = (functools.partial(_sample_chunk, model) if lean_forward is None
+                    else functools.partial(_sample_chunk_lean, lean_forward, dtype, speculative))
+    parts = [sample_chunk(prompts.select(slice(s, s + per_chunk)), request)
              for s in range(0, q, per_chunk)]
     return concat_completions(parts, pad_token_id)
 
@@ -132,23 +148,18 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _eos_tensor(eos_token_id: int | Sequence[int], device) -> Tensor:
-    return torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
-                        device=device)
-
-
 def _prompt_tokens_seen(prompts: PromptBatch, num_generations: int, vocab_size: int,
-                        transforms: dict) -> Tensor | None:
+                        sampling: SamplingSettings) -> Tensor | None:
     """(Q*G, V) the prompt tokens the repetition penalty starts from (None: no penalty)."""
-    if transforms["repetition_penalty"] == 1.0:
+    if sampling.repetition_penalty == 1.0:
         return None
     return seen_tokens(prompts.ids, prompts.mask, vocab_size).repeat_interleave(num_generations, 0)
 
 
-def _sample_chunk(record, model, prompts, num_generations, max_new_tokens, eos_token_id, pad_token_id, greedy,
-                  generator, transforms, share) -> Completions:
+def _sample_chunk(model, prompts: PromptBatch, request: SampleRequest) -> Completions:
     """Prefill with the model's own forward, then decode with it: the G completions start as one
-    sequence per question (share) or as G copies of its cache."""
+    sequence per question (request.share) or as G copies of its cache."""
+    num_generations = request.num_generations
     device = next(model.parameters()).device
     prompts = prompts.to(device)
     positions = (prompts.mask.cumsum(-1) - 1).clamp(min=0)
@@ -157,7 +168,7 @@ def _sample_chunk(record, model, prompts, num_generations, max_new_tokens, eos_t
     cache_arg = _cache_kwarg(model)
     cache = getattr(out, cache_arg)
     compact = hasattr(cache, "batch_select_indices")
-    share = share and compact   # shared sequences are picked with batch_select_indices
+    share = request.share and compact   # shared sequences are picked with batch_select_indices
     copies = 1 if share else num_generations
     if copies > 1:
         cache.batch_repeat_interleave(copies)
@@ -174,25 +185,23 @@ def _sample_chunk(record, model, prompts, num_generations, max_new_tokens, eos_t
         state["position"] = state["position"] + 1
         return out.logits[:, -1]
     first = out.logits[:, -1]
-    return _decode(first.repeat_interleave(copies, 0), advance, max_new_tokens,
-                   _eos_tensor(eos_token_id, device), pad_token_id, record=record,
-                   compact=compact, greedy=greedy, generator=generator,
-                   seen=_prompt_tokens_seen(prompts, num_generations, first.shape[-1], transforms),
-                   sequence_of=_question_rows(len(prompts), num_generations, first.device) if share else None,
-                   **transforms)
+    seen = _prompt_tokens_seen(prompts, num_generations, first.shape[-1], request.sampling)
+    return _decode(first.repeat_interleave(copies, 0), advance, request, request.eos(device),
+                   compact=compact, seen=seen,
+                   sequence_of=_question_rows(len(prompts), num_generations, first.device) if share else None)
 
 
-def _sample_chunk_lean(lean, dtype, speculative, record, model, prompts, num_generations, max_new_tokens, eos_token_id,
-                       pad_token_id, greedy, generator, transforms, share) -> Completions:
+def _sample_chunk_lean(lean, dtype: torch.dtype | None, speculative: Speculation | None,
+                       prompts: PromptBatch, request: SampleRequest) -> Completions:
     """_sample_chunk on cppo.models.lean's forward (weights cast to `dtype` if given, and then
     each token's sampler log-prob recorded), with a preallocated KV cache; with `speculative`
     (a Speculation), decoding drafts and verifies several tokens per forward."""
-    device = lean.device
+    num_generations, device = request.num_generations, lean.device
     prompts = prompts.to(device)
     width = prompts.ids.shape[1]
     positions = (prompts.mask.cumsum(-1) - 1).clamp(min=0)
-    capacity = width + max_new_tokens + (speculative.slack if speculative is not None else 0)
-    share = share and speculative is None
+    capacity = width + request.max_new_tokens + (speculative.slack if speculative is not None else 0)
+    share = request.share and speculative is None
     copies = 1 if share else num_generations    # shared: the G rows start as one sequence
     with lean.frozen(dtype):
         logits, cache = lean(prompts.ids, positions, prompts.mask.bool(), logits_to_keep=1,
@@ -207,13 +216,7 @@ def _sample_chunk_lean(lean, dtype, speculative, record, model, prompts, num_gen
             return speculative_decode(
                 lean, logits[:, -1].repeat_interleave(num_generations, 0), cache, keys,
                 state["position"], prompts.ids.repeat_interleave(num_generations, 0),
-                prompts.mask.repeat_interleave(num_generations, 0),
-                num_generations=num_generations, max_new_tokens=max_new_tokens,
-                eos=_eos_tensor(eos_token_id, device), pad_token_id=pad_token_id,
-                record=record, greedy=greedy, transforms=transforms, generator=generator,
-                num_speculative_tokens=speculative.num_tokens,
-                prompt_lookup_max=speculative.prompt_lookup_max,
-                prompt_lookup_min=speculative.prompt_lookup_min)
+                prompts.mask.repeat_interleave(num_generations, 0), request, speculative)
 
         def advance(tok: Tensor, rows: Tensor | None) -> Tensor:
             if rows is not None:   # the sequences to continue, as rows of the batch and the cache
@@ -222,12 +225,10 @@ def _sample_chunk_lean(lean, dtype, speculative, record, model, prompts, num_gen
             logits, _ = lean(tok[:, None], state["position"], state["keys"], cache=state["cache"])
             state["position"] = state["position"] + 1
             return logits[:, -1]
-        seen = _prompt_tokens_seen(prompts, num_generations, logits.shape[-1], transforms)
-        return _decode(logits[:, -1].repeat_interleave(copies, 0), advance, max_new_tokens,
-                       _eos_tensor(eos_token_id, device), pad_token_id, record=record,
-                       compact=True, greedy=greedy, generator=generator, seen=seen,
-                       sequence_of=_question_rows(len(prompts), num_generations, device) if share else None,
-                       **transforms)
+        seen = _prompt_tokens_seen(prompts, num_generations, logits.shape[-1], request.sampling)
+        return _decode(logits[:, -1].repeat_interleave(copies, 0), advance, request,
+                       request.eos(device), compact=True, seen=seen,
+                       sequence_of=_question_rows(len(prompts), num_generations, device) if share else None)
 
 
 def _question_rows(num_questions: int, num_generations: int, device) -> Tensor:
@@ -268,28 +269,30 @@ def _advance_shared(advance, sequence_of: Tensor, tok: Tensor, finished: Tensor,
     return advance(tok, None if same else rows), None, active, finished, seen
 
 
-def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token_id: int, *,
-            record: bool, compact: bool, seen: Tensor | None = None,
-            sequence_of: Tensor | None = None, **sampling) -> Completions:
-    """Sample up to max_new_tokens tokens per row from first logits (M, V) of M sequences (the
-    model's batch holds sequences, the output rows). sequence_of (N,): the sequence each of
-    the N rows continues (its logits are the sequence's), None: row n is sequence n (M = N);
-    with it, rows that drew the same token from the same sequence continue one sequence
+def _decode(logits: Tensor, advance, request: SampleRequest, eos: Tensor, *, compact: bool,
+            seen: Tensor | None = None, sequence_of: Tensor | None = None) -> Completions:
+    """Sample up to request.max_new_tokens tokens per row from first logits (M, V) of M
+    sequences (the model's batch holds sequences, the output rows). sequence_of (N,): the
+    sequence each of the N rows continues (its logits are the sequence's), None: row n is
+    sequence n (M = N); with it, rows that drew the same token from the same sequence continue one sequence
     (_advance_shared), each still drawing its own token. advance(tokens (m,), rows) runs one
     decode step and returns the next logits (m, V) of the batch's sequences: rows (m,) is None
     (the batch as it is) or the positions in the current batch of the sequences to continue (a
     gather: a position may repeat, a finished row's sequence may be left out). Without sharing
     and with `compact`, finished rows leave the batch once they are an eighth of it. Finished
-    rows get padding; `record` keeps each token's log-prob under the sampling distribution.
-    seen (N, V): the tokens the repetition penalty looks at (None: no penalty)."""
+    rows get padding; request.record keeps each token's log-prob under the sampling
+    distribution. eos (E,): the end-of-sequence ids on the logits' device. seen (N, V): the
+    tokens the repetition penalty looks at (None: no penalty)."""
+    max_new_tokens, pad_token_id = request.max_new_tokens, request.pad_token_id
     n = len(sequence_of) if sequence_of is not None else logits.shape[0]
     device, vocab = logits.device, logits.shape[-1]
     ids = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    recorded = torch.zeros(n, max_new_tokens, device=device) if record and not sampling["greedy"] else None
+    recorded = torch.zeros(n, max_new_tokens, device=device) \
+        if request.record and not request.greedy else None
     active = torch.arange(n, device=device)          # the row of ids each batch row fills
     finished = torch.zeros(n, dtype=torch.bool, device=device)   # per batch row
     width = 0
-    workspace = None if sampling["greedy"] else torch.empty(n, vocab, device=device)
+    workspace = None if request.greedy else torch.empty(n, vocab, device=device)
     stats = DecodeStats() if sequence_of is not None else None
     if stats is not None:
         advance = _counting(advance, stats)
@@ -298,7 +301,7 @@ def _decode(logits: Tensor, advance, max_new_tokens: int, eos: Tensor, pad_token
         in_batch = logits.shape[0]   # the sequences of the model's batch
         row_logits = logits if sequence_of is None else logits.index_select(0, sequence_of)
         logits = None   # freed before the next forward: at most one step's logits exist at once
-        tok = _next_tokens(row_logits, logprobs=logprobs, seen=seen, workspace=workspace, **sampling)
+        tok = _next_tokens(row_logits, request, logprobs=logprobs, seen=seen, workspace=workspace)
         del row_logits
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
         if seen is not None:

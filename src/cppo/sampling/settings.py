@@ -1,9 +1,14 @@
 """The sampling settings (TRL's names), read once from the config and handed to every sampler:
-the built-in sampler, the vLLM backend and the tool loop all draw with this one value."""
+the built-in sampler, the vLLM backend and the tool loop all draw with this one value; and what
+one call of the built-in sampler draws (SampleRequest)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -24,9 +29,34 @@ class SamplingSettings:
                    min_p=args.min_p, repetition_penalty=args.repetition_penalty)
 
     def kwargs(self) -> dict:
-        """Keyword arguments of cppo.sampling.sampler.sample_completions."""
+        """Keyword arguments of cppo.sampling.logits.sampling_logits."""
         return asdict(self)
 
     def vllm_kwargs(self) -> dict:
         """vLLM SamplingParams' arguments for the same settings (its min_p "off" is 0.0, not None)."""
         return {**asdict(self), "min_p": self.min_p or 0.0}
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """What every chunk of one cppo.sampling.sampler.sample_completions call draws:
+    num_generations completions per prompt (question-major rows) of at most max_new_tokens
+    tokens, ending at eos_token_id (one id or several), padded with pad_token_id, drawn from
+    `generator` after the `sampling` transforms (greedy: the argmax). record: keep each token's
+    log-prob under the sampling distribution; share: the completions of a question start as one
+    sequence (cppo.sampling.sampler.Decoding.share_prefixes)."""
+
+    num_generations: int
+    max_new_tokens: int
+    eos_token_id: int | Sequence[int]
+    pad_token_id: int
+    sampling: SamplingSettings
+    greedy: bool = False
+    generator: torch.Generator | None = None
+    record: bool = False
+    share: bool = False
+
+    def eos(self, device) -> Tensor:
+        """(E,) the end-of-sequence ids on `device`."""
+        return torch.tensor([self.eos_token_id] if isinstance(self.eos_token_id, int)
+                            else list(self.eos_token_id), device=device)

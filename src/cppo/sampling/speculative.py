@@ -32,6 +32,7 @@ from cppo.algorithm.speculative import (accepted_drafts, accepted_drafts_greedy,
                                         residual_weights)
 from cppo.sampling.batches import Completions, completions_from_ids
 from cppo.sampling.logits import sample_categorical, sample_logits, sampling_logits
+from cppo.sampling.settings import SampleRequest, SamplingSettings
 
 
 @dataclass
@@ -162,25 +163,28 @@ def pack_cache(cache, keys: Tensor) -> Tensor:
 
 @torch.no_grad()
 def speculative_decode(lean, first_logits: Tensor, cache, keys: Tensor, position: Tensor,
-                       prompt_ids: Tensor, prompt_mask: Tensor, *, num_generations: int,
-                       max_new_tokens: int, eos: Tensor, pad_token_id: int, record: bool,
-                       greedy: bool, transforms: dict, generator: torch.Generator | None,
-                       num_speculative_tokens: int, prompt_lookup_max: int,
-                       prompt_lookup_min: int) -> Completions:
+                       prompt_ids: Tensor, prompt_mask: Tensor, request: SampleRequest,
+                       speculation: Speculation) -> Completions:
     """Decode Q*G rows (question-major) with n-gram drafts verified by the policy. first_logits
     (N, V): the prefill's logits for each row's first token; cache: the lean forward's KVCache
     holding the prompts (repeated G times), of capacity at least Lp + max_new_tokens +
-    num_speculative_tokens + 1; keys (N, C) bool: its visible slots; position (N, 1): each row's
-    next RoPE position; prompt_ids, prompt_mask (N, Lp). Returns Completions with `speculation`."""
-    n, device, k = first_logits.shape[0], first_logits.device, num_speculative_tokens
-    if transforms.get("repetition_penalty", 1.0) != 1.0:
+    speculation.num_tokens + 1; keys (N, C) bool: its visible slots; position (N, 1): each row's
+    next RoPE position; prompt_ids, prompt_mask (N, Lp); request: what to draw
+    (cppo.sampling.settings.SampleRequest: G, max_new_tokens, EOS, padding, the sampling
+    settings, greedy, the generator, whether to record log-probs). Returns Completions with
+    `speculation`."""
+    n, device, k = first_logits.shape[0], first_logits.device, speculation.num_tokens
+    num_generations, max_new_tokens = request.num_generations, request.max_new_tokens
+    pad_token_id, greedy, generator = request.pad_token_id, request.greedy, request.generator
+    sampling, eos = request.sampling, request.eos(device)
+    if sampling.repetition_penalty != 1.0:
         raise ValueError("speculative sampling takes no repetition_penalty (a drafted position's "
                          "history would differ from the verified one's); set it to 1.0")
-    sampling = {key: value for key, value in transforms.items() if key != "repetition_penalty"}
     lp = prompt_ids.shape[1]
     context, real = _contexts(prompt_ids, prompt_mask, max_new_tokens, pad_token_id)
     ids = context[:, lp:]                                   # a view: the completions
-    recorded = torch.zeros(n, max_new_tokens, device=device) if record and not greedy else None
+    recorded = torch.zeros(n, max_new_tokens, device=device) \
+        if request.record and not greedy else None
     length = torch.zeros(n, dtype=torch.long, device=device)   # tokens generated per row
     stats = SpeculationStats()
 
@@ -196,7 +200,8 @@ def speculative_decode(lean, first_logits: Tensor, cache, keys: Tensor, position
                 t[keep] for t in (active, tok, finished, keys, position))
         budget = torch.where(finished, 0, max_new_tokens - length[active] - 1)
         drafts, counts = ngram_drafts(context, real, lp + length, active, num_generations, k,
-                                      budget, prompt_lookup_max, prompt_lookup_min)
+                                      budget, speculation.prompt_lookup_max,
+                                      speculation.prompt_lookup_min)
         width = quorum_width(counts)
         counts, drafts = counts.clamp(max=width), drafts[:, :width]
         if cache.length + width + 1 > cache.keys[0].shape[2]:
@@ -235,13 +240,13 @@ def _contexts(prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int,
     return context, real
 
 
-def _first_token(first_logits: Tensor, greedy: bool, sampling: dict,
+def _first_token(first_logits: Tensor, greedy: bool, sampling: SamplingSettings,
                  generator: torch.Generator | None, recorded: Tensor | None) -> Tensor:
     """The first token from the prefill's logits, as plain sampling draws it (its log-prob into
     recorded[:, 0] when recording)."""
     if greedy:
         return first_logits.argmax(-1)
-    tok, logprobs = sample_logits(sampling_logits(first_logits, **sampling), generator,
+    tok, logprobs = sample_logits(sampling_logits(first_logits, **sampling.kwargs()), generator,
                                   logprobs=recorded is not None)
     if recorded is not None:
         recorded[:, 0] = logprobs
@@ -276,8 +281,9 @@ def _write(ids: Tensor, real: Tensor, recorded: Tensor | None, lp: int, active: 
         recorded[target_rows[emit], slot[emit]] = logps[emit]
 
 
-def _verify(logits: Tensor, drafts: Tensor, counts: Tensor, greedy: bool, sampling: dict,
-            generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+def _verify(logits: Tensor, drafts: Tensor, counts: Tensor, greedy: bool,
+            sampling: SamplingSettings, generator: torch.Generator | None
+            ) -> tuple[Tensor, Tensor, Tensor]:
     """The policy's verdict on each row's drafts (m, width) from its logits (m, width + 1, V):
     the logits as sampled from (transformed unless greedy), the drafts accepted per row and the
     token after them (the policy's, or drawn from the residual distribution)."""
@@ -287,7 +293,8 @@ def _verify(logits: Tensor, drafts: Tensor, counts: Tensor, greedy: bool, sampli
         best = logits.argmax(-1)                                           # (m, width + 1)
         accepted = accepted_drafts_greedy(best[:, :width], drafts, counts)
         return logits, accepted, best[rows, accepted]
-    logits = sampling_logits(logits.flatten(0, 1).float(), **sampling).view(m, width + 1, -1)
+    logits = sampling_logits(logits.flatten(0, 1).float(), **sampling.kwargs())
+    logits = logits.view(m, width + 1, -1)
     probs = logits.softmax(-1)
     draft_probs = probs[:, :width].gather(-1, drafts[..., None]).squeeze(-1)
     uniforms = torch.rand(m, width, generator=generator,

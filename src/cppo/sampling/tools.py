@@ -28,7 +28,7 @@ import torch
 from cppo.errors import ConfigError
 from cppo.sampling.padding import pad_token_lists
 from cppo.sampling.batches import PromptBatch
-from cppo.sampling.sampler import chunk_seed, sample_completions
+from cppo.sampling.sampler import Decoding, chunk_seed, sample_completions
 from cppo.sampling.settings import SamplingSettings
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -260,8 +260,8 @@ class ToolLoop:
             out = sample_completions(
                 run.policy, prompts.to(run.device), num_generations=num_generations,
                 max_new_tokens=max(budgets), eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id, **run.sampling.kwargs(),
-                generator=generator, lean=run.lean_forward, share_prefixes=run.share_prefixes)
+                pad_token_id=tok.pad_token_id, sampling=run.sampling, generator=generator,
+                decoding=Decoding(lean=run.lean_forward, share_prefixes=run.share_prefixes))
         turns = [ids[mask.bool()].tolist() for ids, mask in zip(out.ids.cpu(), out.mask.cpu())]
         if isinstance(max_new_tokens, list):
             turns = [t[:n] for t, n in zip(turns, max_new_tokens)]
