@@ -1,9 +1,10 @@
 """When sampling from a bfloat16 copy pays on a CPU: one generation round, float32 against bf16.
 
-For each model and decoding batch, two CPPOTrainers are built on the same model and questions,
+For each model and decoding batch, two runs' parts (build_run) are made on the same model and questions,
 one sampling with the float32 policy's own weights (`generation_dtype: none`) and one from a
 bfloat16 copy (`generation_dtype: bfloat16`, the copy refreshed every round as in training); after
-a warm-up round each, their rounds (`trainer.generate`: prompts, decoding, the copy) alternate,
+a warm-up round each, their rounds (the generation stage, `generation.sample`: prompts, decoding,
+the copy) alternate,
 --repeats times, and the medians are compared. Each point is also given the multiply-adds of one
 decode step (completions decoded together x the linear layers' multiply-adds per token,
 `ModelShape.multiply_adds_per_token`) and what `generation_dtype: auto` picks there
@@ -33,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import machine, spread, spread_text, trainer_for, write_results  # noqa: E402
+from common import first_round_rows, machine, parts_for, spread, spread_text, write_results  # noqa: E402
 
 # (questions per round, G): completions decoded together = questions x G
 POINTS = {"embedded": [(1, 16), (4, 16), (16, 16), (24, 16), (32, 16), (64, 16), (128, 16)],
@@ -42,7 +43,7 @@ NEW_TOKENS = {"embedded": 5, "real_shape": 16}
 # results.md's text (write_table): {repeats} and {threshold} are filled in
 REPORT = dict(
     title="Sampling precision",
-    intro="One generation round (`trainer.generate`), median of {repeats} alternating rounds per "
+    intro="One generation round (`generation.sample`, the run's generation stage), median of {repeats} alternating rounds per "
           "dtype (range in brackets). `auto` samples in bfloat16 on a CPU when a decode step has at "
           "least {threshold:.0e} multiply-adds.",
     head="| model | completions decoded together | multiply-adds per decode step | float32 ms | "
@@ -59,22 +60,22 @@ def measure(name: str, model: str | None, rows, point: tuple[int, int], repeats:
     from cppo.parallel import hardware
     from cppo.parallel.memory import ModelShape
     questions, group = point
-    trainers = {dtype: trainer_for(model, rows, no_reward if rows else None,
-                                   prefix="cppo_precision_", num_generations=group,
-                                   pruning_rate=0.0 if questions == 1 else 1 - 1 / questions,
-                                   per_device_train_batch_size=group,
-                                   max_completion_length=NEW_TOKENS[name], max_prompt_length=128,
-                                   generation_dtype=dtype)
+    runs = {dtype: parts_for(model, rows, no_reward if rows else None,
+                             prefix="cppo_precision_", num_generations=group,
+                             pruning_rate=0.0 if questions == 1 else 1 - 1 / questions,
+                             per_device_train_batch_size=group,
+                             max_completion_length=NEW_TOKENS[name], max_prompt_length=128,
+                             generation_dtype=dtype)
                 for dtype in (None, "bfloat16")}
-    batch = {dtype: t.take_questions()[0] for dtype, t in trainers.items()}
-    seconds = {dtype: [] for dtype in trainers}
+    batch = {dtype: first_round_rows(parts) for dtype, parts in runs.items()}
+    seconds = {dtype: [] for dtype in runs}
     for i in range(repeats + 1):                          # round 0 warms up
-        for dtype, trainer in trainers.items():
+        for dtype, parts in runs.items():
             start = time.perf_counter()
-            trainer.generate(batch[dtype])
+            parts.generation.sample(batch[dtype], round_index=0)
             if i:
                 seconds[dtype].append(time.perf_counter() - start)
-    policy = trainers[None].policy
+    policy = runs[None].models.policy
     work = questions * group * ModelShape.from_config(policy.config).multiply_adds_per_token()
     return {"model": name, "completions": questions * group, "decode_multiply_adds": work,
             **ms_fields(seconds, {None: "float32", "bfloat16": "bfloat16"}, "bfloat16", None),

@@ -1,8 +1,8 @@
 """Decoding identical completions once (`share_prefixes`): decode rows and generation time per round.
 
-For each model, two CPPOTrainers on the same model and questions, one with `share_prefixes: true`
-(the default) and one with `false`, run generation rounds (`trainer.generate`: prompts, the
-bfloat16 copy where `generation_dtype: auto` picks it, decoding) alternately after a warm-up
+For each model, two runs' parts (build_run) on the same model and questions, one with
+`share_prefixes: true` (the default) and one with `false`, run generation rounds (the generation
+stage, `generation.sample`: prompts, the bfloat16 copy where `generation_dtype: auto` picks it, decoding) alternately after a warm-up
 round each; reported: the rows the decode steps ran per round (the sequences of each forward,
 summed over the steps) against the completions' decode rows, and the median round time with its
 range. The completions are drawn from the same distribution either way (tests/test_rollout.py);
@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import spread_text, trainer_for, write_results  # noqa: E402
+from common import first_round_rows, parts_for, spread_text, write_results  # noqa: E402
 from sampling_precision import header_lines, ms_fields, real_shape_inputs, run_meta  # noqa: E402
 ROUNDS = {"embedded": dict(questions=128, group=8, new_tokens=5),
           "trained": dict(questions=128, group=8, new_tokens=5),
@@ -63,22 +63,22 @@ def counted_decode_rows(counter: list):
 
 def measure(name: str, model: str | None, rows, repeats: int) -> dict:
     shape = ROUNDS[name]
-    trainers = {share: trainer_for(model, rows, no_reward if rows else None,
-                                   prefix="cppo_shared_prefixes_", num_generations=shape["group"],
-                                   per_device_train_batch_size=shape["questions"] * shape["group"] // 4,
-                                   pruning_rate=0.75, max_completion_length=shape["new_tokens"],
-                                   max_prompt_length=128, share_prefixes=share)
+    runs = {share: parts_for(model, rows, no_reward if rows else None,
+                             prefix="cppo_shared_prefixes_", num_generations=shape["group"],
+                             per_device_train_batch_size=shape["questions"] * shape["group"] // 4,
+                             pruning_rate=0.75, max_completion_length=shape["new_tokens"],
+                             max_prompt_length=128, share_prefixes=share)
                 for share in (True, False)}
-    questions = trainers[True].take_questions()[0][:shape["questions"]]
-    seconds = {share: [] for share in trainers}
-    decode_rows = {share: [] for share in trainers}
+    questions = first_round_rows(runs[True])[:shape["questions"]]
+    seconds = {share: [] for share in runs}
+    decode_rows = {share: [] for share in runs}
     completion_rows = []
     for i in range(repeats + 1):                          # round 0 warms up
-        for share, trainer in trainers.items():
+        for share, parts in runs.items():
             counter = [0]
             with counted_decode_rows(counter):
                 start = time.perf_counter()
-                _, completions = trainer.generate(questions)
+                _, completions = parts.generation.sample(questions, round_index=0)
                 took = time.perf_counter() - start
             if i:
                 seconds[share].append(took)
@@ -88,7 +88,7 @@ def measure(name: str, model: str | None, rows, repeats: int) -> dict:
     rows_shared, rows_plain = (statistics.mean(decode_rows[s]) for s in (True, False))
     return {"model": name, "completions": shape["questions"] * shape["group"],
             "new_tokens": shape["new_tokens"],
-            "generation_dtype": trainers[True].generation_dtype,
+            "generation_dtype": runs[True].generation_dtype,
             "completion_decode_rows": round(statistics.mean(completion_rows)),
             "decode_rows_shared": round(rows_shared), "decode_rows_plain": round(rows_plain),
             "rows_saved": round(1 - rows_shared / rows_plain, 3),
@@ -98,7 +98,7 @@ def measure(name: str, model: str | None, rows, repeats: int) -> dict:
 def write(rows: list[dict], meta: dict, out: Path) -> None:
     lines = header_lines(f"Shared prefixes in the sampler (`python benchmarks/shared_prefixes.py "
                          f"{meta['argv']}`)", meta) + [
-        f"One generation round (`trainer.generate`), median of {meta['repeats']} alternating "
+        f"One generation round (`generation.sample`, the run's generation stage), median of {meta['repeats']} alternating "
         "rounds per setting (range in brackets). Decode rows: the sequences the decode steps ran, "
         "summed over the round's steps (plain sampling: the completions still being written, "
         "give or take the finished ones that have not yet left the batch).", "",
