@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -110,6 +111,51 @@ def parts_for(model: str | None = None, rows: list[dict] | None = None, reward=N
 def first_round_rows(parts) -> list[dict]:
     """The questions of a run's first round (one process, no skipping): as the trainer takes them."""
     return [parts.task.train_rows[i] for i in parts.questions.take(parts.plan.questions_per_step)]
+
+
+# ----------------------------------------------------------------- runs of the main job ------
+def sweep_options(parser, out: Path, seeds=(42, 1, 2)) -> None:
+    """The options of a program that runs the README's main job over seeds: --seeds,
+    --max_steps, --resume (keep the rows already written) and --out."""
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(seeds))
+    parser.add_argument("--max_steps", type=int, default=600, help="optimizer steps (600: the default run)")
+    parser.add_argument("--resume", action="store_true", help="keep the rows already in the results")
+    parser.add_argument("--out", default=str(out), help="where results.json and results.md go")
+
+
+def earlier_rows(args, **same) -> list[dict]:
+    """With --resume, the rows already in args.out when it was written with these max_steps
+    and `same` values (what the rows' numbers depend on); [] otherwise."""
+    old = read_results(args.out) if args.resume else {}
+    wanted = {"max_steps": args.max_steps, **same}
+    return old.get("rows", []) if all(old.get(k) == v for k, v in wanted.items()) else []
+
+
+def main_job_run(row: dict, run_dir: Path, **fields) -> tuple[dict, object]:
+    """One in-process run of the README's main job changed by `fields` (no evaluations between,
+    no checkpoints, a jsonl log in run_dir): `row` with the run's steps, held-out accuracy before
+    and after, train and wall seconds and the load average when it started and ended; and the
+    trainer."""
+    start, load_start = time.perf_counter(), os.getloadavg()[0]
+    trainer = trainer_for(eval_steps=0, save_steps=0, output_dir=str(run_dir),
+                          report_to=["jsonl"], **fields)
+    summary = trainer.train()
+    return {**row, "steps": summary["steps"], "accuracy_before": summary["accuracy_before"],
+            "accuracy_after": summary["accuracy_after"], "train_seconds": summary["train_seconds"],
+            "wall_seconds": round(time.perf_counter() - start, 1),
+            "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)]}, trainer
+
+
+def accuracy_cells(runs: list[dict]) -> str:
+    """A table row's cells for runs over seeds: held-out accuracy before -> after (means), the
+    gain in points and the train seconds, each median (min to max)."""
+    gain = spread([100 * (r["accuracy_after"] - r["accuracy_before"]) for r in runs], digits=1)
+    secs = spread([r["train_seconds"] for r in runs], digits=0)
+    before = statistics.mean(r["accuracy_before"] for r in runs)
+    after = statistics.mean(r["accuracy_after"] for r in runs)
+    return (f"{100 * before:.1f} % -> {100 * after:.1f} % "
+            f"| {gain['median']:+.1f} ({gain['min']:+.1f} to {gain['max']:+.1f}) "
+            f"| {secs['median']:.0f} ({secs['min']:.0f}-{secs['max']:.0f})")
 
 
 # ----------------------------------------------------------------- results files --------------

@@ -190,6 +190,25 @@ def async_rollout(data: dict) -> str:
     return f"CPPO, trainer and generator on a core each: {'; '.join(parts)} ({cpu(data)})"
 
 
+def sampling_replay(data: dict) -> str:
+    def of(name: str, key) -> list[float]:
+        return [key(r) for r in data["rows"] if r["setting"] == name]
+
+    def gain(r: dict) -> float:
+        return 100 * (r["accuracy_after"] - r["accuracy_before"])
+
+    def seconds(r: dict) -> float:
+        return r["train_seconds"]
+    replay, full = "replay", "full softmax (TRL)"
+    weight = {n: statistics.mean(of(n, lambda r: r["ratio_mean"])) for n in (replay, full)}
+    return (f"top_p {data['top_p']} on the embedded default: the sampler's importance weights "
+            f"average {weight[replay]:.4f} with the training passes replaying it, "
+            f"{weight[full]:.4f} with the full softmax (TRL's); held-out gain "
+            f"{span(of(replay, gain), 1)} against {span(of(full, gain), 1)} points, train time "
+            f"{span(of(replay, seconds), 0, ' s')} against {span(of(full, seconds), 0, ' s')} "
+            f"({len(of(replay, gain))} seeds; {cpu(data)})")
+
+
 HEADLINES = [
     Headline("`cppo train`, the embedded default (CPPO G = 8, P = 0.75, 600 steps)",
              f"{RESULTS}/default_run/shared_prefixes/results.json",
@@ -222,6 +241,9 @@ HEADLINES = [
              readme=False),
     Headline("A decode step's draw", f"{RESULTS}/sampling_step/results.json",
              "python benchmarks/sampling_step.py", sampling_step, readme=False),
+    Headline("Truncated sampling, replayed (replay_sampling)",
+             f"{RESULTS}/sampling_replay/results.json", "python benchmarks/sampling_replay.py",
+             sampling_replay, readme=False),
     Headline("Asynchronous rollouts (async_rollout) on split cores",
              f"{RESULTS}/async_rollout/results.json",
              "python benchmarks/async_rollout.py --models embedded real --real quick --repeats 3; "

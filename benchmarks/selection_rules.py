@@ -16,14 +16,12 @@ Writes benchmarks/results/selection_rules/results.json and results.md.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import machine, read_results, spread, trainer_for, write_results
+from common import (accuracy_cells, earlier_rows, machine, main_job_run, sweep_options,
+                    write_results)
 
 OUT = Path(__file__).resolve().parent / "results" / "selection_rules"
 RULES = ("largest_abs", "unbiased")
@@ -31,18 +29,9 @@ RULES = ("largest_abs", "unbiased")
 
 def run_row(rule: str, pruning_rate: float, seed: int, args, runs_dir: Path) -> dict:
     """One training run; its held-out accuracy before and after and its times."""
-    start, load_start = time.perf_counter(), os.getloadavg()[0]
-    trainer = trainer_for(selection_rule=rule, pruning_rate=pruning_rate, seed=seed,
-                          max_steps=args.max_steps, eval_steps=0, save_steps=0,
-                          output_dir=str(runs_dir / f"{rule}-P{pruning_rate}-s{seed}"),
-                          report_to=["jsonl"])
-    summary = trainer.train()
-    return {"rule": rule, "pruning_rate": pruning_rate, "seed": seed, "steps": summary["steps"],
-            "accuracy_before": summary["accuracy_before"],
-            "accuracy_after": summary["accuracy_after"],
-            "train_seconds": summary["train_seconds"],
-            "wall_seconds": round(time.perf_counter() - start, 1),
-            "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)]}
+    return main_job_run({"rule": rule, "pruning_rate": pruning_rate, "seed": seed},
+                        runs_dir / f"{rule}-P{pruning_rate}-s{seed}", selection_rule=rule,
+                        pruning_rate=pruning_rate, seed=seed, max_steps=args.max_steps)[0]
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -54,13 +43,7 @@ def table(rows: list[dict]) -> list[str]:
             runs = [r for r in rows if r["rule"] == rule and r["pruning_rate"] == p]
             if not runs:
                 continue
-            gain = spread([100 * (r["accuracy_after"] - r["accuracy_before"]) for r in runs], digits=1)
-            secs = spread([r["train_seconds"] for r in runs], digits=0)
-            before = statistics.mean(r["accuracy_before"] for r in runs)
-            after = statistics.mean(r["accuracy_after"] for r in runs)
-            lines.append(f"| {rule} | {p} | {len(runs)} | {100 * before:.1f} % -> {100 * after:.1f} % "
-                         f"| {gain['median']:+.1f} ({gain['min']:+.1f} to {gain['max']:+.1f}) "
-                         f"| {secs['median']:.0f} ({secs['min']:.0f}-{secs['max']:.0f}) |")
+            lines.append(f"| {rule} | {p} | {len(runs)} | {accuracy_cells(runs)} |")
     return lines
 
 
@@ -80,13 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
     parser.add_argument("--pruning_rates", nargs="+", type=float, default=[0.75, 0.875])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[42, 1, 2])
-    parser.add_argument("--max_steps", type=int, default=600, help="optimizer steps (600: the default run)")
-    parser.add_argument("--resume", action="store_true", help="keep the rows already in the results")
-    parser.add_argument("--out", default=str(OUT), help="where results.json and results.md go")
+    sweep_options(parser, OUT)
     args = parser.parse_args(argv)
-    old = read_results(args.out) if args.resume else {}
-    rows = [r for r in old.get("rows", []) if old.get("max_steps") == args.max_steps]
+    rows = earlier_rows(args)
     done = {(r["rule"], r["pruning_rate"], r["seed"]) for r in rows}
     runs_dir = Path(tempfile.mkdtemp(prefix="cppo_selection_rules_"))
     for seed in args.seeds:

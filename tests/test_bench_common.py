@@ -140,6 +140,36 @@ def test_trainer_for_builds_the_config_asked_for(common, tiny_model_dir, tmp_pat
     assert named.args.output_dir == str(tmp_path / "run") and named.args.progress_bar is True
 
 
+def test_parts_for_builds_a_run_without_a_trainer(common, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    parts = common.parts_for(tiny_model_dir, ROWS, odd_length_reward, num_generations=4,
+                             per_device_train_batch_size=8, pruning_rate="0.5",
+                             max_completion_length=5, log_completions=False)
+    assert parts.rewards.funcs == [odd_length_reward] and parts.plan.completions_kept == 8
+    rows = common.first_round_rows(parts)
+    assert len(rows) == parts.plan.questions_per_step == 4
+    assert rows == [ROWS[i] for i in type(parts.questions)(len(ROWS), 42).take(4)]   # seed 42
+
+
+def test_accuracy_cells_are_means_and_ranges_over_seeds(common):
+    runs = [{"accuracy_before": 0.30, "accuracy_after": 0.45, "train_seconds": 100.4},
+            {"accuracy_before": 0.30, "accuracy_after": 0.42, "train_seconds": 90.0},
+            {"accuracy_before": 0.30, "accuracy_after": 0.50, "train_seconds": 120.0}]
+    assert common.accuracy_cells(runs) == ("30.0 % -> 45.7 % | +15.0 (+12.0 to +20.0) "
+                                           "| 100 (90-120)")
+
+
+def test_earlier_rows_are_kept_only_for_the_same_run(common, tmp_path):
+    import argparse
+    common.write_results(tmp_path, {"max_steps": 600, "top_p": 0.9, "rows": [{"seed": 1}]}, None,
+                         echo=False)
+    args = argparse.Namespace(out=str(tmp_path), resume=True, max_steps=600)
+    assert common.earlier_rows(args, top_p=0.9) == [{"seed": 1}]
+    assert common.earlier_rows(args, top_p=0.8) == []
+    assert common.earlier_rows(argparse.Namespace(out=str(tmp_path), resume=True, max_steps=100)) == []
+    assert common.earlier_rows(argparse.Namespace(out=str(tmp_path), resume=False, max_steps=600)) == []
+
+
 # --- results files --------------------------------------------------------------------------------
 
 def test_write_results_writes_json_and_markdown(common, tmp_path, capsys):

@@ -310,6 +310,10 @@ REFUSED = [
     ({"use_vllm": True, "max_prompt_length": None, "vllm_max_model_length": 5}, "'vllm_max_model_length' is 5, below max_prompt_length + max_completion_length = 6: raise it to >= 6, lower max_prompt_length, or set it to None (derived)"),
     ({"vllm_server_base_url": "localhost:8000"}, "'vllm_server_base_url' is 'localhost:8000'; expected a URL such as http://host:8000"),
     ({"pruning_rate": 0, "per_device_train_batch_size": 20}, "no step plan for per_device_train_batch_size x gradient_accumulation_steps = 20 x 1 = 20 completions, num_generations = 8, pruning_rate = 0.0, allocation = True, selection_scope = 'step': "),
+    ({'top_k': 20, 'use_liger_kernel': True}, "'use_liger_kernel' computes the log-probs in chunks without the full logits that 'replay_sampling' (on because a truncating transform is set) needs; set replay_sampling: false (TRL's behaviour) or use_liger_kernel: false"),
+    ({'top_k': 20, 'use_liger_kernel': True, 'replay_sampling': True}, "'use_liger_kernel' computes the log-probs in chunks without the full logits that 'replay_sampling' (set by you) needs; set replay_sampling: false (TRL's behaviour) or use_liger_kernel: false"),
+    ({'use_vllm': True, 'min_p': 0.1, 'top_p': 0.9}, "'min_p' is 0.1 with top_k 0 / top_p 0.9 under use_vllm: vLLM applies min_p before top-k and top-p, cppo's replay after them (transformers' order), so the kept tokens would differ; drop min_p or top_k/top_p, or set replay_sampling: false ('replay_sampling' is on because a truncating transform is set)"),
+    ({'use_vllm': True, 'min_p': 0.1, 'top_k': 4, 'replay_sampling': True}, "'min_p' is 0.1 with top_k 4 / top_p 1.0 under use_vllm: vLLM applies min_p before top-k and top-p, cppo's replay after them (transformers' order), so the kept tokens would differ; drop min_p or top_k/top_p, or set replay_sampling: false ('replay_sampling' is set by you)"),
 ]
 
 
@@ -330,6 +334,9 @@ def test_a_rule_of_several_fields_is_refused_with_its_message(values, message, s
 
 
 ALLOWED = [   # each rule's edge: the value next to a refused one
+    {"top_k": 20, "use_liger_kernel": True, "replay_sampling": False},
+    {"use_vllm": True, "min_p": 0.1},
+    {"use_vllm": True, "min_p": 0.1, "top_p": 0.9, "replay_sampling": False},
     {"sync_ref_model": True, "beta": 0.04},
     {"entropy_coef_min": 0.3, "entropy_coef_max": 0.3},
     {"importance_sampling_clip_min": 1.0, "importance_sampling_clip_max": 1.5},

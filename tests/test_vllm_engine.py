@@ -173,6 +173,35 @@ def test_vllm_logprobs_equal_the_policy(tied, untied):
         assert diff <= LOGPROB_TOLERANCE, diff
 
 
+def test_replayed_logprobs_are_vllms_processed_ones_under_top_k_and_top_p(untied):
+    """vLLM samples from the truncated distribution and returns its processed log-probs; the
+    training pass replaying top_k / top_p (replay_sampling) computes the same ones, the full
+    softmax (TRL's) does not (sampling/logits.py's kept set against vLLM's own code)."""
+    import dataclasses
+    from cppo.sampling.logprobs import ForwardSettings
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("vLLM's sampler does not build with ATEN_CPU_CAPABILITY=default")
+    before = untied.backend.sampling
+    truncated = dataclasses.replace(before, top_k=5, top_p=0.8)
+    prompts = untied.prompts()
+    untied.backend.sampling = truncated
+    try:
+        out = untied.backend.generate(prompts, round_index=0)
+    finally:
+        untied.backend.sampling = before
+    ids, mask = prompts.ids.repeat_interleave(G, 0), prompts.mask.repeat_interleave(G, 0)
+    with torch.no_grad():
+        replayed = completion_logprobs(untied.model, ids, mask, out.ids, out.mask,
+                                       temperature=truncated.temperature,
+                                       forward=ForwardSettings(replay=truncated))
+    full = untied.policy_logprobs(prompts, out)
+    real = out.mask.bool()
+    diff = float((replayed - out.logprobs)[real].abs().max())
+    note_margin("vllm_replayed_logprobs", logprobs=diff, logprobs_bound=LOGPROB_TOLERANCE)
+    assert diff <= LOGPROB_TOLERANCE, diff
+    assert float((full - out.logprobs)[real].abs().max()) > 20 * LOGPROB_TOLERANCE
+
+
 def test_a_round_over_one_scheduler_step_of_prompt_tokens_samples_every_completion(untied):
     """More prompt tokens than vLLM schedules in one step (max_num_batched_tokens, 2,048 by
     default): a prompt split across steps has its first sample thrown away, and the CPU build's

@@ -17,6 +17,7 @@ from cppo.config.checks import check_generation_batch_size
 from cppo.config.startup import check_startup
 from cppo.data.questions import QuestionStream
 from cppo.data.sources import TaskData, run_task
+from cppo.errors import ConfigError
 from cppo.features import Features, build_features
 from cppo.learning.update import Learner
 from cppo.parallel.hardware import apply_tf32, run_dtypes, warn_slow_precision
@@ -30,6 +31,7 @@ from cppo.sampling.backends import GenerationBackend, make_backend, speculation_
 from cppo.sampling.generation import Generation
 from cppo.sampling.sampler import prompts_length
 from cppo.sampling.settings import SamplingSettings
+from cppo.sampling.tools import ToolLoop
 from cppo.sampling.vllm import vllm_engine_bytes
 
 
@@ -72,6 +74,7 @@ def build_run(args, *, model=None, reward_funcs=None, train_dataset=None, eval_d
     loading; every row's gold answer is checked before the first round."""
     check_startup(args, model=model, own_data=train_dataset is not None,
                   output_dir="create" if first_process() else "skip")
+    replay = sampling_replay(args, rollout_func)   # a rollout_func with replay: refused here
     funcs, weights, reward_processing_classes = reward_sources(   # environments' get_reward too
         reward_funcs, args, getattr(rollout_func, "env_rewards", []), reward_processing_classes)
     dist = Distributed.from_environment()
@@ -94,7 +97,7 @@ def build_run(args, *, model=None, reward_funcs=None, train_dataset=None, eval_d
                       check_generation_batch_size)
     steps = total_steps(args.max_steps, len(task.train_rows), plan.questions_per_step * dist.world_size,
                         args.num_train_epochs, args.steps_per_round)
-    learner = build_learner(args, models, dist, steps, matmul_dtype)
+    learner = build_learner(args, models, dist, steps, matmul_dtype, replay)
     return RunParts(
         dist=dist, models=models, plan=plan, generation_dtype=generation_dtype,
         matmul_dtype=matmul_dtype, task=task, batch_sizes=batch_sizes, sampling=sampling,
@@ -140,10 +143,24 @@ def build_sampler(args, models: Models, sampling: SamplingSettings, batch_sizes:
 
 
 def build_learner(args, models: Models, dist: Distributed, steps: int,
-                  matmul_dtype: str | None) -> Learner:
+                  matmul_dtype: str | None, replay: SamplingSettings | None = None) -> Learner:
     """The learner (cppo.learning.update): AdamW over the trainable parameters, the learning-rate
-    schedule over `steps` optimizer steps, the loss settings and the precision of each pass."""
+    schedule over `steps` optimizer steps, the loss settings, the precision of each pass and the
+    sampler's transforms its policy passes replay (None: the full softmax, TRL's)."""
     optimizer = make_adamw([p for p in models.policy.parameters() if p.requires_grad], args)
     scheduler = make_scheduler(optimizer, args, steps)
     return Learner(models.policy, models.reference, models.engine, dist, optimizer, scheduler,
-                   args, dist.device, matmul_dtype)
+                   args, dist.device, matmul_dtype, replay)
+
+
+def sampling_replay(args, rollout_func=None) -> SamplingSettings | None:
+    """The sampler's transforms the training passes replay (replay_sampling), or None: cppo's
+    sampler, its tool loop and vLLM sample with the config's settings; a rollout_func samples its
+    own way, so the automatic choice is off with one and asking for replay is an error."""
+    own = rollout_func is None or isinstance(rollout_func, ToolLoop)
+    if args.replay_sampling and not own:
+        raise ConfigError("'replay_sampling' is true with a rollout_func: cppo cannot replay a "
+                          "sampler it does not run (its transforms are not known); set "
+                          "replay_sampling: false, or sample with cppo (tools= or "
+                          "environment_factory= run cppo's tool loop)")
+    return SamplingSettings.of(args) if args.replays_sampling and own else None

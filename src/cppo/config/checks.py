@@ -188,9 +188,27 @@ def _check_sampling(cfg) -> None:
     _check_sampler_correction(cfg)
     _check_speculation(cfg)
     _check_two_stage(cfg)
+    _check_replay(cfg)
     check(cfg.vllm_server_base_url is None or "://" in cfg.vllm_server_base_url,
           f"'vllm_server_base_url' is {cfg.vllm_server_base_url!r}; expected a URL such as "
           f"http://host:8000")
+
+
+def _check_replay(cfg) -> None:
+    """Sampling replay needs each position's full logits and the sampler's order of transforms."""
+    if not cfg.replays_sampling:
+        return
+    why = "set by you" if cfg.replay_sampling else "on because a truncating transform is set"
+    check(not cfg.use_liger_kernel,
+          f"'use_liger_kernel' computes the log-probs in chunks without the full logits that "
+          f"'replay_sampling' ({why}) needs; set replay_sampling: false (TRL's behaviour) or "
+          f"use_liger_kernel: false")
+    nucleus_or_top_k = bool(cfg.top_k) or cfg.top_p < 1.0
+    check(not (cfg.use_vllm and cfg.min_p and nucleus_or_top_k),
+          f"'min_p' is {cfg.min_p} with top_k {cfg.top_k} / top_p {cfg.top_p} under use_vllm: "
+          f"vLLM applies min_p before top-k and top-p, cppo's replay after them (transformers' "
+          f"order), so the kept tokens would differ; drop min_p or top_k/top_p, or set "
+          f"replay_sampling: false ('replay_sampling' is {why})")
 
 
 def _check_precision(cfg) -> None:

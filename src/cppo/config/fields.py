@@ -170,6 +170,14 @@ class CPPOConfig:
                                        "this for every token already in the prompt or the "
                                        "completion, before temperature (> 1 discourages repeats; "
                                        "1.0: off).", above=0, note="1.0: off")
+    replay_sampling: Optional[bool] = option(
+        None, "The training passes (policy and old policy) take each token's log-prob under the "
+        "distribution the sampler drew it from: repetition_penalty, temperature, top_k, top_p and "
+        "min_p replayed on their own logits, renormalised over the kept tokens "
+        "(docs/objectives.md). false: the full softmax at the temperature (TRL's behaviour), "
+        "which biases the importance weights of a truncated sampler. None: on when top_k, top_p, "
+        "min_p or repetition_penalty is set and cppo's sampler, its tool loop or vLLM samples "
+        "(not with a rollout_func, whose sampling cppo does not know).")
     generation_batch_size: Optional[int] = option(
         None, "Completions generated per generation round over all processes (TRL's meaning: "
         "per_device_train_batch_size x processes x gradient_accumulation_steps without pruning; "
@@ -533,6 +541,20 @@ class CPPOConfig:
                 sapo_temperature_neg=self.sapo_temperature_neg,
                 vespo=dict(k_pos=self.vespo_k_pos, lambda_pos=self.vespo_lambda_pos,
                            k_neg=self.vespo_k_neg, lambda_neg=self.vespo_lambda_neg)))
+
+    @property
+    def truncated_sampling(self) -> bool:
+        """A sampling transform beyond the temperature is set: top_k, top_p, min_p or a
+        repetition penalty (the sampler's distribution is then not the softmax at the
+        temperature)."""
+        return bool(self.top_k) or self.top_p < 1.0 or bool(self.min_p) or \
+            self.repetition_penalty != 1.0
+
+    @property
+    def replays_sampling(self) -> bool:
+        """replay_sampling as set, or (None) whether a truncating transform is set; a
+        rollout_func turns the automatic choice off (cppo.assembly.run.sampling_replay)."""
+        return self.truncated_sampling if self.replay_sampling is None else self.replay_sampling
 
     @property
     def planned_pruning_rate(self) -> float:

@@ -23,14 +23,17 @@ from cppo.models.loading import torch_dtype
 from cppo.run.batch import StepBatch
 from cppo.run.optimizer import advance_schedule
 from cppo.sampling.logprobs import ForwardSettings, completion_logprobs
+from cppo.sampling.settings import SamplingSettings
 
 
 class Learner:
     """Log-probs under the policy, old policy and reference, and the optimizer step."""
 
     def __init__(self, policy, reference, engine, dist, optimizer, scheduler, args,
-                 device: torch.device, matmul_dtype: str | None) -> None:
+                 device: torch.device, matmul_dtype: str | None,
+                 replay: SamplingSettings | None = None) -> None:
         self.policy, self.reference, self.engine, self.dist = policy, reference, engine, dist
+        self.replay = replay   # the sampler's transforms the policy's passes replay (None: off)
         self.optimizer, self.scheduler, self.args = optimizer, scheduler, args
         self.device, self.matmul_dtype = device, matmul_dtype   # a dtype name or None
         self.loss = args.loss_settings()   # what each micro-batch's loss reads
@@ -42,16 +45,19 @@ class Learner:
         self.aux_coef = moe_aux_coef(policy, args.router_aux_loss_coef)
 
     def logprobs(self, model, batch: StepBatch, entropies: list | None = None,
-                 aux_losses: list | None = None) -> torch.Tensor:
+                 aux_losses: list | None = None, replay: bool = True) -> torch.Tensor:
         """(B, C) log-probs of the completion tokens under `model`; with `entropies`, each
         micro-batch's (B_micro, C) entropies are appended to it; with `aux_losses`, the
-        mixture-of-experts load-balancing losses."""
+        mixture-of-experts load-balancing losses. replay: under the sampler's replayed
+        distribution when the run replays it (the policy and old policy; the reference's are
+        the full softmax's, which the KL estimate against the sampled tokens wants)."""
         if len(batch) == 0:  # global selection can leave a process nothing to train on
             return batch.completion_ids.new_zeros(batch.completion_ids.shape, dtype=torch.float32)
         args = self.args
         forward = ForwardSettings(batch_size=args.per_device_train_batch_size,
                                   lean=args.lean_forward, matmul_dtype=torch_dtype(self.matmul_dtype),
-                                  compile=self.compile, chunk_head=args.use_liger_kernel)
+                                  compile=self.compile, chunk_head=args.use_liger_kernel,
+                                  replay=self.replay if replay else None)
         return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                    batch.completion_mask, temperature=args.temperature,
                                    forward=forward, entropies=entropies,
@@ -75,10 +81,10 @@ class Learner:
                 self.policy.train()
             if self.args.beta > 0:
                 if self.reference is not None:
-                    batch.ref_logps = self.logprobs(self.reference, batch)
+                    batch.ref_logps = self.logprobs(self.reference, batch, replay=False)
                 else:  # LoRA: the base model with adapters disabled is the reference
                     with self.policy.disable_adapter():
-                        batch.ref_logps = self.logprobs(self.policy, batch)
+                        batch.ref_logps = self.logprobs(self.policy, batch, replay=False)
 
     def step(self, batch: StepBatch, entropy_coef: float,
              adapt_entropy_coef: Callable[[float], float] | None, tokens: float | None = None) -> dict:

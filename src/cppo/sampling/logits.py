@@ -74,6 +74,36 @@ def sampling_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0,
     return filter_logits(logits if temperature == 1.0 else logits / temperature, top_k, top_p, min_p)
 
 
+def replay_logits(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0, min_p: float | None = None,
+                  repetition_penalty: float = 1.0, seen: Tensor | None = None) -> Tensor:
+    """The logits (M, V) of the distribution each of M tokens was drawn from, recomputed from
+    the model's logits (M, V) as `sampling_logits` transforms them (penalty over `seen` (M, V),
+    temperature, then top-k, top-p and min-p's kept set), with the gradient of the kept logits,
+    in float32 (float64 stays float64).
+    The kept set is found without gradient (it is piecewise constant in the logits), and each
+    drawn token `tokens` (M,) stays in its row's set: a set recomputed from logits that moved
+    since sampling may have lost it, and a drawn token must keep a finite log-prob."""
+    wide = logits if logits.dtype == torch.float64 else logits.float()   # float32, as sampled
+    scaled = penalize_repetition(wide, seen, repetition_penalty)
+    scaled = scaled if temperature == 1.0 else scaled / temperature
+    with torch.no_grad():
+        dropped = torch.isneginf(filter_logits(scaled.detach(), top_k, top_p, min_p))
+        dropped.scatter_(1, tokens[:, None], False)
+    return scaled.masked_fill(dropped, float("-inf"))
+
+
+def seen_before(prompt_ids: Tensor, prompt_mask: Tensor, ids: Tensor, mask: Tensor,
+                vocab_size: int) -> Tensor:
+    """(N, T, V) bool: the tokens the repetition penalty saw before each completion position: the
+    prompt's (N, Lp; mask 1) and the completion's earlier ones (ids, mask (N, T))."""
+    before = seen_tokens(prompt_ids, prompt_mask, vocab_size)[:, None].repeat(1, ids.shape[1], 1)
+    drawn = seen_tokens(ids.reshape(-1, 1), mask.reshape(-1, 1), vocab_size).view(*ids.shape, -1)
+    earlier = drawn.to(torch.uint8).cummax(1).values.bool()          # tokens at <= t
+    before[:, 1:] |= earlier[:, :-1]
+    return before
+
+
 def greedy_logits(logits: Tensor, *, repetition_penalty: float = 1.0,
                   seen: Tensor | None = None) -> Tensor:
     """The logits (N, V) greedy decoding takes the argmax of: transformers applies the

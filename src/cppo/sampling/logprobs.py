@@ -12,6 +12,8 @@ from torch import Tensor
 from cppo.models.compiled import CompileSettings, compiled_model
 from cppo.models.head import chunked_logprobs_and_entropy
 from cppo.models.lean import lean_forward_for
+from cppo.sampling.logits import replay_logits, seen_before
+from cppo.sampling.settings import SamplingSettings
 
 LOGITS_CHUNK = 1024   # half-precision rows upcast to float32 at a time
 # above this many logits (tokens x vocabulary) in a micro-batch, the lean packed scoring pass
@@ -40,7 +42,11 @@ class ForwardSettings:
     comparison). matmul_dtype (lean forward only): the dtype of the decoder layers' Linear
     matmuls (cppo.models.lean). compile: a cppo.models.compiled.CompileSettings (torch_compile)
     or None. chunk_head (use_liger_kernel): the head in chunks of tokens at every size on the
-    lean packed pass, never the full logits."""
+    lean packed pass, never the full logits. replay: the sampler's transforms (SamplingSettings:
+    repetition penalty, temperature, top-k, top-p, min-p; cppo.sampling.logits.replay_logits)
+    applied to every position's logits, so the log-probs are of the distribution the tokens were
+    drawn from (it needs the full logits: no chunked head); None: the full softmax at the
+    temperature (TRL's)."""
 
     batch_size: int | None = None
     lean: bool = True
@@ -48,6 +54,7 @@ class ForwardSettings:
     matmul_dtype: torch.dtype | None = None
     compile: CompileSettings | None = None
     chunk_head: bool = False
+    replay: SamplingSettings | None = None
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
@@ -66,6 +73,10 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     each chunk's load-balancing aux_loss (a scalar) is appended to it."""
     lean, packed, matmul_dtype, chunk_head = (forward.lean, forward.packed, forward.matmul_dtype,
                                               forward.chunk_head)
+    replay = forward.replay
+    if replay is not None and chunk_head:
+        raise ValueError("replaying the sampler's transforms needs each position's full logits, "
+                         "which the chunked head (chunk_head, use_liger_kernel) never forms")
     entropy_of = differentiable_entropy if entropy_grad else (lambda lg: token_entropy(lg.detach()))
     n, out = completion_ids.shape[0], []
     step = n if forward.batch_size is None else forward.batch_size
@@ -86,7 +97,8 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
                                              dim=0, return_inverse=True)
             width = prompt_ids.shape[1]
             real = completion_mask[rows].bool()
-            if packed and (chunk_head or int(real.sum()) * _vocab_size(model) > HEAD_CHUNK_ABOVE):
+            if packed and replay is None and \
+                    (chunk_head or int(real.sum()) * _vocab_size(model) > HEAD_CHUNK_ABOVE):
                 logps, entropy = _chunked_head(lean_forward, prompts, width, question, ids, real,
                                                temperature, matmul_dtype, entropy_grad)
                 out.append(logps)
@@ -99,21 +111,39 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
         else:
             logits = _model_logits(own_forward, prompt_ids[rows], prompt_mask[rows], ids,
                                    completion_mask[rows], aux_losses)
+        if replay is not None:   # entropies stay the full softmax's at the temperature (TRL's)
+            drawn = _replayed(logits, replay, prompt_ids[rows], prompt_mask[rows], ids,
+                              completion_mask[rows], packed=lean_forward is not None and packed)
         if temperature != 1.0:
             logits = logits / temperature
         if lean_forward is not None and packed:   # logits (M, V) of the real tokens
             real = completion_mask[rows].bool()
-            logps = selective_log_softmax(logits, ids[real])
+            logps = selective_log_softmax(logits if replay is None else drawn, ids[real])
             out.append(logps.new_zeros(ids.shape).masked_scatter(real, logps))
             if entropies is not None:
                 entropy = entropy_of(logits)
                 entropies.append(entropy.new_zeros(ids.shape).masked_scatter(real, entropy))
             continue
         real = completion_mask[rows].to(logits.dtype)   # 0 at padding, as on the packed path
-        out.append(selective_log_softmax(logits, ids) * real)
+        out.append(selective_log_softmax(logits if replay is None else drawn, ids) * real)
         if entropies is not None:   # TRL's entropy metric: (rows, T) of the same logits
             entropies.append(entropy_of(logits) * real)
     return torch.cat(out)
+
+
+def _replayed(logits: Tensor, replay: SamplingSettings, prompt_ids: Tensor, prompt_mask: Tensor,
+              ids: Tensor, mask: Tensor, *, packed: bool) -> Tensor:
+    """The sampler's logits, replayed (cppo.sampling.logits.replay_logits), for logits (M, V) of
+    the real tokens (packed) or (N, T, V) of every position of ids, mask (N, T)."""
+    vocab = logits.shape[-1]
+    seen = None
+    if replay.repetition_penalty != 1.0:
+        seen = seen_before(prompt_ids, prompt_mask, ids, mask, vocab)
+        seen = seen[mask.bool()] if packed else seen.view(-1, vocab)
+    tokens = ids[mask.bool()] if packed else ids.reshape(-1)
+    flat = replay_logits(logits.reshape(-1, vocab), tokens.clamp(0, vocab - 1), seen=seen,
+                         **replay.kwargs())
+    return flat.view(logits.shape)
 
 
 def _model_logits(model, prompt_ids: Tensor, prompt_mask: Tensor, ids: Tensor,
