@@ -14,6 +14,9 @@ num_train_epochs=1, max_steps=-1) with the same hyper-parameters; only the row's
   smallest-0.875, random-0.875, maxvar-0.875
                 ablations of the selection rule at P = 0.875 (keep the smallest |A|; keep a random
                 16; PODS max reward variance per question, 2 of 16 kept per question)
+  unbiased-0.75, unbiased-0.875
+                CPPO with selection_rule unbiased: as many kept, drawn with probabilities from
+                |A| and weighted by 1 / probability (docs/objectives.md)
   trl           seconds per GRPO step and tokens/s, TRL's GRPOTrainer against ours, B = G = 16
 
 Outputs (in --output, default benchmarks/results/cppo_table): results.md (tables, targets,

@@ -86,6 +86,9 @@ def test_rows_have_the_paper_shapes(table):
     assert rows["grpo"].config_values()["per_device_train_batch_size"] == 16
     assert rows["fair-0.875"].config_values() == {"pruning_rate": 0.0, "per_device_train_batch_size": 128}
     assert rows["maxvar-0.875"].config_values()["selection_scope"] == "question"
+    unbiased = rows["unbiased-0.75"].config_values()
+    assert unbiased["selection_rule"] == "unbiased" and unbiased["pruning_rate"] == 0.75
+    assert rows["unbiased-0.875"].label == "CPPO P=0.875, unbiased"
 
 
 def fake_summary(seconds, generate, accuracy, steps, q, kept=16, p=0.0, skipped=0):

@@ -10,6 +10,7 @@ UPDATE_BATCH = 16                # B: completions per optimizer update (the pape
 PRUNING_RATES = (0.5, 0.75, 0.875, 0.9375)
 PAPER_SPEEDUP = {0.5: 1.81, 0.75: 3.27, 0.875: 4.89, 0.9375: 8.32}   # GSM8K, Qwen2.5-1.5B
 ABLATION_RATE = 0.875
+UNBIASED_RATES = (0.75, 0.875)   # selection_rule unbiased beside CPPO's largest |A|
 ACCURACY_TOLERANCE = 0.01        # CPPO may be at most 1 point below GRPO
 BOUND_FRACTION = 0.9             # measured speed-up must reach 90 % of the measured bound
 TRL_SPEED_RATIO = 2.0            # our GRPO step must be 2x faster than TRL's
@@ -60,6 +61,7 @@ def all_rows() -> dict[str, Row]:
     rows += [Row(f"smallest-{ABLATION_RATE:g}", "ablation", ABLATION_RATE, "smallest_abs"),
              Row(f"random-{ABLATION_RATE:g}", "ablation", ABLATION_RATE, "random"),
              Row(f"maxvar-{ABLATION_RATE:g}", "ablation", ABLATION_RATE, "max_variance", "question"),
+             *(Row(f"unbiased-{p:g}", "ablation", p, "unbiased") for p in UNBIASED_RATES),
              Row("trl", "trl")]
     return {r.name: r for r in rows}
 
