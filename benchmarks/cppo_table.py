@@ -90,6 +90,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         choices=["float32", "bfloat16", "policy"],
                         help="sampling weights dtype for every training row ('policy': the "
                              "policy's own float32); the TRL comparison always samples in float32")
+    parser.add_argument("--top_p", type=float, default=DEFAULTS["top_p"],
+                        help="nucleus sampling for every training row (1.0: off, the paper's)")
+    parser.add_argument("--replay_sampling", default=DEFAULTS["replay_sampling"],
+                        choices=["auto", "true", "false"],
+                        help="whether the training passes replay the sampler's truncation "
+                             "(docs/objectives.md); auto: whenever top_p < 1")
     parser.add_argument("--trl_steps", type=int, default=None, help="steps timed in the TRL comparison")
     parser.add_argument("--trl_warmup", type=int, default=None, help="warm-up steps before timing")
     parser.add_argument("--no_estimate", action="store_true", help="skip the timing probe")
@@ -148,7 +154,8 @@ def main(argv=None) -> int:
                         "seeds": args.seed_list, "rows": args.row_list,
                         "eval_questions": args.eval_questions, "evals_per_run": args.evals_per_run,
                         "learning_rate": args.learning_rate, "group_size": GROUP_SIZE,
-                        "update_batch": UPDATE_BATCH, "generation_dtype": args.generation_dtype},
+                        "update_batch": UPDATE_BATCH, "generation_dtype": args.generation_dtype,
+                        "top_p": args.top_p, "replay_sampling": args.replay_sampling},
            "runs": []}
     m = machine_of(raw)
     print(f"cppo table: rows {', '.join(args.row_list)}; seeds {args.seed_list}; "

@@ -12,6 +12,16 @@ from .rows import GROUP_SIZE, PAPER_SPEEDUP, PRUNING_RATES, all_rows, questions_
 from .stats import by_seed, evaluate_targets, fair_stats, mean_std, row_stats
 
 
+def truncation(settings: dict) -> str:
+    """', top_p 0.9 (replayed)': the recipe's nucleus sampling, when on ('' when off)."""
+    top_p = settings.get("top_p", 1.0)
+    if top_p >= 1.0:
+        return ""
+    replay = {"auto": "replayed", "true": "replayed", "false": "not replayed"}[
+        settings.get("replay_sampling", "auto")]
+    return f", top_p {top_p:g} ({replay} by the training passes)"
+
+
 def machine() -> dict:
     """common.machine() with the transformers version (the TRL comparison's)."""
     try:
@@ -44,7 +54,8 @@ def build_report(raw: dict) -> tuple[str, dict, list[dict]]:
              f"Recipe: embedded model and task (2x2-digit multiplication), N = {settings['train_questions']} "
              f"training questions, one pass (num_train_epochs=1, max_steps=-1), G = {GROUP_SIZE}, "
              f"lr {settings['learning_rate']:g} constant, AdamW, beta 0, loss dapo, 1 update per batch, "
-             f"temperature 1.0, sampling weights in {settings.get('generation_dtype', 'policy')} "
+             f"temperature 1.0{truncation(settings)}, sampling weights in "
+             f"{settings.get('generation_dtype', 'policy')} "
              f"(TRL comparison: float32); seeds {settings['seeds']}; held-out greedy accuracy on "
              f"{settings['eval_questions']} test questions every ~{100 // settings['evals_per_run']} % "
              f"of a run. Speed-ups use training seconds (train_seconds: the trainer's rounds, "

@@ -19,7 +19,8 @@ TIME_BUDGET_SECONDS = 3600       # the full table should finish within about an 
 TRAIN_PHASES = ("generate", "score", "logprobs", "update")
 
 DEFAULTS = dict(train_questions=1024, seeds="3", eval_questions=500, evals_per_run=4,
-                learning_rate=3e-5, trl_steps=30, trl_warmup=5, generation_dtype="policy")
+                learning_rate=3e-5, trl_steps=30, trl_warmup=5, generation_dtype="policy",
+                top_p=1.0, replay_sampling="auto")
 QUICK = dict(train_questions=32, seeds="1", rows="grpo,cppo-0.875,fair-0.875,trl",
              eval_questions=200, evals_per_run=2, trl_steps=5, trl_warmup=2)
 

@@ -24,7 +24,9 @@ def base_config(args, row: Row, seed: int, output_dir: Path, steps: int | None =
                   save_steps=0, save_total_limit=1, logging_steps=1, report_to=["jsonl"],
                   progress_bar=False, seed=seed, output_dir=str(output_dir),
                   generation_dtype=None if args.generation_dtype == "policy" else args.generation_dtype,
-                  matmul_dtype=None)   # training matmuls in float32 for every row (auto is by batch size)
+                  matmul_dtype=None,   # training matmuls in float32 for every row (auto is by batch size)
+                  top_p=args.top_p,
+                  replay_sampling={"auto": None, "true": True, "false": False}[args.replay_sampling])
     values.update(row.config_values())
     values.update(overrides)
     return CPPOConfig(**values)
