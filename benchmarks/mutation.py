@@ -37,7 +37,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -99,21 +98,10 @@ def resolve_file(name: str) -> str | None:
     return matches[0] if len(matches) == 1 else None
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def machine() -> dict:
-    capability = subprocess.run(
-        [sys.executable, "-c", "import torch;print(torch.backends.cpu.get_cpu_capability())"],
-        capture_output=True, text=True).stdout.strip()
-    import torch
-    return {"cpu": cpu_model(), "cpu_capability": capability, "cores": os.cpu_count(),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "mutmut": _version("mutmut")}
+    """The harness's machine record (benchmarks/common.py) with mutmut's version."""
+    from common import machine as harness_machine
+    return harness_machine(mutmut=_version("mutmut"))
 
 
 def _version(name: str) -> str:

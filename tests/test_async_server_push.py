@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cppo.assembly.run import backend_settings
 from cppo.config import CPPOConfig
 from cppo.errors import ConfigError
 from cppo.models import load_model, load_tokenizer
@@ -33,10 +34,10 @@ def server_generator(model_dir, weights_dir, client):
     """A ServerGenerator on the model and its backend (push_weights=False: make_backend's under
     async_rollout), with the fake client's calls from here on."""
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
-    backend = VLLMBackend(model, tok, CPPOConfig(**ARGS), vllm=SimpleNamespace(), client=client,
-                          push_weights=False)
+    backend = VLLMBackend(model, tok, backend_settings(CPPOConfig(**ARGS)), vllm=SimpleNamespace(),
+                          client=client, push_weights=False)
     client.calls.clear()
-    return ServerGenerator(backend, tok, backend.args, weights_dir, heartbeat_stale_after_s=60.0)
+    return ServerGenerator(backend, tok, weights_dir, heartbeat_stale_after_s=60.0)
 
 
 def weights_of(model) -> list[tuple[str, torch.Tensor]]:
@@ -158,6 +159,7 @@ def test_a_backend_that_pushes_itself_is_refused(tiny_model_dir, tmp_path, on_cu
     """The generator owns the pushes and the communicator: a backend built to push (it set up a
     communicator of its own and would push the live weights each round) is refused."""
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    backend = VLLMBackend(model, tok, CPPOConfig(**ARGS), vllm=SimpleNamespace(), client=FakeClient())
+    backend = VLLMBackend(model, tok, backend_settings(CPPOConfig(**ARGS)), vllm=SimpleNamespace(),
+                          client=FakeClient())
     with pytest.raises(ValueError, match="push_weights=False"):
-        ServerGenerator(backend, tok, backend.args, tmp_path, heartbeat_stale_after_s=60.0)
+        ServerGenerator(backend, tok, tmp_path, heartbeat_stale_after_s=60.0)

@@ -55,7 +55,7 @@ def test_command_line_lists_parse():
     ({"top_p": 1.5}, "'top_p' is 1.5"),
     ({"min_p": 1.5}, "'min_p' is 1.5; allowed: 0 <= min_p <= 1, or None (None: off)"),
     ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1},
-     "need 0 <= entropy_coef_min <= entropy_coef_max"),
+     "need entropy_coef_min <= entropy_coef_max"),
     ({"entropy_coef_delta": -1}, "'entropy_coef_delta' is -1.0; must be >= 0"),
     ({"repetition_penalty": 0}, "'repetition_penalty' is 0.0; must be > 0 (1.0: off)"),
     ({"learning_rate": float("nan")}, "'learning_rate' must be a finite number"),

@@ -49,6 +49,7 @@ DECLARED = {
     ("CPPOConfig", "two_stage_generations"): "must be >= 0",
     ("CPPOConfig", "two_stage_exploration"): "allowed: 0 <= two_stage_exploration <= 1",
     ("CPPOConfig", "num_speculative_tokens"): "must be >= 0 (0: off)",
+    ("CPPOConfig", "prompt_lookup_min"): "must be >= 1",
     ("CPPOConfig", "importance_sampling_clip_max"): "must be > 0 or None (None: no upper bound)",
     ("CPPOConfig", "importance_sampling_clip_min"): "must be >= 0 or None (None: no lower bound)",
     ("CPPOConfig", "vllm_gpu_memory_utilization"): "allowed: 0 < vllm_gpu_memory_utilization <= 1",
@@ -71,6 +72,7 @@ DECLARED = {
     ("CPPOConfig", "sapo_temperature_neg"): "must be > 0 (the gate divides by it)",
     ("CPPOConfig", "top_entropy_quantile"): "allowed: 0 <= top_entropy_quantile <= 1 (1.0: off)",
     ("CPPOConfig", "entropy_coef"): "must be >= 0 (a bonus for entropy)",
+    ("CPPOConfig", "entropy_coef_min"): "must be >= 0",
     ("CPPOConfig", "entropy_coef_delta"): "must be >= 0",
     ("CPPOConfig", "ref_model_mixup_alpha"): "allowed: 0 <= ref_model_mixup_alpha <= 1",
     ("CPPOConfig", "ref_model_sync_steps"): "must be >= 1",
@@ -79,7 +81,7 @@ DECLARED = {
     ("CPPOConfig", "num_iterations"): "must be >= 1",
     ("CPPOConfig", "router_aux_loss_coef"): "must be >= 0 or None (0: off; None: the model config's)",
     ("CPPOConfig", "pruning_rate_min"): "must be >= 0",
-    ("CPPOConfig", "pruning_rate_max"): "must be >= 0",
+    ("CPPOConfig", "pruning_rate_max"): "allowed: 0 <= pruning_rate_max < 1",
     ("CPPOConfig", "pruning_rate_start"): "must be >= 0",
     ("CPPOConfig", "per_device_train_batch_size"): "must be >= 1",
     ("CPPOConfig", "gradient_accumulation_steps"): "must be >= 1",
@@ -215,19 +217,27 @@ def hand_written_bounds(tree) -> list[str]:
         if isinstance(node, ast.If) and any(isinstance(s, ast.Raise) and "ConfigError" in ast.dump(s)
                                             for s in node.body):
             conditions.append(node.test)
+    def is_field(side):
+        return isinstance(side, ast.Attribute) or (
+            isinstance(side, ast.Call) and getattr(side.func, "id", None) == "getattr")
+
+    def is_number(side):
+        return all(isinstance(n, (ast.Constant, ast.BinOp, ast.operator, ast.UnaryOp, ast.unaryop))
+                   for n in ast.walk(side))
+
     found = []
     for condition in conditions:
         for cmp in ast.walk(condition):
             if not isinstance(cmp, ast.Compare) or not all(isinstance(o, order) for o in cmp.ops):
                 continue
             sides = [cmp.left, *cmp.comparators]
-            fields = [s for s in sides if isinstance(s, ast.Attribute)
-                      or (isinstance(s, ast.Call) and getattr(s.func, "id", None) == "getattr")]
-            numbers = [s for s in sides if all(isinstance(n, (ast.Constant, ast.BinOp, ast.operator,
-                                                              ast.UnaryOp, ast.unaryop))
-                                               for n in ast.walk(s))]
-            if len(fields) == 1 and len(numbers) == len(sides) - 1:
-                found.append((cmp.lineno, ast.unparse(cmp)))
+            if len(sides) == 2 or not any(is_field(s) for s in sides if not is_number(s)):
+                pairs = [(cmp.left, cmp.ops[0], cmp.comparators[0])] if len(sides) == 2 else []
+            else:   # a chain such as 0 <= cfg.a <= cfg.b: each link on its own
+                pairs = list(zip(sides, cmp.ops, sides[1:]))
+            for left, op, right in pairs:
+                if (is_field(left) and is_number(right)) or (is_number(left) and is_field(right)):
+                    found.append((cmp.lineno, ast.unparse(ast.Compare(left, [op], [right]))))
     return [f"{line}: {text}" for line, text in sorted(found)]
 
 
@@ -242,6 +252,8 @@ def test_the_scan_finds_a_hand_written_bound():
     code = "def f(cfg):\n    check(cfg.lora_r >= 1, 'x')\n    if 0 < cfg.top_p:\n        raise ConfigError('y')\n"
     assert hand_written_bounds(ast.parse(code)) == ["2: cfg.lora_r >= 1", "3: 0 < cfg.top_p"]
     assert hand_written_bounds(ast.parse("check(cfg.a <= cfg.b + 1, 'x')")) == []
+    assert hand_written_bounds(ast.parse("check(0 <= cfg.a <= cfg.b < 1, 'x')")) == [
+        "1: 0 <= cfg.a", "1: cfg.b < 1"]
 
 
 # --- the rules that relate several fields: (overrides, the message) ------------------------
@@ -250,17 +262,15 @@ CORES = os.cpu_count() or 1
 REFUSED = [
     ({"sync_ref_model": True, "beta": 0.0}, "'sync_ref_model' is true but 'beta' is 0, so there is no reference model to sync (TRL refuses this too): set beta > 0 or sync_ref_model: false"),
     ({"sync_ref_model": True, "beta": 0.04, "use_peft": True}, "'sync_ref_model' is true with use_peft: the reference is the base model with the adapters disabled, which cannot be synced (TRL refuses PEFT too)"),
-    ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "'entropy_coef_min' is 0.5 and 'entropy_coef_max' 0.1; need 0 <= entropy_coef_min <= entropy_coef_max"),
-    ({"entropy_coef_min": -0.1}, "'entropy_coef_min' is -0.1 and 'entropy_coef_max' 1.0; need 0 <= entropy_coef_min <= entropy_coef_max"),
+    ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "'entropy_coef_min' is 0.5 and 'entropy_coef_max' 0.1; need entropy_coef_min <= entropy_coef_max"),
     ({"importance_sampling_clip_min": 3.0, "importance_sampling_clip_max": 2.0}, "'importance_sampling_clip_min' (3.0) must be less than 'importance_sampling_clip_max' (2.0)"),
     ({"importance_sampling_clip_min": 2.0, "importance_sampling_clip_max": 2.0}, "'importance_sampling_clip_min' (2.0) must be less than 'importance_sampling_clip_max' (2.0)"),
     ({"importance_sampling_correction": True, "importance_sampling_mode": "token_truncate", "importance_sampling_clip_max": None, "importance_sampling_clip_min": None}, "'importance_sampling_mode' is token_truncate, which clamps the weights: set importance_sampling_clip_max or importance_sampling_clip_min"),
     ({"importance_sampling_correction": True, "importance_sampling_mode": "sequence_truncate", "importance_sampling_clip_max": None, "importance_sampling_clip_min": None}, "'importance_sampling_mode' is sequence_truncate, which clamps the weights: set importance_sampling_clip_max or importance_sampling_clip_min"),
     ({"importance_sampling_correction": True, "loss_type": "vespo", "importance_sampling_mode": "sequence_mask"}, "'importance_sampling_mode' is sequence_mask; loss_type vespo takes token_truncate or token_mask (it forms its own sequence weight; TRL refuses the same)"),
     ({"pruning_rate": "half"}, "'pruning_rate' is 'half'; allowed: a number in [0, 1), or 'auto' (with async_rollout)"),
-    ({"pruning_rate_min": 0.5, "pruning_rate_max": 0.4}, "'pruning_rate_min' is 0.5 and 'pruning_rate_max' 0.4; need 0 <= pruning_rate_min < pruning_rate_max < 1 (1 would prune every completion)"),
-    ({"pruning_rate_min": 0.5, "pruning_rate_max": 0.5, "pruning_rate_start": 0.5}, "'pruning_rate_min' is 0.5 and 'pruning_rate_max' 0.5; need 0 <= pruning_rate_min < pruning_rate_max < 1 (1 would prune every completion)"),
-    ({"pruning_rate_max": 1.0}, "'pruning_rate_min' is 0.5 and 'pruning_rate_max' 1.0; need 0 <= pruning_rate_min < pruning_rate_max < 1 (1 would prune every completion)"),
+    ({"pruning_rate_min": 0.5, "pruning_rate_max": 0.4}, "'pruning_rate_min' is 0.5 and 'pruning_rate_max' 0.4; need pruning_rate_min < pruning_rate_max"),
+    ({"pruning_rate_min": 0.5, "pruning_rate_max": 0.5, "pruning_rate_start": 0.5}, "'pruning_rate_min' is 0.5 and 'pruning_rate_max' 0.5; need pruning_rate_min < pruning_rate_max"),
     ({"pruning_rate_start": 0.95}, "'pruning_rate_start' is 0.95; must lie within [pruning_rate_min, pruning_rate_max] = [0.5, 0.9375]"),
     ({"pruning_rate_start": 0.4}, "'pruning_rate_start' is 0.4; must lie within [pruning_rate_min, pruning_rate_max] = [0.5, 0.9375]"),
     ({"pruning_rate": "auto"}, "'pruning_rate' is 'auto', which balances training against the generator process of asynchronous rollouts; set async_rollout: true, or a number for pruning_rate (e.g. 0.75, pruning_rate_start)"),
@@ -282,8 +292,7 @@ REFUSED = [
     ({"load_in_4bit": True, "distributed": "fsdp"}, "'load_in_4bit' is true with distributed: fsdp, whose FSDP2 shards plain parameters, not bitsandbytes' packed ones: set distributed: ddp (each process holds the quantised base)"),
     ({"load_in_8bit": True, "distributed": "fsdp"}, "'load_in_8bit' is true with distributed: fsdp, whose FSDP2 shards plain parameters, not bitsandbytes' packed ones: set distributed: ddp (each process holds the quantised base)"),
     ({"use_dora": True, "use_peft": True, "use_vllm": True}, "'use_dora' is true with use_vllm: a DoRA adapter cannot be pushed to vLLM as a weight delta; set use_dora: false, or use_vllm: false"),
-    ({"prompt_lookup_min": 0}, "'prompt_lookup_min' is 0 and 'prompt_lookup_max' is 3; need 1 <= prompt_lookup_min <= prompt_lookup_max"),
-    ({"prompt_lookup_min": 4, "prompt_lookup_max": 3}, "'prompt_lookup_min' is 4 and 'prompt_lookup_max' is 3; need 1 <= prompt_lookup_min <= prompt_lookup_max"),
+    ({"prompt_lookup_min": 4, "prompt_lookup_max": 3}, "'prompt_lookup_min' is 4 and 'prompt_lookup_max' is 3; need prompt_lookup_min <= prompt_lookup_max"),
     ({"num_speculative_tokens": 2, "use_vllm": True}, "'num_speculative_tokens' is 2, which applies to the built-in sampler; with use_vllm, cppo does not pass a speculative config to vLLM: set it to 0"),
     ({"num_speculative_tokens": 2, "lean_forward": False}, "'num_speculative_tokens' is 2 but 'lean_forward' is false; speculative sampling needs the lean forward"),
     ({"num_speculative_tokens": 2, "repetition_penalty": 1.1}, "'num_speculative_tokens' is 2 with 'repetition_penalty' 1.1; speculative sampling does not apply a repetition penalty (each drafted position would need its own history): set one of them off"),

@@ -85,13 +85,14 @@ def test_fp16_training_steps_on_the_gpu(tiny_model_dir, tmp_path):
 def test_tf32_is_set_as_transformers_sets_it():
     if not hardware.cuda_tf32_available():
         pytest.skip("no TF32 on this GPU (before Ampere)")
+    from cppo.config.sections import PrecisionSection
     try:
-        assert hardware.apply_tf32(CPPOConfig(tf32=True)) is True
+        assert hardware.apply_tf32(PrecisionSection(tf32=True), bf16=False) is True
         assert torch.backends.cuda.matmul.allow_tf32
-        assert hardware.apply_tf32(CPPOConfig(tf32=False)) is False
+        assert hardware.apply_tf32(PrecisionSection(tf32=False), bf16=False) is False
         assert not torch.backends.cuda.matmul.allow_tf32
     finally:
-        hardware.apply_tf32(CPPOConfig(tf32=False))
+        hardware.apply_tf32(PrecisionSection(tf32=False), bf16=False)
 
 
 @pytest.mark.parametrize("lean", [True, False])
@@ -118,6 +119,7 @@ def test_torch_compile_inductor_on_the_gpu_matches_eager(tiny_model_dir, lean):
 
 def test_liger_kernels_are_applied_on_the_gpu(tiny_model_dir):
     pytest.importorskip("liger_kernel")
+    from cppo.config.sections import PrecisionSection
     from cppo.models.loading import apply_liger_kernels
     from cppo.sampling.logprobs import ForwardSettings, completion_logprobs
     model = load_model(tiny_model_dir).cuda()
@@ -126,7 +128,8 @@ def test_liger_kernels_are_applied_on_the_gpu(tiny_model_dir):
     ones = torch.ones_like
     with torch.no_grad():
         lean = completion_logprobs(model, prompts, ones(prompts), ids, ones(ids))
-        assert apply_liger_kernels(model, CPPOConfig(use_liger_kernel=True), torch.device("cuda"))
+        assert apply_liger_kernels(model, PrecisionSection(use_liger_kernel=True),
+                                   torch.device("cuda"))
         own = completion_logprobs(model, prompts, ones(prompts), ids, ones(ids),
                                   forward=ForwardSettings(lean=False))
     torch.testing.assert_close(own, lean, atol=1e-4, rtol=1e-4)
@@ -196,13 +199,15 @@ def test_async_server_generator_pushes_a_gpu_snapshot_over_nccl(tiny_model_dir, 
     policy changed in place; the round is tagged with the pushed version."""
     pytest.importorskip("trl")
     from types import SimpleNamespace
+    from cppo.assembly.run import backend_settings
     from cppo.sampling.async_rollout import RolloutTask, ServerGenerator
     from cppo.sampling.vllm import VLLMBackend, vllm_weights
     from helpers.vllm_client import FakeClient
     model, tok, client = load_model(tiny_model_dir).cuda(), load_tokenizer(tiny_model_dir), FakeClient()
     args = CPPOConfig(use_vllm=True, vllm_mode="server", num_generations=2, max_completion_length=4)
-    backend = VLLMBackend(model, tok, args, vllm=SimpleNamespace(), client=client, push_weights=False)
-    generator = ServerGenerator(backend, tok, args, tmp_path / "weights", heartbeat_stale_after_s=60.0)
+    backend = VLLMBackend(model, tok, backend_settings(args), vllm=SimpleNamespace(), client=client,
+                          push_weights=False)
+    generator = ServerGenerator(backend, tok, tmp_path / "weights", heartbeat_stale_after_s=60.0)
     try:
         generator.push(model, 2)
         with vllm_weights(model) as weights:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cppo.config import CPPOConfig
+from cppo.config.sections import LossSection, PruningSection, SamplingSection
 from cppo.data.questions import QuestionStream
 from cppo.features import (FP16Scaling, Features, PromptSkipping, build_features,
                            states_of_old_checkpoint)
@@ -17,20 +18,26 @@ def names(features: Features) -> list[str]:
     return sorted(features.by_name)
 
 
+def features_of(config: CPPOConfig, fp16: FP16Scaling | None = None) -> Features:
+    """build_features on the config's sections, as cppo.assembly.run calls it."""
+    return build_features(LossSection.of(config), PruningSection.of(config),
+                          SamplingSection.of(config), fp16=fp16)
+
+
 def built(name: str, **fields):
     """The feature `name` as build_features makes it from a config with `fields`."""
-    return build_features(CPPOConfig.from_dict(fields)).get(name)
+    return features_of(CPPOConfig.from_dict(fields)).get(name)
 
 
 def test_the_config_turns_features_on():
-    assert names(build_features(CPPOConfig())) == []
+    assert names(features_of(CPPOConfig())) == []
     cfg = CPPOConfig.from_dict({"use_adaptive_entropy": True, "skip_zero_variance_prompts": True})
-    assert names(build_features(cfg)) == ["adaptive_entropy", "prompt_skipping"]
+    assert names(features_of(cfg)) == ["adaptive_entropy", "prompt_skipping"]
     cfg = CPPOConfig.from_dict({"pruning_rate": "auto", "async_rollout": True})
-    assert names(build_features(cfg)) == ["auto_pruning"]
+    assert names(features_of(cfg)) == ["auto_pruning"]
     fp16 = FP16Scaling(torch.device("cpu"))
-    assert build_features(CPPOConfig(), fp16=fp16).get("fp16_scaling") is fp16
-    assert "fp16_scaling" not in build_features(CPPOConfig())
+    assert features_of(CPPOConfig(), fp16=fp16).get("fp16_scaling") is fp16
+    assert "fp16_scaling" not in features_of(CPPOConfig())
 
 
 def test_adaptive_entropy_applies_the_coefficient_once_below_the_target_and_moves_it():

@@ -29,22 +29,24 @@ def cpu_with_bf16(monkeypatch):
     ({"torch_dtype": "float16", "bf16": True}, "bf16=true, torch_dtype=float16"),
 ])
 def test_low_precision_on_a_cpu_without_it_warns_naming_the_field(cpu_without_bf16, overrides, named):
-    cfg = CPPOConfig(**overrides)
     with pytest.warns(hardware.SlowPrecisionWarning, match=named):
-        hardware.warn_slow_precision(cfg, "cpu")
+        hardware.warn_slow_precision("cpu", **overrides)
 
 
 def test_float32_never_warns(cpu_without_bf16):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        hardware.warn_slow_precision(CPPOConfig(), "cpu")
+        cfg = CPPOConfig()
+        hardware.warn_slow_precision("cpu", bf16=cfg.bf16, fp16=cfg.fp16, torch_dtype=cfg.torch_dtype,
+                                     generation_dtype=cfg.generation_dtype,
+                                     matmul_dtype=cfg.matmul_dtype)
 
 
 def test_bf16_on_a_cpu_with_it_does_not_warn(cpu_with_bf16):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        hardware.warn_slow_precision(CPPOConfig(bf16=True, generation_dtype="bfloat16"), "cpu")
-    assert hardware.slow_precision_requests(CPPOConfig(torch_dtype="float16"), "cpu") == \
+        hardware.warn_slow_precision("cpu", bf16=True, generation_dtype="bfloat16")
+    assert hardware.slow_precision_requests("cpu", torch_dtype="float16") == \
         ["torch_dtype=float16"]
 
 

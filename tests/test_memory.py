@@ -203,31 +203,34 @@ def test_a_colocated_vllm_engine_takes_its_share_of_the_budget(tiny_model_dir, m
     or VLLM_CPU_KVCACHE_SPACE); CUDA: vllm_gpu_memory_utilization of the device unless sleep
     mode releases it; server mode: nothing on this device."""
     import cppo.parallel.memory as memory
+    from cppo.assembly.run import backend_settings as settings
+    from cppo.config.sections import SamplingSection, VLLMSection
     from cppo.sampling.vllm import cpu_kv_cache_bytes, vllm_engine_bytes, vllm_max_model_len
     cfg, policy = colocated(tiny_model_dir)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     weights = sum(p.numel() * p.element_size() for p in policy.parameters())
-    cache = cpu_kv_cache_bytes(cfg, policy.config, torch.float32,
-                               vllm_max_model_len(cfg, policy.config),
+    cache = cpu_kv_cache_bytes(settings(cfg), policy.config, torch.float32,
+                               vllm_max_model_len(VLLMSection.of(cfg), SamplingSection.of(cfg),
+                                                  policy.config),
                                memory.device_memory_bytes("cpu"))
     cpu = torch.device("cpu")
-    assert vllm_engine_bytes(cfg, policy, cpu, 64 * GIB) == weights + cache
+    assert vllm_engine_bytes(settings(cfg), policy, cpu, 64 * GIB) == weights + cache
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
-    assert vllm_engine_bytes(cfg, policy, cpu, 64 * GIB) == weights + 2 * GIB
+    assert vllm_engine_bytes(settings(cfg), policy, cpu, 64 * GIB) == weights + 2 * GIB
     cuda = torch.device("cuda", 0)
     cfg.vllm_enable_sleep_mode = False
-    assert vllm_engine_bytes(cfg, policy, cuda, 80 * GIB) == int(0.3 * 80 * GIB)
+    assert vllm_engine_bytes(settings(cfg), policy, cuda, 80 * GIB) == int(0.3 * 80 * GIB)
     cfg.vllm_enable_sleep_mode = True
-    assert vllm_engine_bytes(cfg, policy, cuda, 80 * GIB) == 0
+    assert vllm_engine_bytes(settings(cfg), policy, cuda, 80 * GIB) == 0
     cfg.vllm_mode = "server"
-    assert vllm_engine_bytes(cfg, policy, cpu, 64 * GIB) == 0
+    assert vllm_engine_bytes(settings(cfg), policy, cpu, 64 * GIB) == 0
 
     # plan_for_run hands the budget less the engine's share to the batch planner
     seen = []
     monkeypatch.setattr(memory, "plan_batch_sizes", lambda shape, budget_bytes, **kw: seen.append(budget_bytes))
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 8 * GIB)
     cfg.vllm_mode = "colocate"
-    share = vllm_engine_bytes(cfg, policy, cpu, 8 * GIB)
+    share = vllm_engine_bytes(settings(cfg), policy, cpu, 8 * GIB)
     run = memory.RunShape(prompt_length=8, max_completion_length=4, num_generations=4)
     memory.plan_for_run(policy, None, cpu, run, memory_budget_gib=None, engine_bytes=share)
     memory.plan_for_run(policy, None, cpu, run, memory_budget_gib=None)

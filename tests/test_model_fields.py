@@ -12,6 +12,7 @@ from torch import nn
 
 from cppo import cli
 from cppo.config import CPPOConfig
+from cppo.config.sections import ModelSection, PrecisionSection
 from cppo.errors import ConfigError
 from cppo.models import loading
 from cppo.models.loading import (dense_weight, load_model, load_policy, load_tokenizer,
@@ -31,7 +32,8 @@ CPU = torch.device("cpu")
 def policy_of(model_dir, **fields):
     """load_policy on the tiny model with a CPPOConfig of `fields` (LoRA when use_peft)."""
     args = CPPOConfig(model=model_dir, **fields)
-    return load_policy(None, None, args, CPU, lora=args.use_peft)[0]
+    return load_policy(None, None, ModelSection.of(args), PrecisionSection.of(args), CPU,
+                       chat_template_kwargs=args.chat_template_kwargs, lora=args.use_peft)[0]
 
 
 def trainable(model) -> dict:
@@ -69,12 +71,12 @@ def test_the_lora_config_is_trls(tiny_model_dir):
     fields = dict(lora_r=8, lora_alpha=16, lora_dropout=0.1, lora_target_modules=["q_proj", "v_proj"],
                   use_dora=True, use_rslora=True, lora_modules_to_save=["lm_head"],
                   lora_target_parameters=["mlp.up_proj.weight"], lora_task_type="CAUSAL_LM")
-    ours = lora_config(CPPOConfig(use_peft=True, **fields)).to_dict()
+    ours = lora_config(ModelSection(use_peft=True, **fields)).to_dict()
     theirs = trl.get_peft_config(trl.ModelConfig(use_peft=True, **fields)).to_dict()
     for key in ("r", "lora_alpha", "lora_dropout", "target_modules", "use_dora", "use_rslora",
                 "modules_to_save", "target_parameters", "task_type", "bias"):
         assert ours[key] == theirs[key], key
-    other = lora_config(CPPOConfig(use_peft=True, lora_task_type="SEQ_CLS")).to_dict()
+    other = lora_config(ModelSection(use_peft=True, lora_task_type="SEQ_CLS")).to_dict()
     assert other["task_type"] == "SEQ_CLS"
 
 
@@ -117,8 +119,10 @@ def test_revision_and_remote_code_reach_from_pretrained(tiny_model_dir, monkeypa
 
 def test_revision_and_remote_code_reach_the_vllm_engine():
     from types import SimpleNamespace
+    from cppo.assembly.run import backend_settings
     from cppo.sampling.vllm import VLLMBackend
-    backend = SimpleNamespace(args=CPPOConfig(model_revision="v1.0", trust_remote_code=True),
+    settings = backend_settings(CPPOConfig(model_revision="v1.0", trust_remote_code=True))
+    backend = SimpleNamespace(settings=settings,
                               model=SimpleNamespace(config=SimpleNamespace(_name_or_path="m")),
                               dtype=torch.float32, max_model_len=64, sleep_mode=False,
                               _platform=lambda: SimpleNamespace(is_cpu=lambda: False))
@@ -213,9 +217,9 @@ def test_the_quantization_config_is_trls(fields):
     theirs = dict(fields)
     if "torch_dtype" in theirs:
         theirs["dtype"] = theirs.pop("torch_dtype")
-    ours = quantization_config(CPPOConfig(use_peft=True, **fields)).to_dict()
+    ours = quantization_config(ModelSection(use_peft=True, **fields)).to_dict()
     assert ours == trl.get_quantization_config(trl.ModelConfig(**theirs)).to_dict()
-    assert quantization_config(CPPOConfig()) is None
+    assert quantization_config(ModelSection()) is None
 
 
 def _qlora_trainer(model_dir, tmp_path, **fields):
@@ -354,7 +358,8 @@ def test_a_quantised_model_object_without_lora_says_what_to_set(untied_model_dir
     from transformers import BitsAndBytesConfig
     model = load_model(untied_model_dir, quantization=BitsAndBytesConfig(load_in_8bit=True))
     with pytest.raises(ConfigError, match="'load_in_8bit' is true but no LoRA.*set use_peft: true"):
-        load_policy(model, load_tokenizer(untied_model_dir), CPPOConfig(), CPU, lora=False)
+        load_policy(model, load_tokenizer(untied_model_dir), ModelSection(), PrecisionSection(),
+                    CPU, chat_template_kwargs=None, lora=False)
 
 
 def test_dora_where_peft_refuses_it_is_named(untied_model_dir):
@@ -386,6 +391,39 @@ def test_dora_with_vllm_is_refused():
 def test_a_cast_head_with_a_lora_adapter_on_it_is_refused():
     with pytest.raises(ConfigError, match="'cast_lm_head_to_fp32' is true but lora_target_modules"):
         CPPOConfig(use_peft=True, cast_lm_head_to_fp32=True, lora_target_modules=["q_proj", "lm_head"])
+
+
+def test_a_peft_config_with_a_lora_head_is_refused_by_the_same_rule(untied_model_dir):
+    """A peft_config given to the trainer is not in the config: the loaded model is checked by
+    the config's own rule (one message)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(untied_model_dir)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ConfigError) as err:
+        loading.cast_lm_head_to_fp32(model)
+    with pytest.raises(ConfigError) as from_config:
+        CPPOConfig(use_peft=True, cast_lm_head_to_fp32=True, lora_target_modules=["lm_head"])
+    assert str(err.value) == str(from_config.value)
+    loading.cast_lm_head_to_fp32(AutoModelForCausalLM.from_pretrained(untied_model_dir))
+
+
+def test_a_dora_adapter_pushed_to_vllm_is_refused_by_the_same_rule(untied_model_dir):
+    import peft
+    from transformers import AutoModelForCausalLM
+    from cppo.sampling.vllm import lora_delta
+
+    def q_proj(**lora):
+        base = AutoModelForCausalLM.from_pretrained(untied_model_dir)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"], **lora))
+        return model.get_base_model().model.layers[0].self_attn.q_proj
+
+    with pytest.raises(ConfigError) as err:
+        lora_delta(q_proj(use_dora=True))
+    with pytest.raises(ConfigError) as from_config:
+        CPPOConfig(use_peft=True, use_dora=True, use_vllm=True)
+    assert str(err.value) == str(from_config.value)
+    assert lora_delta(q_proj()).shape == q_proj().weight.shape
 
 
 # ---------------------------------------------------------------- a TRL YAML -----------------

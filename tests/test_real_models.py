@@ -220,26 +220,31 @@ def test_lora_checkpoints_hold_adapters_and_resume_exactly(tiny_dirs, data, tmp_
 
 
 def test_missing_peft_names_the_extra(monkeypatch, tiny_dirs):
+    from cppo.config.sections import ModelSection
     from cppo.models.lora import wrap_with_lora
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(ImportError, match=r"pip install 'cppo\[peft\]'"):
-        wrap_with_lora(load_model(tiny_dirs["llama"]), small(use_peft=True))
+        wrap_with_lora(load_model(tiny_dirs["llama"]), ModelSection.of(small(use_peft=True)))
 
 
 def test_lora_targets_that_match_nothing_fail_clearly(tiny_dirs):
     pytest.importorskip("peft")
+    from cppo.config.sections import ModelSection
     from cppo.models.lora import wrap_with_lora
     with pytest.raises(ValueError, match="match no module"):
-        wrap_with_lora(load_model(tiny_dirs["llama"]), small(use_peft=True, lora_target_modules=["c_attn"]))
+        wrap_with_lora(load_model(tiny_dirs["llama"]),
+                       ModelSection.of(small(use_peft=True, lora_target_modules=["c_attn"])))
 
 
 # --- generation backends --------------------------------------------------------------------------
 
 def test_vllm_backend_missing_names_the_extra(monkeypatch, tiny_dirs):
+    from cppo.assembly.run import backend_settings
     from cppo.sampling.backends import make_backend
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"pip install 'cppo\[vllm\]'"):
-        make_backend(None, load_tokenizer(tiny_dirs["qwen2"]), small(use_vllm=True))
+        make_backend(None, load_tokenizer(tiny_dirs["qwen2"]),
+                     backend_settings(small(use_vllm=True)))
 
 
 def test_token_lists_become_completions():

@@ -108,7 +108,7 @@ CASES = [
      "'entropy_coef' is -0.1; must be >= 0 (a bonus for entropy)"),
     ("adaptive_entropy_bounds", ["--use_adaptive_entropy", "true", "--entropy_coef_min", "0.5",
                                  "--entropy_coef_max", "0.1"],
-     "'entropy_coef_min' is 0.5 and 'entropy_coef_max' 0.1; need 0 <= entropy_coef_min <= "
+     "'entropy_coef_min' is 0.5 and 'entropy_coef_max' 0.1; need entropy_coef_min <= "
      "entropy_coef_max"),
     ("min_p_range", ["--min_p", "2"], "'min_p' is 2.0; allowed: 0 <= min_p <= 1, or None (None: off)"),
     ("repetition_penalty", ["--repetition_penalty", "0"],

@@ -296,6 +296,7 @@ def test_shared_prefixes_sample_each_completion_from_the_policy(monkeypatch):
 
 def test_the_share_prefixes_field_reaches_the_backends_sampler(monkeypatch):
     """`share_prefixes: false` decodes every row from the first step; the default shares."""
+    from cppo.assembly.run import backend_settings
     from cppo.config import CPPOConfig
     from cppo.sampling.backends import make_backend
     model, tok = _setup("embedded")
@@ -305,7 +306,7 @@ def test_the_share_prefixes_field_reaches_the_backends_sampler(monkeypatch):
         args = CPPOConfig(num_generations=8, temperature=0.1, share_prefixes=share,
                           generation_dtype=None)
         sizes = _decode_batch_sizes(monkeypatch)
-        make_backend(model, tok, args).generate(prompts, round_index=0)
+        make_backend(model, tok, backend_settings(args)).generate(prompts, round_index=0)
         first_steps[share] = sizes[0]
     assert first_steps == {True: 2, False: 16}
 

@@ -116,12 +116,11 @@ def test_sampler_logprobs_are_of_the_transformed_distribution(tiny_model_dir):
 
 
 def test_vllm_sampling_params_take_the_same_settings():
-    from cppo.config import CPPOConfig
+    from cppo.config.sections import SamplingSection
     from cppo.sampling.vllm import sampling_kwargs
-    cfg = CPPOConfig(min_p=0.1, repetition_penalty=1.2, top_k=5)
-    kw = sampling_kwargs(cfg)
+    kw = sampling_kwargs(SamplingSection(min_p=0.1, repetition_penalty=1.2, top_k=5))
     assert kw["min_p"] == 0.1 and kw["repetition_penalty"] == 1.2 and kw["top_k"] == 5
-    assert sampling_kwargs(CPPOConfig())["min_p"] == 0.0      # vLLM's "off"
+    assert sampling_kwargs(SamplingSection())["min_p"] == 0.0      # vLLM's "off"
     vllm = pytest.importorskip("vllm")
     params = vllm.SamplingParams(**kw)
     assert params.min_p == 0.1 and params.repetition_penalty == 1.2

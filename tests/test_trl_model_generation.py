@@ -242,18 +242,22 @@ def test_structured_outputs_need_vllm_and_a_valid_regex():
 
 def test_the_regex_reaches_vllms_sampling_params_and_the_server_client():
     pytest.importorskip("vllm")
+    from cppo.assembly.run import backend_settings
     from cppo.sampling.vllm import VLLMBackend
     from cppo.sampling.settings import SamplingSettings
     import vllm
     backend = VLLMBackend.__new__(VLLMBackend)   # no engine: the parameters only
-    backend.args = CPPOConfig(use_vllm=True, vllm_structured_outputs_regex="[0-9]{3}")
-    backend.vllm, backend.sampling, backend.eos_ids = vllm, SamplingSettings.of(backend.args), [2]
+    backend.settings = backend_settings(CPPOConfig(use_vllm=True,
+                                                   vllm_structured_outputs_regex="[0-9]{3}"))
+    backend.vllm, backend.eos_ids = vllm, [2]
+    backend.sampling = SamplingSettings.of(backend.settings.generation)
     (params,) = backend.sampling_params(4, [5], [0])
     assert params.structured_outputs.regex == "[0-9]{3}"
-    backend.args = CPPOConfig(use_vllm=True)
+    backend.settings = backend_settings(CPPOConfig(use_vllm=True))
     assert backend.sampling_params(4, [5], [0])[0].structured_outputs is None
     seen = {}
-    backend.args = CPPOConfig(use_vllm=True, vllm_structured_outputs_regex="a+")
+    backend.settings = backend_settings(CPPOConfig(use_vllm=True,
+                                                   vllm_structured_outputs_regex="a+"))
     backend.client = type("Client", (), {"generate": lambda self, **kw: seen.update(kw) or
                                          {"completion_ids": [], "logprobs": []}})()
     backend._server_sample([[1, 2]], 4, [5])
@@ -262,19 +266,23 @@ def test_the_regex_reaches_vllms_sampling_params_and_the_server_client():
 
 # ---------------------------------------------------------------- optimizer and schedule ---
 def test_optim_args_reach_adamw_over_the_fields():
+    from cppo.config.sections import OptimizationSection
     from cppo.run.optimizer import make_adamw
     args = CPPOConfig(optim_args="amsgrad=true, eps=1e-6,beta2=0.95,maximize=False")
-    opt = make_adamw([torch.nn.Parameter(torch.zeros(2))], args)
+    opt = make_adamw([torch.nn.Parameter(torch.zeros(2))], OptimizationSection.of(args))
     group = opt.param_groups[0]
     assert group["amsgrad"] is True and group["eps"] == 1e-6 and group["betas"] == (0.9, 0.95)
     assert group["maximize"] is False
-    plain = make_adamw([torch.nn.Parameter(torch.zeros(2))], CPPOConfig()).param_groups[0]
+    plain = make_adamw([torch.nn.Parameter(torch.zeros(2))],
+                       OptimizationSection.of(CPPOConfig())).param_groups[0]
     assert plain["amsgrad"] is False and plain["eps"] == 1e-8 and plain["betas"] == (0.9, 0.99)
 
 
 def test_adam_epsilon_reaches_adamw():
+    from cppo.config.sections import OptimizationSection
     from cppo.run.optimizer import make_adamw
-    opt = make_adamw([torch.nn.Parameter(torch.zeros(2))], CPPOConfig(adam_epsilon=1e-5))
+    opt = make_adamw([torch.nn.Parameter(torch.zeros(2))],
+                     OptimizationSection.of(CPPOConfig(adam_epsilon=1e-5)))
     assert opt.param_groups[0]["eps"] == 1e-5
 
 
@@ -291,10 +299,11 @@ def test_malformed_optim_args_are_named(text, message):
 
 
 def lr_at_each_step(**fields):
+    from cppo.config.sections import OptimizationSection
     from cppo.run.optimizer import make_adamw, make_scheduler
-    args = CPPOConfig(learning_rate=1.0, **fields)
-    opt = make_adamw([torch.nn.Parameter(torch.zeros(1))], args)
-    scheduler = make_scheduler(opt, args, total_steps=10)
+    optimization = OptimizationSection.of(CPPOConfig(learning_rate=1.0, **fields))
+    opt = make_adamw([torch.nn.Parameter(torch.zeros(1))], optimization)
+    scheduler = make_scheduler(opt, optimization, total_steps=10)
     lrs = []
     for _ in range(10):
         lrs.append(scheduler.get_last_lr()[0])
@@ -354,13 +363,13 @@ def dataset_repo(tmp_path_factory):
 def test_dataset_config_picks_the_subset_and_streaming_reads_the_stream(dataset_repo, streaming,
                                                                        monkeypatch, tmp_path):
     from cppo.data import loaders
-    from cppo.data.sources import run_task
+    from cppo.data.sources import TaskSource, run_task
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     load, streamed = loaders.datasets.load_dataset, []
     monkeypatch.setattr(loaders.datasets, "load_dataset",
                         lambda *a, **kw: streamed.append(kw["streaming"]) or load(*a, **kw))
-    task = run_task(CPPOConfig(dataset_name=dataset_repo, dataset_config="hard",
-                               dataset_streaming=streaming, num_train_questions=4))
+    task = run_task(TaskSource.of(CPPOConfig(dataset_name=dataset_repo, dataset_config="hard",
+                                             dataset_streaming=streaming, num_train_questions=4)))
     assert [r["prompt"] for r in task.train_rows] == [f"hard-train-{i}=" for i in range(4)]
     assert task.eval_rows[0]["prompt"] == "hard-test-0="
     assert streamed == [streaming, streaming]   # the train and held-out splits
@@ -375,14 +384,14 @@ def test_dataset_config_reaches_load_dataset_for_a_hub_id(monkeypatch):
         raise RuntimeError("offline")
     monkeypatch.setattr(loaders.datasets, "load_dataset", fake)
     with pytest.raises(ValueError, match="config 'socratic'.*streaming"):
-        loaders.load_prompt_dataset("gsm8k", config="socratic", streaming=True)
+        loaders.load_prompt_dataset("gsm8k", dataset_config="socratic", streaming=True)
     assert seen == {"args": ("openai/gsm8k", "socratic"), "split": "train", "streaming": True}
 
 
 def test_dataset_config_on_a_single_file_is_an_error(tmp_path):
     from cppo.data.loaders import load_prompt_dataset
     with pytest.raises(ValueError, match="single file"):
-        load_prompt_dataset(str(write_jsonl(tmp_path / "rows.jsonl")), config="main")
+        load_prompt_dataset(str(write_jsonl(tmp_path / "rows.jsonl")), dataset_config="main")
 
 
 # ---------------------------------------------------------------- a TRL YAML -----------------

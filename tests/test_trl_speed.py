@@ -44,12 +44,14 @@ def test_activation_checkpointing_maps_onto_gradient_checkpointing():
 
 
 def test_compile_settings_follow_transformers_rule():
+    from cppo.config.sections import PrecisionSection
     from cppo.models.compiled import CompileSettings, compile_settings
-    assert compile_settings(CPPOConfig()) is None
-    assert compile_settings(CPPOConfig(torch_compile=True)) == CompileSettings("inductor", None)
-    assert compile_settings(CPPOConfig(torch_compile_mode="max-autotune")) == \
+    assert compile_settings(PrecisionSection()) is None
+    assert compile_settings(PrecisionSection(torch_compile=True)) == CompileSettings("inductor", None)
+    assert compile_settings(PrecisionSection(torch_compile_mode="max-autotune")) == \
         CompileSettings("inductor", "max-autotune")   # a mode alone turns it on
-    assert compile_settings(CPPOConfig(torch_compile_backend="eager")) == CompileSettings("eager")
+    assert compile_settings(PrecisionSection(torch_compile_backend="eager")) == \
+        CompileSettings("eager")
 
 
 @pytest.mark.parametrize("lean", [True, False])
@@ -88,6 +90,7 @@ def test_torch_compile_in_a_run_compiles_and_reports_its_time(tiny_model_dir, tm
 
 
 def test_tf32_follows_transformers_rule():
+    from cppo.config.sections import PrecisionSection
     from cppo.parallel.hardware import apply_tf32, tf32_setting
     rule = lambda tf32, compile_=False, fp16=False, bf16=False, available=True: tf32_setting(  # noqa: E731
         tf32, torch_compile=compile_, fp16=fp16, bf16=bf16, available=available)
@@ -96,7 +99,7 @@ def test_tf32_follows_transformers_rule():
     assert rule(None, compile_=True, fp16=True) is None   # ... unless fp16
     assert rule(True, available=False) is None           # no TF32 here (true is refused earlier)
     if not torch.cuda.is_available():
-        assert apply_tf32(CPPOConfig(torch_compile=True)) is None
+        assert apply_tf32(PrecisionSection(torch_compile=True), bf16=False) is None
 
 
 def test_fp16_autocasts_to_float16_with_a_gradient_scaler(tiny_model_dir, tmp_path):
@@ -142,13 +145,16 @@ def _one_batch(trainer):
 @pytest.mark.parametrize("kwargs, reentrant", [(None, False), ({"use_reentrant": True}, True)])
 def test_gradient_checkpointing_kwargs_reach_the_model(tiny_model_dir, kwargs, reentrant):
     from cppo.models import load_model, load_tokenizer
+    from cppo.config.sections import ModelSection, PrecisionSection
     from cppo.models.loading import load_policy
     model, calls = load_model(tiny_model_dir), []
     model.gradient_checkpointing_enable = lambda **kw: calls.append(kw)
     model.enable_input_require_grads = lambda: calls.append("inputs")
     cfg = CPPOConfig(model=tiny_model_dir, gradient_checkpointing=True,
                      gradient_checkpointing_kwargs=kwargs)
-    load_policy(model, load_tokenizer(tiny_model_dir), cfg, torch.device("cpu"), lora=False)
+    load_policy(model, load_tokenizer(tiny_model_dir), ModelSection.of(cfg),
+                PrecisionSection.of(cfg), torch.device("cpu"),
+                chat_template_kwargs=cfg.chat_template_kwargs, lora=False)
     assert calls[0] == {"gradient_checkpointing_kwargs": kwargs or {"use_reentrant": False}}
     assert ("inputs" in calls) == reentrant   # reentrant checkpoints need inputs with grad (TRL)
 

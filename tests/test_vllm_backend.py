@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cppo.assembly.run import backend_settings
 from cppo.config import CPPOConfig
 from cppo.errors import VLLMUnavailableError
 from cppo.sampling.sampler import chunk_seed
@@ -142,10 +143,11 @@ def test_weight_names_match_what_vllm_loads():
 def test_lora_weights_are_pushed_merged_under_the_base_names(tiny_model_dir):
     """W + scale * B @ A under the base names; the base itself stays bit-identical."""
     pytest.importorskip("peft")
+    from cppo.config.sections import ModelSection
     from cppo.models.lora import wrap_with_lora
     base = load_model(tiny_model_dir)
     names = {n for n, _ in base.named_parameters()}
-    model = wrap_with_lora(load_model(tiny_model_dir), CPPOConfig(use_peft=True, lora_r=2))
+    model = wrap_with_lora(load_model(tiny_model_dir), ModelSection(use_peft=True, lora_r=2))
     for n, p in model.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.5)       # nonzero adapters: merging changes q/k/v/o
@@ -169,9 +171,14 @@ def small_args(**kw):
     return CPPOConfig(**values)
 
 
+def small_settings(**kw):
+    """The backend's settings (cppo.sampling.settings.BackendSettings) of small_args(**kw)."""
+    return backend_settings(small_args(**kw))
+
+
 def test_sleep_mode_wakes_and_pushes_before_every_generation(fake_vllm, tiny_model_dir):
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    backend = VLLMBackend(model, tok, small_args())
+    backend = VLLMBackend(model, tok, small_settings())
     (llm,) = FakeLLM.instances
     kw = llm.kwargs
     assert kw["enable_sleep_mode"] is True and kw["gpu_memory_utilization"] == 0.3
@@ -204,7 +211,7 @@ def test_sleep_mode_wakes_and_pushes_before_every_generation(fake_vllm, tiny_mod
 
 def test_without_sleep_mode_one_push_per_round(fake_vllm, tiny_model_dir):
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    backend = VLLMBackend(model, tok, small_args(vllm_enable_sleep_mode=False))
+    backend = VLLMBackend(model, tok, small_settings(vllm_enable_sleep_mode=False))
     (llm,) = FakeLLM.instances
     prompts = encode_prompts(tok, ["12*34="])
     backend.generate(prompts, round_index=0)
@@ -221,7 +228,7 @@ def test_sample_contexts_takes_a_budget_and_a_seed_per_context(fake_vllm, tiny_m
     settings, after the round's push; a budget of 0 (a completion already at
     max_completion_length) gives an empty completion without a request (vLLM asks for >= 1)."""
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    backend = VLLMBackend(model, tok, small_args(vllm_enable_sleep_mode=False, top_k=5))
+    backend = VLLMBackend(model, tok, small_settings(vllm_enable_sleep_mode=False, top_k=5))
     (llm,) = FakeLLM.instances
     contexts = [tok("12*34=").input_ids, tok("5*6=").input_ids, tok("7*8=").input_ids]
     ids, logprobs = backend.sample_contexts(contexts, num_generations=1, max_tokens=[2, 0, 5],
@@ -244,7 +251,7 @@ def test_sample_contexts_takes_a_budget_and_a_seed_per_context(fake_vllm, tiny_m
 
 def test_a_push_that_misses_weights_is_caught(fake_vllm, tiny_model_dir, monkeypatch):
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    backend = VLLMBackend(model, tok, small_args(vllm_enable_sleep_mode=False))
+    backend = VLLMBackend(model, tok, small_settings(vllm_enable_sleep_mode=False))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -260,7 +267,7 @@ def test_server_mode_pushes_named_weights_and_reads_logprobs(tiny_model_dir, mon
     client = FakeClient(logprobs_mode="raw_logprobs")
     args = CPPOConfig(num_generations=2, max_completion_length=4, vllm_mode="server")
     monkeypatch.setattr(VLLMBackend, "push_device", lambda self: torch.device("cuda", 0))
-    backend = VLLMBackend(model, tok, args, vllm=SimpleNamespace(), client=client)
+    backend = VLLMBackend(model, tok, backend_settings(args), vllm=SimpleNamespace(), client=client)
     assert "--logprobs-mode raw_logprobs" in capsys.readouterr().out   # TRL warns too
     out = backend.generate(encode_prompts(tok, ["12*34="]), round_index=0)
     backend.generate(encode_prompts(tok, ["5+6="]), round_index=0)   # one push per round
@@ -284,10 +291,11 @@ def test_server_mode_refuses_to_push_from_a_cpu(tiny_model_dir):
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
     args = CPPOConfig(num_generations=2, max_completion_length=4, vllm_mode="server")
     with pytest.raises(VLLMServerError, match="NCCL weight-transfer engine.*needs a CUDA device"):
-        VLLMBackend(model, tok, args, vllm=SimpleNamespace(), client=FakeClient())
+        VLLMBackend(model, tok, backend_settings(args), vllm=SimpleNamespace(), client=FakeClient())
     # without the push (a frozen sampler) the backend is built and nothing is pushed
     client = FakeClient()
-    VLLMBackend(model, tok, args, vllm=SimpleNamespace(), client=client, push_weights=False)
+    VLLMBackend(model, tok, backend_settings(args), vllm=SimpleNamespace(), client=client,
+                push_weights=False)
     assert "init_communicator" not in client.calls
 
 
@@ -304,11 +312,12 @@ def test_logprob_helpers():
 
 def test_cpu_kv_cache_fits_one_round_within_the_ram_fraction(tiny_model_dir):
     config = load_model(tiny_model_dir).config
-    args = small_args(per_device_train_batch_size=8, pruning_rate=0.5)   # 8 questions x 2
+    settings = small_settings(per_device_train_batch_size=8, pruning_rate=0.5)   # 8 questions x 2
     per_token = 2 * 2 * 2 * 16 * 4   # key + value, 2 layers x 2 heads x 16 dims, float32
-    size = cpu_kv_cache_bytes(args, config, torch.float32, 200, ram_bytes=2**40)
+    size = cpu_kv_cache_bytes(settings, config, torch.float32, 200, ram_bytes=2**40)
     assert size == int(16 * 256 * per_token * 1.1)   # 16 completions of 200 -> 2 blocks of 128
-    assert cpu_kv_cache_bytes(args, config, torch.float32, 200, ram_bytes=10**5) == 256 * per_token
+    assert cpu_kv_cache_bytes(settings, config, torch.float32, 200, ram_bytes=10**5) == \
+        256 * per_token
 
 
 def test_trl_vllm_fields_are_honoured():
@@ -337,12 +346,13 @@ def test_an_unreachable_server_is_an_error_naming_the_address_and_the_timeout():
     pytest.importorskip("vllm")   # TRL's client refuses to start without it
     from cppo.errors import VLLMServerError
     from cppo.parallel.processes import free_port
+    from cppo.config.sections import VLLMSection
     from cppo.sampling.vllm import connect_server
     port = free_port()   # nothing listens there
     args = CPPOConfig(vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
                       vllm_server_timeout=0.0)
     with pytest.raises(VLLMServerError, match=f"no vLLM server answered at http://127.0.0.1:{port} "
                                               f"within vllm_server_timeout = 0.0 s"):
-        connect_server(args)
+        connect_server(VLLMSection.of(args))
     with pytest.raises(Exception, match="vllm_server_base_url"):
         CPPOConfig(vllm_server_base_url="localhost:8000")

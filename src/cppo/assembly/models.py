@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from cppo.config.checks import check_reference_sync
+from cppo.config.sections import ModelSection, PrecisionSection
 from cppo.models.loading import frozen_copy, load_policy
 from cppo.parallel.engines import Engine, resolve_strategy
 
@@ -31,8 +32,9 @@ def build_models(args, dist, model=None, processing_class=None, peft_config=None
     torch.manual_seed(args.seed)
     lora = args.use_peft or peft_config is not None
     check_reference_sync(args.sync_ref_model, lora=lora)   # a peft_config given here
-    policy, tokenizer = load_policy(model, processing_class, args, dist.device, lora=lora,
-                                    peft_config=peft_config)
+    policy, tokenizer = load_policy(
+        model, processing_class, ModelSection.of(args), PrecisionSection.of(args), dist.device,
+        chat_template_kwargs=args.chat_template_kwargs, lora=lora, peft_config=peft_config)
     dist.broadcast_parameters(policy)
     reference = None if args.beta == 0 or lora else frozen_copy(policy)
     engine = Engine(resolve_strategy(args.distributed), dist, policy, bf16=args.bf16,

@@ -14,6 +14,7 @@ from cppo.algorithm import (SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, check_pruni
 from cppo.algorithm.balance import AUTO
 from cppo.config.options import field_types, unwrap_optional
 from cppo.errors import ConfigError, VLLMUnavailableError
+from cppo.models.lora import check_dora_push, check_lm_head_cast
 
 
 def check(ok: bool, message: str) -> None:
@@ -99,9 +100,9 @@ def _check_objective(cfg) -> None:
           "'sync_ref_model' is true but 'beta' is 0, so there is no reference model to sync "
           "(TRL refuses this too): set beta > 0 or sync_ref_model: false")
     check_reference_sync(cfg.sync_ref_model, lora=cfg.use_peft)
-    check(0 <= cfg.entropy_coef_min <= cfg.entropy_coef_max,
+    check(cfg.entropy_coef_min <= cfg.entropy_coef_max,
           f"'entropy_coef_min' is {cfg.entropy_coef_min} and 'entropy_coef_max' "
-          f"{cfg.entropy_coef_max}; need 0 <= entropy_coef_min <= entropy_coef_max")
+          f"{cfg.entropy_coef_max}; need entropy_coef_min <= entropy_coef_max")
     level = cfg.importance_sampling_level
     if cfg.loss_type in SEQUENCE_LEVEL_LOSSES and level != "sequence":
         warn_caller(f"'loss_type' {cfg.loss_type} is a sequence-level loss; set "
@@ -161,9 +162,8 @@ def _check_pruning(cfg) -> None:
           f"'pruning_rate' is {cfg.pruning_rate!r}; allowed: a number in [0, 1), or "
           f"'{AUTO}' (with async_rollout)")
     low, start, high = cfg.pruning_rate_min, cfg.pruning_rate_start, cfg.pruning_rate_max
-    check(0.0 <= low < high < 1.0,
-          f"'pruning_rate_min' is {low} and 'pruning_rate_max' {high}; need 0 <= "
-          f"pruning_rate_min < pruning_rate_max < 1 (1 would prune every completion)")
+    check(low < high, f"'pruning_rate_min' is {low} and 'pruning_rate_max' {high}; need "
+                      f"pruning_rate_min < pruning_rate_max")
     check(low <= start <= high, f"'pruning_rate_start' is {start}; must lie within "
           f"[pruning_rate_min, pruning_rate_max] = [{low}, {high}]")
     rate = high if auto else cfg.pruning_rate
@@ -298,17 +298,13 @@ def _check_model(cfg) -> None:
     are checked where the model loads: cppo.models.loading, cppo.models.lora)."""
     check(not (cfg.load_in_4bit and cfg.load_in_8bit),
           "'load_in_4bit' and 'load_in_8bit' are both true; set one of them (TRL refuses both too)")
-    check(not (cfg.cast_lm_head_to_fp32 and cfg.use_peft and "lm_head" in cfg.lora_target_modules),
-          "'cast_lm_head_to_fp32' is true but lora_target_modules puts a LoRA adapter on lm_head: "
-          "remove lm_head from lora_target_modules, or set cast_lm_head_to_fp32: false (TRL "
-          "refuses this too)")
+    check_lm_head_cast(cfg.cast_lm_head_to_fp32,
+                       lora_on_head=cfg.use_peft and "lm_head" in cfg.lora_target_modules)
     quantised = "load_in_4bit" if cfg.load_in_4bit else "load_in_8bit" if cfg.load_in_8bit else None
     check(not (quantised and cfg.distributed == "fsdp"),
           f"'{quantised}' is true with distributed: fsdp, whose FSDP2 shards plain parameters, not "
           f"bitsandbytes' packed ones: set distributed: ddp (each process holds the quantised base)")
-    check(not (cfg.use_dora and cfg.use_peft and cfg.use_vllm),
-          "'use_dora' is true with use_vllm: a DoRA adapter cannot be pushed to vLLM as a weight "
-          "delta; set use_dora: false, or use_vllm: false")
+    check_dora_push(cfg.use_dora and cfg.use_peft, vllm=cfg.use_vllm)
 
 
 def check_generation_batch_size(cfg, completions_per_round: int | None = None) -> None:
@@ -353,9 +349,9 @@ def installed_vllm_version() -> str | None:
 
 def _check_speculation(cfg) -> None:
     k = cfg.num_speculative_tokens
-    check(1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max,
+    check(cfg.prompt_lookup_min <= cfg.prompt_lookup_max,
           f"'prompt_lookup_min' is {cfg.prompt_lookup_min} and 'prompt_lookup_max' is "
-          f"{cfg.prompt_lookup_max}; need 1 <= prompt_lookup_min <= prompt_lookup_max")
+          f"{cfg.prompt_lookup_max}; need prompt_lookup_min <= prompt_lookup_max")
     if k:
         check(not cfg.use_vllm,
               f"'num_speculative_tokens' is {k}, which applies to the built-in sampler; with "

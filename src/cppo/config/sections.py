@@ -266,7 +266,8 @@ class SamplingSection(Section):
         "policy's distribution (docs/performance.md). 0: off. Lean forward only. vLLM's name.",
         at_least=0, note="0: off")
     prompt_lookup_max: int = option(3, "Speculative sampling: the longest n-gram matched (vLLM's name).")
-    prompt_lookup_min: int = option(1, "Speculative sampling: the shortest n-gram matched (vLLM's name).")
+    prompt_lookup_min: int = option(1, "Speculative sampling: the shortest n-gram matched (vLLM's "
+                                    "name).", at_least=1)
 
     @property
     def truncated_sampling(self) -> bool:
@@ -425,7 +426,7 @@ class LossSection(Section):
                                         "rises by entropy_coef_delta when the step's mean token "
                                         "entropy was <= entropy_target, else falls; the bonus applies "
                                         "only after a step at or below the target.")
-    entropy_coef_min: float = option(0.0, "use_adaptive_entropy: lower bound of the coefficient.")
+    entropy_coef_min: float = option(0.0, "use_adaptive_entropy: lower bound of the coefficient.", at_least=0)
     entropy_coef_max: float = option(1.0, "use_adaptive_entropy: upper bound of the coefficient.")
     entropy_coef_delta: float = option(0.005, "use_adaptive_entropy: the coefficient's step per "
                                        "optimizer step.", at_least=0)
@@ -479,7 +480,7 @@ class PruningSection(Section):
     pruning_rate_min: float = option(0.5, "pruning_rate auto: the lowest pruning rate (the "
                                      "most completions kept).", at_least=0)
     pruning_rate_max: float = option(0.9375, "pruning_rate auto: the highest pruning rate (the "
-                                     "fewest completions kept).", at_least=0)
+                                     "fewest completions kept).", at_least=0, below=1)
     pruning_rate_start: float = option(0.75, "pruning_rate auto: the rate the rounds' questions "
                                        "are planned for (as pruning_rate would plan them) and the "
                                        "first round prunes at; within [pruning_rate_min, "

@@ -69,12 +69,12 @@ def load_prompt_dataset(
     conversational: bool = True,
     format: str | None = None,
     on_bad_row: str = "skip",
-    config: str | None = None,
+    dataset_config: str | None = None,
     streaming: bool = False,
 ) -> LoadedDataset:
     """Load ``source`` (see module docstring) as prompts in ``prompt_style`` ("r1", "boxed", "none").
 
-    ``config`` names a subset and ``streaming`` streams the rows (TRL's dataset_config and
+    ``dataset_config`` names a subset and ``streaming`` streams the rows (TRL's dataset_config and
     dataset_streaming): both go to ``datasets.load_dataset``, for a hub id or a local copy of a
     dataset repository (a folder whose README declares its configs); the stream is read until
     ``limit`` rows are kept (all of it without a limit).
@@ -91,7 +91,7 @@ def load_prompt_dataset(
     if on_bad_row not in ("skip", "raise"):
         raise ValueError(f"on_bad_row must be 'skip' or 'raise', got {on_bad_row!r}")
 
-    rows, columns, where, hub_format = _read_source(str(source), split, config, streaming)
+    rows, columns, where, hub_format = _read_source(str(source), split, dataset_config, streaming)
     fmt = format or hub_format or _detect_format(columns, where)
     for column in _REQUIRED[fmt]:
         if column not in columns:
@@ -131,14 +131,15 @@ def check_local_source(source: str) -> None:
         raise FileNotFoundError(f"dataset file or directory not found: {source}")
 
 
-def _read_source(source: str, split: str, config: str | None = None, streaming: bool = False):
+def _read_source(source: str, split: str, dataset_config: str | None = None,
+                 streaming: bool = False):
     """-> (rows, column names, description for messages, format implied by a hub alias or None)."""
     path = Path(source).expanduser()
-    if path.is_file() and (config or streaming):
+    if path.is_file() and (dataset_config or streaming):
         raise ValueError(f"dataset_config / dataset_streaming name a datasets dataset's subset or "
                          f"stream; {source} is a single file: remove them")
-    if path.is_dir() and (config or streaming):   # a local copy of a dataset repository
-        return _load_dataset(source, source, config, split, streaming, None)
+    if path.is_dir() and (dataset_config or streaming):   # a local copy of a dataset repository
+        return _load_dataset(source, source, dataset_config, split, streaming, None)
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             dataset = _from_disk(path, split)
@@ -152,22 +153,23 @@ def _read_source(source: str, split: str, config: str | None = None, streaming: 
         return rows, _column_names(rows), str(path), None
     check_local_source(source)
     repo, subset, fmt = HUB_SOURCES.get(source, (source, None, None))
-    return _load_dataset(source, repo, config or subset, split, streaming, fmt)
+    return _load_dataset(source, repo, dataset_config or subset, split, streaming, fmt)
 
 
-def _load_dataset(source: str, repo: str, config: str | None, split: str, streaming: bool, fmt):
-    """datasets.load_dataset(repo, config, split, streaming): _read_source's answer."""
+def _load_dataset(source: str, repo: str, dataset_config: str | None, split: str,
+                  streaming: bool, fmt):
+    """datasets.load_dataset(repo, dataset_config, split, streaming): _read_source's answer."""
     try:
-        args = (repo, config) if config else (repo,)
+        args = (repo, dataset_config) if dataset_config else (repo,)
         dataset = datasets.load_dataset(*args, split=split, streaming=streaming)
         columns = dataset.column_names or list(next(iter(dataset), {}))   # a stream may not know
     except Exception as e:
         raise ValueError(
-            f"loading {repo!r} (config {config!r}, split {split!r}"
+            f"loading {repo!r} (config {dataset_config!r}, split {split!r}"
             f"{', streaming' if streaming else ''}) with datasets.load_dataset failed"
             f"{'' if Path(source).expanduser().is_dir() else ' (not a local file or directory)'}: "
             f"{type(e).__name__}: {e}") from e
-    where = f"{repo}[{config + ':' if config else ''}{split}]"
+    where = f"{repo}[{dataset_config + ':' if dataset_config else ''}{split}]"
     return dataset, list(columns), where, fmt
 
 

@@ -32,9 +32,11 @@ class TaskSource:
     dataset_streaming: bool = False
 
     @classmethod
-    def of(cls, cfg) -> "TaskSource":
-        """From any config with these field names (CPPOConfig, `cppo eval`'s EvalConfig)."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
+    def of(cls, holder) -> "TaskSource":
+        """From any object with these field names (CPPOConfig, `cppo eval`'s EvalConfig): the
+        builders' and the CLI's way from a config to the data stage's settings."""
+        return cls(**{f.name: getattr(holder, f.name) for f in fields(cls)
+                      if hasattr(holder, f.name)})
 
 
 @dataclass
@@ -132,25 +134,26 @@ def _prompt_kind(prompt) -> str | None:
 ACCURACY_REWARDS = {"gsm8k": "gsm8k", "math": "math"}  # data format -> registry name
 
 
-def _held_out(cfg, load, train_source) -> tuple[list[dict], list]:
+def _held_out(source: TaskSource, load, train_source) -> tuple[list[dict], list]:
     """The held-out rows beside a training source and their skipped rows ([] and a warning when
     there is no held-out split, or it resolves to the training data)."""
-    eval_source = _eval_source(cfg.dataset_name, cfg.dataset_split, cfg.eval_dataset_split)
+    eval_source = _eval_source(source.dataset_name, source.dataset_split,
+                               source.eval_dataset_split)
     if eval_source is None:
         return [], []
     try:
-        held_out = load(eval_source, cfg.eval_dataset_split, cfg.eval_num_questions)
+        held_out = load(eval_source, source.eval_dataset_split, source.eval_num_questions)
     except (ValueError, FileNotFoundError, KeyError) as err:
         logger.warning("%s: no held-out split %r (%s); training without evaluation",
-                       cfg.dataset_name, cfg.eval_dataset_split, err)
+                       source.dataset_name, source.eval_dataset_split, err)
         return [], []
     if held_out.source == train_source:
         logger.warning("%s: the held-out split %r resolves to the training data (%s); "
-                       "training without evaluation", cfg.dataset_name,
-                       cfg.eval_dataset_split, train_source)
+                       "training without evaluation", source.dataset_name,
+                       source.eval_dataset_split, train_source)
         return [], []
     return ([dict(r) for r in held_out.dataset],
-            [(f"{cfg.eval_dataset_split}:{i}", why) for i, why in held_out.skipped_rows])
+            [(f"{source.eval_dataset_split}:{i}", why) for i, why in held_out.skipped_rows])
 
 
 def load_task(source: TaskSource, tokenizer=None, *, train_split: bool = True) -> TaskData:
@@ -176,7 +179,7 @@ def load_task(source: TaskSource, tokenizer=None, *, train_split: bool = True) -
 
     def load(source: str, split: str, limit):
         return load_prompt_dataset(source, split=split, prompt_style=cfg.prompt_style, limit=limit,
-                                   conversational=conversational, config=cfg.dataset_config,
+                                   conversational=conversational, dataset_config=cfg.dataset_config,
                                    streaming=cfg.dataset_streaming)
 
     if not train_split:
@@ -233,9 +236,10 @@ def _eval_source(name: str, train_split: str, eval_split: str) -> str | None:
     return None
 
 
-def run_task(args, tokenizer=None, train_dataset=None, eval_dataset=None) -> TaskData:
-    """A run's data: the trainer's train_dataset (and eval_dataset), else the config's dataset."""
+def run_task(source: TaskSource, tokenizer=None, train_dataset=None, eval_dataset=None
+             ) -> TaskData:
+    """A run's data: the trainer's train_dataset (and eval_dataset), else the source's dataset."""
     if train_dataset is None:
-        return load_task(TaskSource.of(args), tokenizer=tokenizer)
-    return user_task(train_dataset, eval_dataset, num_train_questions=args.num_train_questions,
-                     eval_num_questions=args.eval_num_questions)
+        return load_task(source, tokenizer=tokenizer)
+    return user_task(train_dataset, eval_dataset, num_train_questions=source.num_train_questions,
+                     eval_num_questions=source.eval_num_questions)

@@ -66,8 +66,8 @@ _ADDS = {"add", "add_", "sub", "sub_"}
 _MULS = {"mul", "mul_"}
 
 
-def _product(args, kwargs, accumulate: bool) -> OpCount:
-    x, y = (args[1], args[2]) if accumulate else (args[0], args[1])
+def _product(op_args, kwargs, accumulate: bool) -> OpCount:
+    x, y = (op_args[1], op_args[2]) if accumulate else (op_args[0], op_args[1])
     a, b, c = x.shape[-2], x.shape[-1], y.shape[-1]
     batch = math.prod(x.shape[:-2])
     count = OpCount(batch * a * b * c, batch * a * (b - 1) * c)
@@ -83,19 +83,19 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.count = count
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def __torch_dispatch__(self, func, types, op_args=(), kwargs=None):
+        kwargs = kwargs or {}   # torch passes the op's arguments positionally
         name = func.overloadpacket.__name__
-        result = func(*args, **kwargs)
+        result = func(*op_args, **kwargs)
         if name in _PRODUCTS:
-            self.count += _product(args, kwargs, accumulate=name.startswith(("baddbmm", "addmm")))
+            self.count += _product(op_args, kwargs, accumulate=name.startswith(("baddbmm", "addmm")))
         elif name in _ADDS:
             alpha = kwargs.get("alpha", 1)
             self.count.additions += result.numel() * (1 + (abs(alpha) != 1))
         elif name in _MULS:
-            if isinstance(args[1], torch.Tensor) and args[1].dim() > 0:
+            if isinstance(op_args[1], torch.Tensor) and op_args[1].dim() > 0:
                 self.count.multiplications += result.numel()
-            elif abs(float(args[1])) != 1:
+            elif abs(float(op_args[1])) != 1:
                 self.count.additions += result.numel()  # a scaling by an integer: counted as adds
         elif name not in _FREE:
             raise RuntimeError(f"record_ops cannot count the operator {func} (not in its tables)")

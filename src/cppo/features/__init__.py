@@ -3,14 +3,15 @@ prompt skipping, the two-stage draw and fp16 loss scaling. Each holds its settin
 state, and the hooks the trainer calls at named points of a round; the state is saved in the
 checkpoint under the feature's name (`Features.state_dict`) and read back on resume.
 
-`build_features(args, fp16=...)` returns the ones the config turns on. A run without a feature
-has no object for it: the trainer asks `features.get(name)`."""
+`build_features(loss, pruning, sampling, fp16=...)` returns the ones the config's sections turn
+on. A run without a feature has no object for it: the trainer asks `features.get(name)`."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 from cppo.algorithm.balance import AUTO
+from cppo.config.sections import LossSection, PruningSection, SamplingSection
 from cppo.features.adaptive_entropy import AdaptiveEntropy, EntropySettings
 from cppo.features.auto_pruning import AutoPruning, AutoPruningSettings
 from cppo.features.fp16_scaling import FP16Scaling
@@ -52,21 +53,24 @@ class Features:
                 feature.load_state_dict(states[name])
 
 
-def build_features(args, fp16: FP16Scaling | None = None) -> Features:
-    """The features the config `args` turns on, each with its settings read from it; fp16: the
-    learner's loss scaling (it owns the scaler)."""
+def build_features(loss: LossSection, pruning: PruningSection, sampling: SamplingSection,
+                   fp16: FP16Scaling | None = None) -> Features:
+    """The features the config's sections turn on, each with its settings read from them:
+    adaptive entropy (loss), pruning_rate auto (pruning), prompt skipping and the two-stage draw
+    (sampling); fp16: the learner's loss scaling (it owns the scaler)."""
     found: list[Feature] = []
-    if args.use_adaptive_entropy:
+    if loss.use_adaptive_entropy:
         found.append(AdaptiveEntropy(EntropySettings(
-            start=args.entropy_coef, target=args.entropy_target, delta=args.entropy_coef_delta,
-            low=args.entropy_coef_min, high=args.entropy_coef_max)))
-    if args.pruning_rate == AUTO:
+            start=loss.entropy_coef, target=loss.entropy_target, delta=loss.entropy_coef_delta,
+            low=loss.entropy_coef_min, high=loss.entropy_coef_max)))
+    if pruning.pruning_rate == AUTO:
         found.append(AutoPruning(AutoPruningSettings(
-            start=args.pruning_rate_start, low=args.pruning_rate_min, high=args.pruning_rate_max)))
-    if args.skip_zero_variance_prompts:
-        found.append(PromptSkipping(floor=args.skip_exploration_floor))
-    if args.two_stage_generations:
-        found.append(TwoStage(args.two_stage_generations, args.two_stage_exploration))
+            start=pruning.pruning_rate_start, low=pruning.pruning_rate_min,
+            high=pruning.pruning_rate_max)))
+    if sampling.skip_zero_variance_prompts:
+        found.append(PromptSkipping(floor=sampling.skip_exploration_floor))
+    if sampling.two_stage_generations:
+        found.append(TwoStage(sampling.two_stage_generations, sampling.two_stage_exploration))
     if fp16 is not None:
         found.append(fp16)
     return Features(found)

@@ -9,16 +9,17 @@ in cppo.algorithm.micro_batch; here they meet the model, the engine and the opti
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, add_micro_batch, empty_sums,
-                                        micro_batch_loss, step_metrics)
+from cppo.algorithm.micro_batch import (MAX_KEYS, SUM_KEYS, LossSettings, add_micro_batch,
+                                        empty_sums, micro_batch_loss, step_metrics)
 from cppo.algorithm.loss import router_aux_coef, router_aux_loss
 from cppo.errors import ConfigError
 from cppo.features.fp16_scaling import FP16Scaling
-from cppo.models.compiled import compile_seconds, compile_settings
+from cppo.models.compiled import CompileSettings, compile_seconds
 from cppo.models.loading import torch_dtype
 from cppo.run.batch import StepBatch
 from cppo.run.optimizer import advance_schedule
@@ -26,23 +27,45 @@ from cppo.sampling.logprobs import ForwardSettings, completion_logprobs
 from cppo.sampling.settings import SamplingSettings
 
 
+@dataclass(frozen=True)
+class LearnerSettings:
+    """The values a step reads, taken from the config once (cppo.assembly.run.build_learner):
+    the loss's settings, the micro-batch size (per_device_train_batch_size), the sampling
+    temperature, the optimizer steps per generation round (steps_per_round), max_grad_norm, and
+    speed and precision (transformers' names: lean_forward, use_liger_kernel -> chunk_head, bf16,
+    fp16, torch_compile's settings -> compile, None: off); router_aux_loss_coef as set (None:
+    the model config's)."""
+
+    loss: LossSettings
+    batch_size: int
+    temperature: float
+    steps_per_round: int
+    max_grad_norm: float
+    lean_forward: bool
+    chunk_head: bool
+    bf16: bool
+    fp16: bool
+    compile: CompileSettings | None = None
+    router_aux_loss_coef: float | None = None
+
+
 class Learner:
     """Log-probs under the policy, old policy and reference, and the optimizer step."""
 
-    def __init__(self, policy, reference, engine, dist, optimizer, scheduler, args,
-                 device: torch.device, matmul_dtype: str | None,
+    def __init__(self, policy, reference, engine, dist, optimizer, scheduler,
+                 settings: LearnerSettings, device: torch.device, matmul_dtype: str | None,
                  replay: SamplingSettings | None = None) -> None:
         self.policy, self.reference, self.engine, self.dist = policy, reference, engine, dist
         self.replay = replay   # the sampler's transforms the policy's passes replay (None: off)
-        self.optimizer, self.scheduler, self.args = optimizer, scheduler, args
+        self.optimizer, self.scheduler, self.settings = optimizer, scheduler, settings
         self.device, self.matmul_dtype = device, matmul_dtype   # a dtype name or None
-        self.loss = args.loss_settings()   # what each micro-batch's loss reads
+        self.loss = settings.loss   # what each micro-batch's loss reads
         # speed and precision (transformers' names): torch_compile, use_liger_kernel, fp16
-        self.compile = compile_settings(args)
+        self.compile = settings.compile
         self.compile_seconds, self._compile_mark = 0.0, compile_seconds() if self.compile else 0.0
-        self.fp16 = FP16Scaling.for_weights(device, optimizer) if args.fp16 else None
+        self.fp16 = FP16Scaling.for_weights(device, optimizer) if settings.fp16 else None
         self.scaler = None if self.fp16 is None else self.fp16.scaler
-        self.aux_coef = moe_aux_coef(policy, args.router_aux_loss_coef)
+        self.aux_coef = moe_aux_coef(policy, settings.router_aux_loss_coef)
 
     def logprobs(self, model, batch: StepBatch, entropies: list | None = None,
                  aux_losses: list | None = None, replay: bool = True) -> torch.Tensor:
@@ -53,13 +76,14 @@ class Learner:
         the full softmax's, which the KL estimate against the sampled tokens wants)."""
         if len(batch) == 0:  # global selection can leave a process nothing to train on
             return batch.completion_ids.new_zeros(batch.completion_ids.shape, dtype=torch.float32)
-        args = self.args
-        forward = ForwardSettings(batch_size=args.per_device_train_batch_size,
-                                  lean=args.lean_forward, matmul_dtype=torch_dtype(self.matmul_dtype),
-                                  compile=self.compile, chunk_head=args.use_liger_kernel,
+        settings = self.settings
+        forward = ForwardSettings(batch_size=settings.batch_size,
+                                  lean=settings.lean_forward,
+                                  matmul_dtype=torch_dtype(self.matmul_dtype),
+                                  compile=self.compile, chunk_head=settings.chunk_head,
                                   replay=self.replay if replay else None)
         return completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                   batch.completion_mask, temperature=args.temperature,
+                                   batch.completion_mask, temperature=settings.temperature,
                                    forward=forward, entropies=entropies,
                                    entropy_grad=entropies is not None and self.loss.entropy_bonus,
                                    aux_losses=aux_losses)
@@ -67,19 +91,20 @@ class Learner:
     def autocast(self):
         """The one precision of every pass of a step (old policy, reference, policy): bf16 or
         fp16 autocast when one is on, so the first iteration's ratio is exactly 1."""
-        return torch.autocast(self.device.type, dtype=torch.float16 if self.args.fp16 else
-                              torch.bfloat16, enabled=self.args.bf16 or self.args.fp16)
+        fp16, bf16 = self.settings.fp16, self.settings.bf16
+        return torch.autocast(self.device.type, dtype=torch.float16 if fp16 else torch.bfloat16,
+                              enabled=bf16 or fp16)
 
     @torch.no_grad()
     def fill_old_and_ref_logprobs(self, batch: StepBatch) -> None:
         """Old-policy log-probs (once per generation round, when it has several optimizer steps:
         num_iterations > 1 or steps_per_generation slices) and reference ones."""
         with self.autocast():
-            if self.args.steps_per_round > 1:   # the policy moves before the last slice
+            if self.settings.steps_per_round > 1:   # the policy moves before the last slice
                 self.policy.eval()
                 batch.old_logps = self.logprobs(self.policy, batch)
                 self.policy.train()
-            if self.args.beta > 0:
+            if self.loss.beta > 0:
                 if self.reference is not None:
                     batch.ref_logps = self.logprobs(self.reference, batch, replay=False)
                 else:  # LoRA: the base model with adapters disabled is the reference
@@ -93,7 +118,7 @@ class Learner:
         `adapt_entropy_coef(step entropy)` returns the next coefficient (adaptive control; None:
         off).
         `tokens`: the token-sum losses' normaliser (None: this batch's tokens, all processes')."""
-        args = self.args
+        max_grad_norm = self.settings.max_grad_norm
         self.optimizer.zero_grad(set_to_none=True)
         coef = entropy_coef if self.loss.entropy_bonus else 0.0
         totals = self.backward(batch, coef, tokens)
@@ -103,7 +128,7 @@ class Learner:
         with_grad = [p for group in self.optimizer.param_groups for p in group["params"]
                      if p.grad is not None]
         grad_norm = self.engine.clip_grad_norm(  # max_norm inf: measure, don't clip
-            with_grad, args.max_grad_norm if args.max_grad_norm > 0 else math.inf) if with_grad else 0.0
+            with_grad, max_grad_norm if max_grad_norm > 0 else math.inf) if with_grad else 0.0
         totals = {**self.dist.sum_values({k: totals[k] for k in SUM_KEYS}),   # the global batch's
                   **(self.dist.max_values({k: totals[k] for k in MAX_KEYS})
                      if batch.sampler_logps is not None else {})}
@@ -152,13 +177,13 @@ class Learner:
     def backward(self, batch: StepBatch, entropy_coef: float, tokens: float | None = None) -> dict:
         """Each micro-batch's loss backward (cppo.algorithm.micro_batch); the step's sums of
         this process (SUM_KEYS, MAX_KEYS)."""
-        args, world = self.args, self.dist.world_size
+        batch_size, world = self.settings.batch_size, self.dist.world_size
         total_sequences = self.dist.sum(len(batch) - batch.filler_rows)
         total_tokens = self.dist.sum(int(batch.loss_mask.sum())) if tokens is None else tokens
         totals = empty_sums()
-        num_micro = max(1, math.ceil(len(batch) / args.per_device_train_batch_size))  # bnpo's
+        num_micro = max(1, math.ceil(len(batch) / batch_size))  # bnpo's
         # gradients are reduced by the engine once per step, in the last micro-batch's backward
-        for micro in self.engine.accumulate(batch.micro_batches(args.per_device_train_batch_size)):
+        for micro in self.engine.accumulate(batch.micro_batches(batch_size)):
             entropies, aux = [], [] if self.aux_coef else None
             with self.autocast():
                 logps = self.engine.forward(self.logprobs, micro, entropies, aux)

@@ -10,8 +10,12 @@ tokens), so functions are compiled with dynamic shapes. Sampling is not compiled
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from cppo.config.sections import PrecisionSection
 
 
 @dataclass(frozen=True)
@@ -22,12 +26,14 @@ class CompileSettings:
     mode: str | None = None
 
 
-def compile_settings(args) -> CompileSettings | None:
-    """The config's compile settings, or None: off. transformers' rule: torch_compile, or a
-    backend or mode given, turns it on; the backend defaults to inductor."""
-    if not (args.torch_compile or args.torch_compile_backend or args.torch_compile_mode):
+def compile_settings(precision: PrecisionSection) -> CompileSettings | None:
+    """The compile settings of the run's `precision`, or None: off. transformers' rule:
+    torch_compile, or a backend or mode given, turns it on; the backend defaults to inductor."""
+    if not (precision.torch_compile or precision.torch_compile_backend or
+            precision.torch_compile_mode):
         return None
-    return CompileSettings(args.torch_compile_backend or "inductor", args.torch_compile_mode)
+    return CompileSettings(precision.torch_compile_backend or "inductor",
+                           precision.torch_compile_mode)
 
 
 def compile_fn(fn, settings: CompileSettings):

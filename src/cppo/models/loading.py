@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
 from cppo.errors import ConfigError, ModelLoadError
+from cppo.models.lora import check_lm_head_cast
+
+if TYPE_CHECKING:
+    from cppo.config.sections import ModelSection, PrecisionSection
 
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth",
                   "model.ckpt")
@@ -125,25 +130,25 @@ QLORA_MISSING = ("needs bitsandbytes: pip install 'cppo[qlora]' (or set load_in_
                  "load_in_8bit to false)")
 
 
-def quantization_config(args):
-    """A transformers BitsAndBytesConfig from TRL's fields, as trl.get_quantization_config maps
-    them (4-bit computes in torch_dtype; 'auto' leaves bitsandbytes' default), or None when
-    neither load_in_4bit nor load_in_8bit is set."""
-    if not (args.load_in_4bit or args.load_in_8bit):
+def quantization_config(model: ModelSection):
+    """A transformers BitsAndBytesConfig from TRL's fields of the run's `model` section, as
+    trl.get_quantization_config maps them (4-bit computes in torch_dtype; 'auto' leaves
+    bitsandbytes' default), or None when neither load_in_4bit nor load_in_8bit is set."""
+    if not (model.load_in_4bit or model.load_in_8bit):
         return None
-    field = "load_in_4bit" if args.load_in_4bit else "load_in_8bit"
+    field = "load_in_4bit" if model.load_in_4bit else "load_in_8bit"
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as err:
         raise ConfigError(f"'{field}' is true, which {QLORA_MISSING} (import failed: {err})") from None
     from transformers import BitsAndBytesConfig
-    if not args.load_in_4bit:
+    if not model.load_in_4bit:
         return BitsAndBytesConfig(load_in_8bit=True)
-    compute = None if args.torch_dtype == "auto" else args.torch_dtype
+    compute = None if model.torch_dtype == "auto" else model.torch_dtype
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute,
-                              bnb_4bit_quant_type=args.bnb_4bit_quant_type,
-                              bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
-                              bnb_4bit_quant_storage=args.bnb_4bit_quant_storage)
+                              bnb_4bit_quant_type=model.bnb_4bit_quant_type,
+                              bnb_4bit_use_double_quant=model.use_bnb_nested_quant,
+                              bnb_4bit_quant_storage=model.bnb_4bit_quant_storage)
 
 
 def keep_4bit_layers_trainable(model) -> int:
@@ -220,10 +225,7 @@ def cast_lm_head_to_fp32(model) -> None:
     embedding's output keeps the model's dtype. A LoRA adapter on the head is refused, as in TRL."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
-    if hasattr(head, "lora_A"):
-        raise ConfigError("'cast_lm_head_to_fp32' is true but lm_head carries a LoRA adapter: "
-                          "remove lm_head from lora_target_modules, or set "
-                          "cast_lm_head_to_fp32: false (TRL refuses this too)")
+    check_lm_head_cast(True, lora_on_head=hasattr(head, "lora_A"))
     if type(head) is not nn.Linear:
         raise ConfigError(f"'cast_lm_head_to_fp32' is true but lm_head is a {type(head).__name__}, "
                           f"not a Linear (lm_head in lora_modules_to_save?): leave lm_head out of "
@@ -233,66 +235,69 @@ def cast_lm_head_to_fp32(model) -> None:
     head.float()
     embed = base.get_input_embeddings()
     if embed.weight is head.weight and original != torch.float32:
-        embed.register_forward_hook(lambda module, args, output: output.to(original))
+        embed.register_forward_hook(lambda module, inputs, output: output.to(original))
 
 
-def load_policy(model, processing_class, args, device, *, lora: bool, peft_config=None):
-    """The policy and its tokenizer: `model` a name (None: the config's) or a loaded model, the
+def load_policy(model, processing_class, settings: ModelSection, precision: PrecisionSection,
+                device, *, chat_template_kwargs: dict | None, lora: bool, peft_config=None):
+    """The policy and its tokenizer: `model` a name (None: settings.model) or a loaded model, the
     tokenizer the processing_class or the model's (chat_template_kwargs bound to its
     apply_chat_template); on `device`, gradient checkpointing, LoRA, quantisation, dropout and
-    the float32 head as the config says, in training mode."""
-    name = model if isinstance(model, str) else (args.model if model is None else None)
-    quantised = (args.load_in_4bit or args.load_in_8bit) if name is not None else \
+    the float32 head as the run's `settings` say, liger's kernels and the checkpointing
+    arguments as its `precision` says, in training mode."""
+    name = model if isinstance(model, str) else (settings.model if model is None else None)
+    quantised = (settings.load_in_4bit or settings.load_in_8bit) if name is not None else \
         getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
     if quantised and not lora:
-        field = "load_in_4bit" if args.load_in_4bit or getattr(model, "is_loaded_in_4bit", False) \
-            else "load_in_8bit"
+        four_bit = settings.load_in_4bit or getattr(model, "is_loaded_in_4bit", False)
+        field = "load_in_4bit" if four_bit else "load_in_8bit"
         raise ConfigError(f"'{field}' is true but no LoRA adapters train on the quantised base "
                           f"(its weights are frozen): set use_peft: true (QLoRA), or "
                           f"{field}: false")
-    quantization = quantization_config(args) if name is not None else None
+    quantization = quantization_config(settings) if name is not None else None
     policy = model if name is None else load_model(
-        name, torch_dtype=args.torch_dtype, attn_implementation=args.attn_implementation,
-        revision=args.model_revision, trust_remote_code=args.trust_remote_code,
+        name, torch_dtype=settings.torch_dtype, attn_implementation=settings.attn_implementation,
+        revision=settings.model_revision, trust_remote_code=settings.trust_remote_code,
         quantization=quantization, device=device)
     tokenizer = ready_for_generation(processing_class or load_tokenizer(
-        name or getattr(policy.config, "_name_or_path", None) or args.model,
-        revision=args.model_revision if name else "main",
-        trust_remote_code=args.trust_remote_code))
+        name or getattr(policy.config, "_name_or_path", None) or settings.model,
+        revision=settings.model_revision if name else "main",
+        trust_remote_code=settings.trust_remote_code))
     if not quantised:   # bitsandbytes placed a quantised base when it loaded it
         policy.to(device)
     keep_4bit_layers_trainable(policy)
-    if args.gradient_checkpointing:
+    if settings.gradient_checkpointing:
         # the sampler passes use_cache explicitly, so generation keeps its KV cache
-        kwargs = checkpointing_kwargs(args)
+        kwargs = checkpointing_kwargs(precision.gradient_checkpointing_kwargs)
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if kwargs.get("use_reentrant"):   # reentrant checkpoints pass gradients only to inputs
             policy.enable_input_require_grads()   # that need them (as TRL does)
-    apply_liger_kernels(policy, args, device)
+    apply_liger_kernels(policy, precision, device)
     if lora:
         from cppo.models.lora import wrap_with_lora
-        policy = wrap_with_lora(policy, args, peft_config)
-    if args.disable_dropout:   # after LoRA, so that its dropout is off too (as in TRL)
+        policy = wrap_with_lora(policy, settings, peft_config)
+    if settings.disable_dropout:   # after LoRA, so that its dropout is off too (as in TRL)
         disable_dropout(policy)
-    if args.cast_lm_head_to_fp32:
+    if settings.cast_lm_head_to_fp32:
         cast_lm_head_to_fp32(policy)
     policy.train()
     from cppo.models.tokenizer import with_chat_template_kwargs
-    return policy, with_chat_template_kwargs(tokenizer, args.chat_template_kwargs)
+    return policy, with_chat_template_kwargs(tokenizer, chat_template_kwargs)
 
 
-def checkpointing_kwargs(args) -> dict:
+def checkpointing_kwargs(gradient_checkpointing_kwargs: dict | None) -> dict:
     """gradient_checkpointing_enable's keyword arguments: gradient_checkpointing_kwargs, or
     (None) non-reentrant checkpoints."""
-    kwargs = getattr(args, "gradient_checkpointing_kwargs", None)
-    return dict(kwargs) if kwargs is not None else {"use_reentrant": False}
+    if gradient_checkpointing_kwargs is None:
+        return {"use_reentrant": False}
+    return dict(gradient_checkpointing_kwargs)
 
 
-def apply_liger_kernels(policy, args, device) -> bool:
+def apply_liger_kernels(policy, precision: PrecisionSection, device) -> bool:
     """use_liger_kernel on CUDA with liger-kernel installed: liger's kernels patched into the
-    model (they run where its own forward runs), with liger_kernel_config as arguments. True when
-    applied. The chunked head (cppo.models.head) is cppo's part and needs nothing here."""
-    if not getattr(args, "use_liger_kernel", False) or torch.device(device).type != "cuda":
+    model (they run where its own forward runs), with liger_kernel_config as arguments. True
+    when applied. The chunked head (cppo.models.head) is cppo's part and needs nothing here."""
+    if not precision.use_liger_kernel or torch.device(device).type != "cuda":
         return False
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -301,7 +306,7 @@ def apply_liger_kernels(policy, args, device) -> bool:
         warnings.warn("use_liger_kernel: liger-kernel is not installed, so only cppo's chunked "
                       "head applies; `pip install liger-kernel` for liger's kernels", stacklevel=2)
         return False
-    _apply_liger_kernel_to_instance(model=policy, **(args.liger_kernel_config or {}))
+    _apply_liger_kernel_to_instance(model=policy, **(precision.liger_kernel_config or {}))
     return True
 
 

@@ -8,10 +8,31 @@ adapter_config.json, peft's format), loadable with `PeftModel.from_pretrained(ba
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cppo.errors import ConfigError, MissingExtraError
 
+if TYPE_CHECKING:
+    from cppo.config.sections import ModelSection
+
 PEFT_MISSING = "use_peft needs peft: pip install 'cppo[peft]'"
+
+
+def check_lm_head_cast(cast_lm_head_to_fp32: bool, lora_on_head: bool) -> None:
+    """A float32 head cannot carry a LoRA adapter: checked on the config (lora_target_modules)
+    and on the loaded model (a peft_config given to the trainer; cppo.models.loading)."""
+    if cast_lm_head_to_fp32 and lora_on_head:
+        raise ConfigError("'cast_lm_head_to_fp32' is true but lora_target_modules puts a LoRA "
+                          "adapter on lm_head: remove lm_head from lora_target_modules, or set "
+                          "cast_lm_head_to_fp32: false (TRL refuses this too)")
+
+
+def check_dora_push(dora: bool, vllm: bool) -> None:
+    """A DoRA adapter has no weight delta to push to vLLM: checked on the config (use_dora) and
+    on the adapters pushed (a DoRA peft_config given to the trainer; cppo.sampling.vllm)."""
+    if dora and vllm:
+        raise ConfigError("'use_dora' is true with use_vllm: a DoRA adapter cannot be pushed to "
+                          "vLLM as a weight delta; set use_dora: false, or use_vllm: false")
 
 
 def _peft():
@@ -30,25 +51,27 @@ def is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def lora_config(args):
-    """peft LoraConfig from CPPOConfig's LoRA fields, as trl.get_peft_config builds it from
-    TRL's (target_parameters passed only when set)."""
+def lora_config(model: ModelSection):
+    """peft LoraConfig from the LoRA fields of the run's `model` section, as trl.get_peft_config
+    builds it from TRL's (target_parameters passed only when set)."""
     peft = _peft()
-    extra = {} if args.lora_target_parameters is None else \
-        {"target_parameters": list(args.lora_target_parameters)}
-    return peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                           target_modules=list(args.lora_target_modules), bias="none",
-                           task_type=args.lora_task_type, use_rslora=args.use_rslora,
-                           use_dora=args.use_dora, modules_to_save=args.lora_modules_to_save,
+    extra = {} if model.lora_target_parameters is None else \
+        {"target_parameters": list(model.lora_target_parameters)}
+    return peft.LoraConfig(r=model.lora_r, lora_alpha=model.lora_alpha,
+                           lora_dropout=model.lora_dropout,
+                           target_modules=list(model.lora_target_modules), bias="none",
+                           task_type=model.lora_task_type, use_rslora=model.use_rslora,
+                           use_dora=model.use_dora, modules_to_save=model.lora_modules_to_save,
                            **extra)
 
 
-def wrap_with_lora(policy, args, peft_config=None):
-    """The policy with LoRA adapters (peft_config, else one built from args); only adapters train."""
+def wrap_with_lora(policy, model: ModelSection, peft_config=None):
+    """The policy with LoRA adapters (peft_config, else one built from the run's `model`
+    section); only adapters train."""
     peft = _peft()
     if is_peft_model(policy):
         return policy                                   # already wrapped by the caller
-    config = peft_config if peft_config is not None else lora_config(args)
+    config = peft_config if peft_config is not None else lora_config(model)
     names = {name.rsplit(".", 1)[-1] for name, _ in policy.named_modules()}
     targets = config.target_modules
     if isinstance(targets, (list, set, tuple)):
@@ -57,7 +80,7 @@ def wrap_with_lora(policy, args, peft_config=None):
             raise ValueError(f"lora_target_modules {sorted(targets)} match no module of "
                              f"{type(policy).__name__}; its linear layers include "
                              f"{sorted(n for n in names if n.endswith('proj'))[:12]}")
-    if getattr(args, "gradient_checkpointing", False):
+    if model.gradient_checkpointing:
         # frozen embeddings give inputs without grad: checkpointed blocks would see no grad path
         policy.enable_input_require_grads()
     try:

@@ -14,9 +14,13 @@ import math
 import platform
 import warnings
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 from cppo.errors import ConfigError, SlowPrecisionWarning
+
+if TYPE_CHECKING:
+    from cppo.config.sections import PrecisionSection, SamplingSection
 
 LOW_PRECISION = ("bfloat16", "float16")
 # A CPU's bfloat16 matmul has a fixed cost per call (oneDNN's set-up and conversions) that float32
@@ -147,10 +151,11 @@ def tf32_setting(tf32: bool | None, *, torch_compile: bool, fp16: bool, bf16: bo
     return True if torch_compile and (not fp16 or bf16) else None
 
 
-def apply_tf32(args) -> bool | None:
-    """Set TF32 for CUDA matmuls and cuDNN as `tf32_setting` says; returns what it set."""
-    setting = tf32_setting(args.tf32, torch_compile=compiling(args), fp16=args.fp16,
-                           bf16=args.bf16, available=cuda_tf32_available())
+def apply_tf32(precision: PrecisionSection, bf16: bool) -> bool | None:
+    """Set TF32 for CUDA matmuls and cuDNN as `tf32_setting` says for the run's `precision` and
+    bf16; returns what it set."""
+    setting = tf32_setting(precision.tf32, torch_compile=compiling(precision), fp16=precision.fp16,
+                           bf16=bf16, available=cuda_tf32_available())
     if setting is not None and hasattr(torch.backends, "fp32_precision"):   # torch >= 2.9
         torch.backends.fp32_precision = "tf32" if setting else "ieee"   # as transformers sets it
     elif setting is not None:
@@ -158,10 +163,10 @@ def apply_tf32(args) -> bool | None:
     return setting
 
 
-def compiling(args) -> bool:
+def compiling(precision: PrecisionSection) -> bool:
     """transformers' rule: torch_compile, or a torch_compile_backend or torch_compile_mode given."""
     from cppo.models.compiled import compile_settings
-    return compile_settings(args) is not None
+    return compile_settings(precision) is not None
 
 
 def _cpu_model() -> str:
@@ -175,24 +180,30 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def slow_precision_requests(args, device: torch.device | str) -> list[str]:
-    """The config fields that ask for a dtype `device` computes slowly, each with its value."""
+def slow_precision_requests(device: torch.device | str, *, bf16: bool = False, fp16: bool = False,
+                            torch_dtype: str | None = None, generation_dtype: str | None = None,
+                            matmul_dtype: str | None = None) -> list[str]:
+    """The config fields given (by their names) that ask for a dtype `device` computes slowly,
+    each with its value."""
     asked = []
-    if getattr(args, "bf16", False):
+    if bf16:
         asked.append(("bf16", "true", "bfloat16"))
-    if getattr(args, "fp16", False):
+    if fp16:
         asked.append(("fp16", "true", "float16"))
-    for key in ("torch_dtype", "generation_dtype", "matmul_dtype"):
-        value = getattr(args, key, None)
+    for key, value in (("torch_dtype", torch_dtype), ("generation_dtype", generation_dtype),
+                       ("matmul_dtype", matmul_dtype)):
         if value in LOW_PRECISION:
             asked.append((key, value, value))
     return [f"{key}={value}" for key, value, dtype in asked if not has_fast_dtype(dtype, device)]
 
 
-def warn_slow_precision(args, device: torch.device | str) -> None:
-    """Warn (SlowPrecisionWarning) when the config asks for bf16/fp16 on a device without native
-    support for it, saying what it costs and what to use instead."""
-    slow = slow_precision_requests(args, device)
+def warn_slow_precision(device: torch.device | str, *, bf16: bool = False, fp16: bool = False,
+                        torch_dtype: str | None = None, generation_dtype: str | None = None,
+                        matmul_dtype: str | None = None) -> None:
+    """Warn (SlowPrecisionWarning) when the config fields given ask for bf16/fp16 on a device
+    without native support for it, saying what it costs and what to use instead."""
+    slow = slow_precision_requests(device, bf16=bf16, fp16=fp16, torch_dtype=torch_dtype,
+                                   generation_dtype=generation_dtype, matmul_dtype=matmul_dtype)
     if not slow:
         return
     where = "this GPU" if torch.device(device).type == "cuda" else (
@@ -208,18 +219,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def resolve_generation_dtype(args, policy_dtype: torch.dtype, device, *, built_in: bool,
-                             lean: tuple | None, decode_multiply_adds: float,
-                             announce: bool) -> str | None:
-    """The generation_dtype a run samples in (the config is left as it is): 'auto' becomes
-    bfloat16 or None (auto_generation_dtype; said in one line when `announce` and it is bfloat16,
-    or when the batch alone kept float32). An explicit one and num_speculative_tokens need the
-    lean forward on this model. lean: lean_forward_for's (forward, reason), None when not probed
-    (generation_dtype_needs_lean says when to probe); built_in: cppo's sampler on the lean forward
-    samples the round."""
-    wants = lean_forward_wants(args)
+def resolve_generation_dtype(sampling: SamplingSection, policy_dtype: torch.dtype, device, *,
+                             use_vllm: bool, built_in: bool, lean: tuple | None,
+                             decode_multiply_adds: float, announce: bool) -> str | None:
+    """The generation_dtype a run samples in (`sampling` is left as it is; use_vllm: vLLM samples):
+    'auto' becomes bfloat16 or None (auto_generation_dtype; said in one line when `announce` and it
+    is bfloat16, or when the batch alone kept float32). An explicit one and num_speculative_tokens
+    need the lean forward on this model. lean: lean_forward_for's (forward, reason), None when not
+    probed (generation_dtype_needs_lean says when to probe); built_in: cppo's sampler on the lean
+    forward samples the round."""
+    wants = lean_forward_wants(sampling, use_vllm)
     forward, reason = lean or (None, None)
-    resolved = args.generation_dtype
+    resolved = sampling.generation_dtype
     if resolved == "auto":
         copy = built_in and forward is not None
         work = decode_multiply_adds if copy else 0
@@ -239,30 +250,33 @@ def resolve_generation_dtype(args, policy_dtype: torch.dtype, device, *, built_i
     return resolved
 
 
-def lean_forward_wants(args) -> list[str]:
-    """The generation settings that need the lean forward on the model, as the config says them."""
-    wants = [f"'generation_dtype' is {args.generation_dtype!r}"] \
-        if args.generation_dtype and args.generation_dtype != "auto" else []
-    if args.num_speculative_tokens and not args.use_vllm:
-        wants.append(f"'num_speculative_tokens' is {args.num_speculative_tokens}")
+def lean_forward_wants(sampling: SamplingSection, use_vllm: bool) -> list[str]:
+    """The generation settings that need the lean forward on the model, as the config says them
+    (use_vllm: vLLM samples)."""
+    wants = [f"'generation_dtype' is {sampling.generation_dtype!r}"] \
+        if sampling.generation_dtype and sampling.generation_dtype != "auto" else []
+    if sampling.num_speculative_tokens and not use_vllm:
+        wants.append(f"'num_speculative_tokens' is {sampling.num_speculative_tokens}")
     return wants
 
 
-def resolve_matmul_dtype(args, policy_dtype: torch.dtype, device, *, lean: tuple | None,
-                         micro_batch_multiply_adds: float, announce: bool) -> str | None:
-    """The matmul_dtype the training passes run in (the config is left as it is): 'auto'
-    becomes bfloat16 or None (auto_matmul_dtype; said in one line when `announce` and it is
-    bfloat16); an explicit one needs the lean forward to run this model's training passes.
-    lean: lean_forward_for's (forward, reason) (None only when matmul_dtype is None)."""
-    if args.matmul_dtype is None:
+def resolve_matmul_dtype(matmul_dtype: str | None, policy_dtype: torch.dtype, device, *,
+                         autocast: bool, lean: tuple | None, micro_batch_multiply_adds: float,
+                         announce: bool) -> str | None:
+    """The matmul_dtype the training passes run in (the config's value, left as it is): 'auto'
+    becomes bfloat16 or None (auto_matmul_dtype; None when the passes autocast, bf16 or fp16;
+    said in one line when `announce` and it is bfloat16); an explicit one needs the lean forward
+    to run this model's training passes. lean: lean_forward_for's (forward, reason) (None only
+    when matmul_dtype is None)."""
+    if matmul_dtype is None:
         return None
     forward, reason = lean
-    if args.matmul_dtype != "auto":
+    if matmul_dtype != "auto":
         if forward is None:
-            raise ConfigError(f"'matmul_dtype' is {args.matmul_dtype!r}, which needs the lean "
+            raise ConfigError(f"'matmul_dtype' is {matmul_dtype!r}, which needs the lean "
                               f"forward, but it does not run this model's training passes: {reason}")
-        return args.matmul_dtype
-    resolved = None if args.bf16 or args.fp16 else auto_matmul_dtype(
+        return matmul_dtype
+    resolved = None if autocast else auto_matmul_dtype(
         policy_dtype, device, forward is not None, micro_batch_multiply_adds)
     if resolved and announce:
         print(f"matmul_dtype: auto -> {resolved}: the training passes' Linear matmuls run in "
@@ -272,28 +286,44 @@ def resolve_matmul_dtype(args, policy_dtype: torch.dtype, device, *, lean: tuple
     return resolved
 
 
-def run_dtypes(args, policy, device, *, engine, built_in: bool, questions_per_step: int,
-               announce: bool) -> tuple[str | None, str | None]:
-    """generation_dtype and matmul_dtype as a run uses them, 'auto' resolved from the device and
-    one decode step's (the completions decoded together) and one micro-batch's linear-layer
-    work; built_in: cppo's sampler on the lean forward samples the rounds; the probe of the lean
-    forward for sampling runs on the engine's gathered weights."""
-    from cppo.models.lean import lean_forward_for
+def _multiply_adds_per_token(policy) -> int:
     from cppo.parallel.memory import ModelShape
+    return ModelShape.from_config(policy.config).multiply_adds_per_token()
+
+
+def run_generation_dtype(sampling: SamplingSection, policy, device, *, engine, use_vllm: bool,
+                         built_in: bool, questions_per_step: int, announce: bool) -> str | None:
+    """generation_dtype as a run uses it, 'auto' resolved from the device and one decode step's
+    work (the completions decoded together); built_in: cppo's sampler on the lean forward samples
+    the rounds; use_vllm: vLLM samples; the probe of the lean forward for sampling runs on the
+    engine's gathered weights. Resolved before run_matmul_dtype (whose line it says first)."""
+    from cppo.models.lean import lean_forward_for
     dtype = next(policy.parameters()).dtype
     probe = None
-    if lean_forward_wants(args) or (args.generation_dtype == "auto" and built_in):
+    if lean_forward_wants(sampling, use_vllm) or (sampling.generation_dtype == "auto" and built_in):
         with engine.gathered():   # the sampler runs on the gathered weights
             probe = lean_forward_for(policy)
-    per_token = ModelShape.from_config(policy.config).multiply_adds_per_token()
-    decoded = questions_per_step * args.num_generations
-    if args.generation_chunk_size:
-        decoded = min(decoded, args.generation_chunk_size)
-    generation = resolve_generation_dtype(args, dtype, device, built_in=built_in, lean=probe,
-                                          decode_multiply_adds=decoded * per_token, announce=announce)
+    per_token = _multiply_adds_per_token(policy)
+    decoded = questions_per_step * sampling.num_generations
+    if sampling.generation_chunk_size:
+        decoded = min(decoded, sampling.generation_chunk_size)
+    return resolve_generation_dtype(sampling, dtype, device, use_vllm=use_vllm, built_in=built_in,
+                                    lean=probe, decode_multiply_adds=decoded * per_token,
+                                    announce=announce)
+
+
+def run_matmul_dtype(sampling: SamplingSection, policy, device, *, lean_forward: bool,
+                     autocast: bool, per_device_train_batch_size: int, announce: bool
+                     ) -> str | None:
+    """matmul_dtype as a run uses it, 'auto' resolved from the device and one micro-batch's
+    linear-layer work (per_device_train_batch_size x max_completion_length tokens); lean_forward:
+    the config's; autocast: bf16 or fp16."""
+    from cppo.models.lean import lean_forward_for
+    dtype = next(policy.parameters()).dtype
+    per_token = _multiply_adds_per_token(policy)
     lean = None
-    if args.matmul_dtype is not None:
-        lean = lean_forward_for(policy) if args.lean_forward else (None, "lean_forward is false")
-    work = args.per_device_train_batch_size * args.max_completion_length * per_token
-    return generation, resolve_matmul_dtype(args, dtype, device, lean=lean, announce=announce,
-                                            micro_batch_multiply_adds=work)
+    if sampling.matmul_dtype is not None:
+        lean = lean_forward_for(policy) if lean_forward else (None, "lean_forward is false")
+    work = per_device_train_batch_size * sampling.max_completion_length * per_token
+    return resolve_matmul_dtype(sampling.matmul_dtype, dtype, device, autocast=autocast, lean=lean,
+                                announce=announce, micro_batch_multiply_adds=work)

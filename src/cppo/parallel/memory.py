@@ -23,10 +23,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 import torch
 
 from cppo.errors import ConfigError
 from cppo.models.loading import torch_dtype
+
+if TYPE_CHECKING:
+    from cppo.config.sections import SamplingSection
 
 
 GIB = 2**30
@@ -50,16 +54,16 @@ class ModelShape:
     vocab_size: int
 
     @classmethod
-    def from_config(cls, config) -> "ModelShape":
-        """From a transformers config (a multimodal one's text_config is used)."""
-        config = getattr(config, "text_config", None) or config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(num_layers=config.num_hidden_layers, num_heads=heads,
-                   num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim=head_dim, hidden_size=config.hidden_size,
-                   intermediate_size=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
-                   vocab_size=config.vocab_size)
+    def from_config(cls, model_config) -> "ModelShape":
+        """From a transformers model config (a multimodal one's text_config is used)."""
+        c = getattr(model_config, "text_config", None) or model_config
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return cls(num_layers=c.num_hidden_layers, num_heads=heads,
+                   num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                   head_dim=head_dim, hidden_size=c.hidden_size,
+                   intermediate_size=getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
+                   vocab_size=c.vocab_size)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 (k and v) x layers x kv_heads x head_dim x dtype bytes."""
@@ -246,20 +250,22 @@ def check_batch_settings(sizes: BatchSizes, *, per_device_train_batch_size: int,
             f"{sizes.generation}, or None to use the largest that fits")
 
 
-def check_run_batches(sizes: BatchSizes, args, questions_per_step: int, world_size: int,
-                      check_generation_batch_size) -> None:
-    """A run's batch settings against what fits (check_batch_settings), the config's generation
-    batch against the round's completions (`check_generation_batch_size`, the config's check) and
-    the chunks against the processes' questions (cppo.parallel.engines.check_layout)."""
+def check_run_batches(sizes: BatchSizes, sampling: SamplingSection, questions_per_step: int,
+                      world_size: int, check_generation_batch_size, *,
+                      per_device_train_batch_size: int, gradient_checkpointing: bool,
+                      use_vllm: bool) -> None:
+    """A run's batch settings (its `sampling` section and the fields given) against what fits
+    (check_batch_settings), the config's generation batch against the round's completions
+    (`check_generation_batch_size(completions_per_round)`, the config's check) and the chunks
+    against the processes' questions (cppo.parallel.engines.check_layout)."""
     from cppo.parallel.engines import check_layout
-    check_batch_settings(sizes, per_device_train_batch_size=args.per_device_train_batch_size,
-                         max_completion_length=args.max_completion_length,
-                         gradient_checkpointing=args.gradient_checkpointing,
-                         generation_chunk_size=None if args.use_vllm else args.generation_chunk_size)
-    check_generation_batch_size(args, completions_per_round=(
-        questions_per_step * args.num_generations * world_size))
-    check_layout(generation_chunk_size=args.generation_chunk_size,
-                 num_generations=args.num_generations, questions_per_step=questions_per_step,
+    check_batch_settings(sizes, per_device_train_batch_size=per_device_train_batch_size,
+                         max_completion_length=sampling.max_completion_length,
+                         gradient_checkpointing=gradient_checkpointing,
+                         generation_chunk_size=None if use_vllm else sampling.generation_chunk_size)
+    check_generation_batch_size(questions_per_step * sampling.num_generations * world_size)
+    check_layout(generation_chunk_size=sampling.generation_chunk_size,
+                 num_generations=sampling.num_generations, questions_per_step=questions_per_step,
                  world_size=world_size)
 
 

@@ -12,12 +12,15 @@ with a ConfigError-compatible `RewardPreflightError` naming the row, not deep in
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
 from cppo.algorithm import combine_rewards
 from cppo.errors import ConfigError, RewardError, RewardPreflightError, snippet
+
+if TYPE_CHECKING:
+    from cppo.config.sections import DataSection
 
 PREFLIGHT_COMPLETIONS = ("", "0")   # an empty answer and a number: reaches gold parsing too
 
@@ -39,15 +42,15 @@ def check_reward_weights(weights, num_funcs: int) -> None:
                           f"{num_funcs}; give one weight per function")
 
 
-def reward_sources(reward_funcs, args, env_rewards: list, processing_classes=None
+def reward_sources(reward_funcs, data: DataSection, env_rewards: list, processing_classes=None
                    ) -> tuple[list, list[float] | None, object]:
     """The reward functions, their weights and processing classes of a run: the trainer's
-    reward_funcs (None: the config's names; none with environments that score), each
-    environment class's get_reward after them with weight 1 (TRL)."""
-    funcs = reward_funcs if reward_funcs is not None else ([] if env_rewards else args.reward_funcs)
+    reward_funcs (None: data.reward_funcs; none with environments that score) weighted by
+    data.reward_weights, each environment class's get_reward after them with weight 1 (TRL)."""
+    funcs = reward_funcs if reward_funcs is not None else ([] if env_rewards else data.reward_funcs)
     funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
-    check_reward_weights(args.reward_weights, len(funcs))   # before any loading
-    weights = args.reward_weights
+    check_reward_weights(data.reward_weights, len(funcs))   # before any loading
+    weights = data.reward_weights
     if env_rewards:
         extra = len(env_rewards)
         funcs = funcs + env_rewards

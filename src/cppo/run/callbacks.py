@@ -13,15 +13,23 @@ A callback that raises stops the run: the trainer writes a checkpoint and re-rai
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 from cppo.errors import CallbackError
+
+if TYPE_CHECKING:
+    from cppo.config.sections import OptimizationSection, RunSection
 
 
 class Callbacks:
     """Holds the callbacks, the TrainerState and the TrainerControl, and calls the events."""
 
-    def __init__(self, callbacks: Iterable | None, args, *, max_steps: int, is_main: bool,
+    def __init__(self, callbacks: Iterable | None, run: RunSection,
+                 optimization: OptimizationSection, *, event_args, max_steps: int, is_main: bool,
                  is_local_main: bool) -> None:
+        """run, optimization: the config's sections (the TrainerState's logging_steps, eval_steps,
+        save_steps, train_batch_size, num_train_epochs); event_args: what every event gets as
+        `args` (transformers hands callbacks its TrainingArguments: here the run's CPPOConfig),
+        passed on and never read here."""
         from transformers import TrainerCallback, TrainerControl, TrainerState
         self.callbacks = []
         for cb in callbacks or []:
@@ -30,11 +38,11 @@ class Callbacks:
             if not isinstance(cb, TrainerCallback):
                 raise TypeError(f"callbacks: {cb!r} is not a transformers.TrainerCallback")
             self.callbacks.append(cb)
-        self.args = args
-        self.state = TrainerState(max_steps=max_steps, logging_steps=args.logging_steps,
-                                  eval_steps=args.eval_steps, save_steps=args.save_steps,
-                                  train_batch_size=args.per_device_train_batch_size,
-                                  num_train_epochs=args.num_train_epochs,
+        self.args = event_args
+        self.state = TrainerState(max_steps=max_steps, logging_steps=run.logging_steps,
+                                  eval_steps=run.eval_steps, save_steps=run.save_steps,
+                                  train_batch_size=optimization.per_device_train_batch_size,
+                                  num_train_epochs=optimization.num_train_epochs,
                                   is_local_process_zero=is_local_main,
                                   is_world_process_zero=is_main)
         self.control = TrainerControl()

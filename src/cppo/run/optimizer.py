@@ -1,13 +1,17 @@
-"""The optimizer and its learning-rate schedule, from the config."""
+"""The optimizer and its learning-rate schedule, from the config's optimisation section."""
 
 from __future__ import annotations
 
 import inspect
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from cppo.errors import ConfigError
+
+if TYPE_CHECKING:
+    from cppo.config.sections import OptimizationSection
 
 # optim_args keys: torch AdamW's switches, and the numbers the fields set (beta1/beta2 as
 # transformers names them); values are parsed as their type
@@ -48,12 +52,14 @@ def _typed(key: str, value: str, kind: type, text: str):
     raise ConfigError(f"'optim_args' is {text!r}; {key}={value!r} is not a {kind.__name__}")
 
 
-def adamw_kwargs(args) -> dict:
-    """torch AdamW's keyword arguments: the fields, with optim_args over them."""
-    extra = parse_optim_args(args.optim_args)
-    betas = (extra.pop("beta1", args.adam_beta1), extra.pop("beta2", args.adam_beta2))
-    return {"lr": args.learning_rate, "betas": betas, "eps": args.adam_epsilon,
-            "weight_decay": args.weight_decay, **extra}
+def adamw_kwargs(optimization: OptimizationSection) -> dict:
+    """torch AdamW's keyword arguments: the optimisation section's fields, with optim_args over
+    them."""
+    extra = parse_optim_args(optimization.optim_args)
+    betas = (extra.pop("beta1", optimization.adam_beta1),
+             extra.pop("beta2", optimization.adam_beta2))
+    return {"lr": optimization.learning_rate, "betas": betas, "eps": optimization.adam_epsilon,
+            "weight_decay": optimization.weight_decay, **extra}
 
 
 def schedule_arguments(name: str) -> set[str]:
@@ -82,11 +88,11 @@ def check_schedule_kwargs(name: str, kwargs: dict | None) -> None:
                           f"which refuses it: {err}") from None
 
 
-def make_adamw(parameters: list, args) -> torch.optim.AdamW:
+def make_adamw(parameters: list, optimization: OptimizationSection) -> torch.optim.AdamW:
     """AdamW with the fused kernel where torch has one for these tensors (CPU and CUDA floats:
     one kernel instead of a dozen ops per tensor), else the default implementation; optim_args
-    over the fields (an explicit fused/foreach there wins)."""
-    kwargs = adamw_kwargs(args)
+    over the optimisation section's fields (an explicit fused/foreach there wins)."""
+    kwargs = adamw_kwargs(optimization)
     if "fused" in kwargs or "foreach" in kwargs or kwargs.get("differentiable"):
         return torch.optim.AdamW(parameters, **kwargs)
     fusable = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in parameters)
@@ -98,14 +104,15 @@ def make_adamw(parameters: list, args) -> torch.optim.AdamW:
     return torch.optim.AdamW(parameters, **kwargs)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, args, total_steps: int):
+def make_scheduler(optimizer: torch.optim.Optimizer, optimization: OptimizationSection,
+                   total_steps: int):
     """transformers' schedule lr_scheduler_type over total_steps, warmup_ratio of them warming up,
-    with lr_scheduler_kwargs."""
+    with lr_scheduler_kwargs (the optimisation section's fields)."""
     from transformers import get_scheduler
-    return get_scheduler(args.lr_scheduler_type, optimizer,
-                         num_warmup_steps=int(args.warmup_ratio * total_steps),
+    return get_scheduler(optimization.lr_scheduler_type, optimizer,
+                         num_warmup_steps=int(optimization.warmup_ratio * total_steps),
                          num_training_steps=total_steps,
-                         scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs or {}))
+                         scheduler_specific_kwargs=dict(optimization.lr_scheduler_kwargs or {}))
 
 
 def advance_schedule(scheduler, steps: int) -> None:

@@ -123,11 +123,14 @@ class MetricsWindow:
 
 
 class TensorBoardTracker:
-    def __init__(self, output_dir: Path, config: dict | None, run_name: str | None) -> None:
+    """TensorBoard event files under <output_dir>/tensorboard; `values` (the run's settings)
+    shown as a text panel named config."""
+
+    def __init__(self, output_dir: Path, values: dict | None, run_name: str | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
         self.writer = SummaryWriter(str(output_dir / "tensorboard"))
-        if config:
-            self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in config.items()))
+        if values:
+            self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in values.items()))
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for key, value in scalars.items():
@@ -146,12 +149,12 @@ class WandbTracker:
     """Weights & Biases; offline (files under <output_dir>/wandb, `wandb sync` uploads them) unless
     WANDB_MODE says otherwise. Project from WANDB_PROJECT (default 'cppo')."""
 
-    def __init__(self, output_dir: Path, config: dict | None, run_name: str | None) -> None:
+    def __init__(self, output_dir: Path, values: dict | None, run_name: str | None) -> None:
         os.environ.setdefault("WANDB_MODE", "offline")
         import wandb
         self.wandb = wandb
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "cppo"), name=run_name,
-                              dir=str(output_dir), config=config or {})
+                              dir=str(output_dir), config=values or {})
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
@@ -168,11 +171,11 @@ class TrackioTracker:
     show` opens its dashboard). Project from TRACKIO_PROJECT (default 'cppo'); TRACKIO_SPACE_ID, if
     set, also syncs to that Hugging Face Space."""
 
-    def __init__(self, output_dir: Path, config: dict | None, run_name: str | None) -> None:
+    def __init__(self, output_dir: Path, values: dict | None, run_name: str | None) -> None:
         import trackio
         self.trackio = trackio
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "cppo"), name=run_name,
-                                config=config or {}, space_id=os.environ.get("TRACKIO_SPACE_ID"))
+                                config=values or {}, space_id=os.environ.get("TRACKIO_SPACE_ID"))
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.trackio.log(scalars, step=step)
@@ -196,16 +199,16 @@ def _cell(value) -> str:
 
 class MetricsLog:
     """Appends one JSON object per line to metrics.jsonl and sends the numbers to the trackers
-    named in report_to (config: the run's settings, shown by the trackers)."""
+    named in report_to (values: the run's settings as a plain dict, shown by the trackers)."""
 
-    def __init__(self, output_dir: str | Path, report_to: list[str], config: dict | None = None,
+    def __init__(self, output_dir: str | Path, report_to: list[str], values: dict | None = None,
                  run_name: str | None = None) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         check_report_to(report_to)
         self.trackers = {}
         for name in resolve_report_to(report_to):
-            self.trackers[name] = TRACKER_CLASSES[name](Path(output_dir), config, run_name)
+            self.trackers[name] = TRACKER_CLASSES[name](Path(output_dir), values, run_name)
 
     def log(self, record: dict) -> None:
         with self.path.open("a") as fh:

@@ -39,6 +39,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed
@@ -51,7 +52,11 @@ from cppo.errors import ConfigError, GeneratorError, VLLMServerError
 from cppo.sampling.backends import make_backend
 from cppo.sampling.batches import Completions, PromptBatch
 from cppo.sampling.generation import Generation
+from cppo.sampling.settings import BackendSettings
 from cppo.sampling.vllm import server_url, server_weight_metadata, vllm_weights
+
+if TYPE_CHECKING:
+    from cppo.config.sections import AsyncSection
 
 HEARTBEAT_EVERY_S = 0.5   # how often the generator process says it is alive
 START_S = 600.0           # the longest a generator process may take to start (imports, its model)
@@ -115,17 +120,19 @@ class _WholeModel:
     gathered = staticmethod(contextlib.nullcontext)
 
 
-def generator_sampling(tokenizer, args, chunk_size: int, generation_dtype: str | None, model,
+def generator_sampling(tokenizer, settings: BackendSettings, chunk_size: int,
+                       generation_dtype: str | None, record_logprobs: bool, model,
                        engine) -> Generation:
-    """The generator process's Generation: the run's backend on its own model, recording every
-    token's behaviour log-prob when a round may be stale (max_staleness > 0; at 0 the policy that
-    trains on a round sampled it, as in a synchronous run). functools.partial of the first four
-    is GeneratorProcess's build."""
-    backend = make_backend(model, tokenizer, args, chunk_size=chunk_size,
+    """The generator process's Generation: the run's backend (settings: the trainer's) on its
+    own model, recording every token's behaviour log-prob when a round may be stale
+    (record_logprobs: max_staleness > 0; at 0 the policy that trains on a round sampled it, as in
+    a synchronous run). functools.partial of the first five is GeneratorProcess's build."""
+    backend = make_backend(model, tokenizer, settings, chunk_size=chunk_size,
                            generation_dtype=generation_dtype)
-    backend.record_logprobs = args.max_staleness > 0
+    backend.record_logprobs = record_logprobs
+    generation = settings.generation
     return Generation(backend, tokenizer, engine, next(model.parameters()).device, 0,
-                      args.num_generations, args.max_prompt_length, args.seed)
+                      generation.num_generations, generation.max_prompt_length, settings.seed)
 
 
 def sample_round(generation: Generation, task: RolloutTask
@@ -307,15 +314,18 @@ class ServerGenerator(_Generator):
     `/collective_rpc` route: the server runs with VLLM_SERVER_DEV_MODE=1).
 
     backend: a VLLMBackend in server mode built with push_weights=False (make_backend's under
-    async_rollout): the pushes, and the NCCL communicator, are this generator's."""
+    async_rollout): the pushes, and the NCCL communicator, are this generator's; the server,
+    G, the prompt length and the seed are its settings'."""
 
-    def __init__(self, backend, tokenizer, args, weights_dir, *, heartbeat_stale_after_s: float) -> None:
+    def __init__(self, backend, tokenizer, weights_dir, *, heartbeat_stale_after_s: float) -> None:
         if backend.push_weights:
             raise ValueError("ServerGenerator pushes the weights itself: build its backend with "
                              "push_weights=False")
         self.backend = backend
+        settings = backend.settings
         self.generation = Generation(backend, tokenizer, _WholeModel(), torch.device("cpu"), 0,
-                                     args.num_generations, args.max_prompt_length, args.seed)
+                                     settings.generation.num_generations,
+                                     settings.generation.max_prompt_length, settings.seed)
         if not self._push_over_nccl and getattr(backend.model.config, "tie_word_embeddings", False):
             # (over NCCL the server's tied head shares the embedding's storage, which the push
             # refreshes; vLLM's CPU build keeps a repacked copy of the head that a reload leaves)
@@ -324,7 +334,7 @@ class ServerGenerator(_Generator):
                               "(tie_word_embeddings: true in the model's config); use "
                               "use_vllm: false (cppo's generator process) for this model")
         self.weights_dir = Path(weights_dir)
-        self.url = server_url(args)
+        self.url = server_url(settings.vllm)
         # latest: (version, folder or (metadata, tensors)) pushed and not yet sent; loaded: the
         # server's version (-1: the weights it started with)
         self.lock, self.latest, self.loaded, self.communicating = threading.Lock(), None, -1, False
@@ -591,39 +601,43 @@ class RolloutScheduler:
         self.generator.close()
 
 
-def start_rollouts(tokenizer, args, *, version: int, chunk_size: int,
-                   generation_dtype: str | None, questions_per_round: int, backend,
-                   weights_dir: Path, dist, engine) -> RolloutScheduler:
-    """The generator (cppo's sampler in its own process; with use_vllm, the vLLM server that
-    `backend` talks to), held by the first training process, on the policy's weights as
-    `version`, and this process's scheduler: rounds ahead as max_staleness,
-    max_inflight_tasks and queue_maxsize allow (questions_per_round: each process's). engine:
-    the policy's (cppo.parallel.engines.Engine; call check_async_launch first)."""
-    policy, generator = engine.policy, None
-    if dist.is_main and args.use_vllm:
-        generator = ServerGenerator(backend, tokenizer, args, weights_dir,
-                                    heartbeat_stale_after_s=args.heartbeat_stale_after_s)
+def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_round: int,
+                   questions_per_round: int, backend, weights_dir: Path, dist,
+                   engine) -> RolloutScheduler:
+    """The generator (cppo's sampler in its own process, built as the trainer's `backend` is:
+    its settings, chunk size and sampling dtype; with use_vllm, the vLLM server that `backend`
+    talks to), held by the first training process, on the policy's weights as `version`, and
+    this process's scheduler: rounds ahead as max_staleness, max_inflight_tasks and
+    queue_maxsize allow (rollout: the config's async section; steps_per_round: optimizer steps
+    per generation round; questions_per_round: each process's). engine: the policy's
+    (cppo.parallel.engines.Engine; call check_async_launch first)."""
+    policy, generator, settings = engine.policy, None, backend.settings
+    use_vllm = settings.vllm.use_vllm
+    if dist.is_main and use_vllm:
+        generator = ServerGenerator(backend, tokenizer, weights_dir,
+                                    heartbeat_stale_after_s=rollout.heartbeat_stale_after_s)
     elif dist.is_main:
-        build = functools.partial(generator_sampling, tokenizer, args, chunk_size, generation_dtype)
+        build = functools.partial(generator_sampling, tokenizer, settings, backend.chunk_size,
+                                  backend.generation_dtype, rollout.max_staleness > 0)
         generator = GeneratorProcess(policy, build,
-                                     threads=args.generator_threads or torch.get_num_threads(),
-                                     heartbeat_stale_after_s=args.heartbeat_stale_after_s,
-                                     cpus=args.generator_cpus)
+                                     threads=rollout.generator_threads or torch.get_num_threads(),
+                                     heartbeat_stale_after_s=rollout.heartbeat_stale_after_s,
+                                     cpus=rollout.generator_cpus)
     share = ProcessShare(generator, dist, dist.device, engine.gathered)
     questions = questions_per_round * dist.world_size
-    waiting = args.queue_maxsize // (questions * args.num_generations)
-    in_flight = min(rounds_in_flight(args.max_inflight_tasks, args.max_staleness, questions),
+    waiting = rollout.queue_maxsize // (questions * settings.generation.num_generations)
+    in_flight = min(rounds_in_flight(rollout.max_inflight_tasks, rollout.max_staleness, questions),
                     1 + waiting)   # + the one trained next
-    scheduler = RolloutScheduler(share, lookahead_rounds(args.max_staleness, args.steps_per_round,
-                                                         in_flight, args.weight_sync_steps),
-                                 args.max_staleness, rank=dist.rank)
-    scheduler.sync(policy, version, args.weight_sync_steps)
+    scheduler = RolloutScheduler(share, lookahead_rounds(rollout.max_staleness, steps_per_round,
+                                                         in_flight, rollout.weight_sync_steps),
+                                 rollout.max_staleness, rank=dist.rank)
+    scheduler.sync(policy, version, rollout.weight_sync_steps)
     if dist.is_main:
-        where = "" if args.use_vllm else f" (cores {args.generator_cpus or 'shared'})"
+        where = "" if use_vllm else f" (cores {rollout.generator_cpus or 'shared'})"
         trainers = f", {dist.world_size} training processes" if dist.active else ""
         print(f"async_rollout: {share.name}{where}{trainers}, {scheduler.lookahead} round(s) "
-              f"sampled ahead, max_staleness {args.max_staleness}, weights pushed every "
-              f"{args.weight_sync_steps} step(s)", flush=True)
+              f"sampled ahead, max_staleness {rollout.max_staleness}, weights pushed every "
+              f"{rollout.weight_sync_steps} step(s)", flush=True)
     return scheduler
 
 

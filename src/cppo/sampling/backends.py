@@ -18,7 +18,7 @@ per process).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -27,8 +27,11 @@ from cppo.models.lean import lean_forward_for
 from cppo.models.loading import torch_dtype
 from cppo.sampling.batches import Completions, PromptBatch, concat_completions
 from cppo.sampling.sampler import Decoding, chunk_seed, sample_completions
-from cppo.sampling.settings import SamplingSettings
+from cppo.sampling.settings import BackendSettings, SamplingSettings
 from cppo.sampling.speculative import Speculation
+
+if TYPE_CHECKING:
+    from cppo.config.sections import SamplingSection
 
 
 class GenerationBackend(Protocol):
@@ -53,16 +56,17 @@ class GenerationBackend(Protocol):
 class TransformersBackend:
     """Sample with the policy (any transformers causal LM) through cppo.sampling.sampler's sampler."""
 
-    def __init__(self, model, tokenizer, args, chunk_size: int | None = None,
+    def __init__(self, model, tokenizer, settings: BackendSettings, chunk_size: int | None = None,
                  sampling: SamplingSettings | None = None, generation_dtype: str | None = "config"
                  ) -> None:
-        """generation_dtype: the resolved dtype of the sampling copy (None: the policy's own;
-        "config": the config's, which must not be "auto" then)."""
-        self.model, self.tokenizer, self.args = model, tokenizer, args
+        """settings: the run's (its generation section, seed, lean_forward); generation_dtype:
+        the resolved dtype of the sampling copy (None: the policy's own; "config": the
+        generation section's, which must not be "auto" then)."""
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.chunk_size = chunk_size   # completions decoded together (None: all at once)
-        self.sampling = sampling or SamplingSettings.of(args)
-        self.generation_dtype = args.generation_dtype if generation_dtype == "config" \
-            else generation_dtype
+        self.sampling = sampling or SamplingSettings.of(settings.generation)
+        self.generation_dtype = settings.generation.generation_dtype \
+            if generation_dtype == "config" else generation_dtype
         self.record_logprobs = False   # asynchronous rollouts: the behaviour log-probs, always
 
     def sync_weights(self, round_index: int, probe: list[int]) -> None:
@@ -75,35 +79,38 @@ class TransformersBackend:
         """Nothing to end."""
 
     def questions_per_chunk(self, num_questions: int, group_size: int | None = None) -> int:
-        return questions_per_chunk(self.chunk_size, group_size or self.args.num_generations,
+        return questions_per_chunk(self.chunk_size,
+                                   group_size or self.settings.generation.num_generations,
                                    num_questions)
 
     def generate(self, prompts: PromptBatch, *, round_index: int, question_offset: int = 0,
                  num_generations: int | None = None, stage: int = 1) -> Completions:
-        """num_generations: completions per prompt (None: args.num_generations); stage 2 (the
-        second stage of two_stage_generations) samples from its own seeds."""
-        args, tok = self.args, self.tokenizer
-        group = num_generations or args.num_generations
+        """num_generations: completions per prompt (None: the generation section's); stage 2
+        (the second stage of two_stage_generations) samples from its own seeds."""
+        settings, generation, tok = self.settings, self.settings.generation, self.tokenizer
+        group = num_generations or generation.num_generations
         round_key = round_index if stage == 1 else f"{round_index}/stage{stage}"
         device = next(self.model.parameters()).device
         per_chunk = self.questions_per_chunk(len(prompts), group)
-        decoding = Decoding(lean=args.lean_forward, dtype=torch_dtype(self.generation_dtype),
-                            speculative=speculation(args), share_prefixes=args.share_prefixes,
+        decoding = Decoding(lean=settings.lean_forward, dtype=torch_dtype(self.generation_dtype),
+                            speculative=speculation(generation),
+                            share_prefixes=generation.share_prefixes,
                             record_logprobs=self.record_logprobs)
         parts = []
         was_training = self.model.training
         # dropout off for sampling; the lean forward has none, so the mode is left as it is
-        toggle = was_training and not (args.lean_forward and lean_forward_for(self.model)[0] is not None)
+        toggle = was_training and not (settings.lean_forward and
+                                       lean_forward_for(self.model)[0] is not None)
         if toggle:
             self.model.eval()
         try:
             for start in range(0, len(prompts), per_chunk):
                 generator = torch.Generator(device=device).manual_seed(
-                    chunk_seed(args.seed, round_key, question_offset + start))
+                    chunk_seed(settings.seed, round_key, question_offset + start))
                 chunk = prompts.select(slice(start, start + per_chunk))
                 parts.append(sample_completions(
                     self.model, chunk, num_generations=group,
-                    max_new_tokens=args.max_completion_length, eos_token_id=tok.eos_token_id,
+                    max_new_tokens=generation.max_completion_length, eos_token_id=tok.eos_token_id,
                     pad_token_id=tok.pad_token_id, sampling=self.sampling,
                     generator=generator, decoding=decoding))
         finally:
@@ -112,27 +119,31 @@ class TransformersBackend:
         return concat_completions(parts, tok.pad_token_id)
 
 
-def speculation(args) -> Speculation | None:
-    """The built-in sampler's speculative settings from a config (None: off)."""
-    k = getattr(args, "num_speculative_tokens", 0)
-    return Speculation(k, args.prompt_lookup_max, args.prompt_lookup_min) if k else None
+def speculation(generation: SamplingSection) -> Speculation | None:
+    """The built-in sampler's speculative settings from the config's generation section (None:
+    off)."""
+    k = getattr(generation, "num_speculative_tokens", 0)
+    return Speculation(k, generation.prompt_lookup_max, generation.prompt_lookup_min) if k else None
 
 
-def speculation_slots(args) -> int:
+def speculation_slots(generation: SamplingSection) -> int:
     """Extra KV-cache slots per completion the speculative sampler keeps for rejected drafts."""
-    spec = speculation(args)
+    spec = speculation(generation)
     return spec.slack if spec is not None else 0
 
 
-def make_backend(model, tokenizer, args, chunk_size: int | None = None,
+def make_backend(model, tokenizer, settings: BackendSettings, chunk_size: int | None = None,
                  sampling: SamplingSettings | None = None,
-                 generation_dtype: str | None = "config") -> GenerationBackend:
-    """chunk_size: completions the built-in sampler decodes together (the trainer derives it
-    from the memory budget); vLLM schedules its own batches. sampling: the settings every
-    sampler draws with (None: the config's); generation_dtype: the resolved sampling dtype."""
-    sampling = sampling or SamplingSettings.of(args)
-    if args.use_vllm:
+                 generation_dtype: str | None = "config", *,
+                 push_weights: bool = True) -> GenerationBackend:
+    """settings: the run's (settings.vllm.use_vllm picks vLLM). chunk_size: completions the
+    built-in sampler decodes together (the trainer derives it from the memory budget); vLLM
+    schedules its own batches. sampling: the settings every sampler draws with (None: the
+    generation section's); generation_dtype: the resolved sampling dtype; push_weights: vLLM
+    takes the policy's weights before each round (False under async_rollout: the generator
+    pushes them)."""
+    sampling = sampling or SamplingSettings.of(settings.generation)
+    if settings.vllm.use_vllm:
         from cppo.sampling.vllm import VLLMBackend
-        return VLLMBackend(model, tokenizer, args, sampling=sampling,   # async: the generator pushes
-                           push_weights=not getattr(args, "async_rollout", False))
-    return TransformersBackend(model, tokenizer, args, chunk_size, sampling, generation_dtype)
+        return VLLMBackend(model, tokenizer, settings, sampling=sampling, push_weights=push_weights)
+    return TransformersBackend(model, tokenizer, settings, chunk_size, sampling, generation_dtype)

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from cppo.errors import ConfigError, VLLMServerError, VLLMUnavailableError
 from cppo.models.loading import dense_dtype_and_shape, dense_weight
+from cppo.models.lora import check_dora_push
 from cppo.parallel.memory import GIB, device_memory_bytes, round_kv_cache_bytes
 from cppo.parallel.processes import drain_collective_threads, free_port
 from cppo.sampling.batches import Completions, PromptBatch, completions_from_token_lists
 from cppo.sampling.logprobs import completion_logprobs
 from cppo.sampling.sampler import chunk_seed
-from cppo.sampling.settings import SamplingSettings
+from cppo.sampling.settings import BackendSettings, SamplingSettings
+
+if TYPE_CHECKING:
+    from cppo.config.sections import SamplingSection, VLLMSection
 
 
 def vllm_weight_name(name: str) -> str | None:
@@ -41,9 +46,7 @@ def lora_delta(module) -> torch.Tensor | None:
         return None
     adapters = [a for a in module.active_adapters
                 if a in module.lora_A and a not in getattr(module, "merged_adapters", ())]
-    if any(getattr(module, "use_dora", {}).get(a, False) for a in adapters):
-        raise ConfigError("a DoRA adapter cannot be pushed to vLLM as a weight delta; use LoRA "
-                          "(use_dora: false) with use_vllm")
+    check_dora_push(any(getattr(module, "use_dora", {}).get(a, False) for a in adapters), vllm=True)
     deltas = [module.get_delta_weight(a) for a in adapters]
     return sum(deltas) if deltas else None
 
@@ -71,27 +74,28 @@ def vllm_weights(model):
     yield weights()
 
 
-def server_url(args) -> str:
-    return args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+def server_url(vllm: VLLMSection) -> str:
+    """The server's address from the config's vLLM section."""
+    return vllm.vllm_server_base_url or f"http://{vllm.vllm_server_host}:{vllm.vllm_server_port}"
 
 
-def connect_server(args):
-    """TRL's VLLMClient on the configured server (`trl vllm-serve`, or vLLM's server with TRL's
-    flags); a server that does not answer within vllm_server_timeout seconds is a VLLMServerError
-    naming the address and the fields that set it."""
+def connect_server(vllm: VLLMSection):
+    """TRL's VLLMClient on the server the vLLM section names (`trl vllm-serve`, or
+    vLLM's server with TRL's flags); a server that does not answer within vllm_server_timeout
+    seconds is a VLLMServerError naming the address and the fields that set it."""
     try:
         from trl.generation.vllm_client import VLLMClient
     except ImportError as err:
         raise VLLMUnavailableError("vllm_mode: server talks to `trl vllm-serve` through TRL's "
                                    f"VLLMClient: pip install trl (import failed: {err})") from err
-    url = server_url(args)
+    url = server_url(vllm)
     try:
-        return VLLMClient(base_url=url, group_port=args.vllm_group_port,
-                          connection_timeout=args.vllm_server_timeout)
+        return VLLMClient(base_url=url, group_port=vllm.vllm_group_port,
+                          connection_timeout=vllm.vllm_server_timeout)
     except (ConnectionError, OSError) as err:
         raise VLLMServerError(
             f"vllm_mode: server: no vLLM server answered at {url} within vllm_server_timeout = "
-            f"{args.vllm_server_timeout} s: start one (`trl vllm-serve --model <the model>`), or "
+            f"{vllm.vllm_server_timeout} s: start one (`trl vllm-serve --model <the model>`), or "
             f"point vllm_server_base_url (or vllm_server_host / vllm_server_port) at it "
             f"({type(err).__name__}: {err})") from err
 
@@ -110,13 +114,15 @@ def _owner(model, name: str):
     return model.get_submodule(name.rpartition(".")[0])
 
 
-def sampling_kwargs(args, sampling: SamplingSettings | None = None) -> dict:
+def sampling_kwargs(generation: SamplingSection, sampling: SamplingSettings | None = None
+                    ) -> dict:
     """vLLM SamplingParams (and TRL server) arguments for one prompt's G completions. logprobs=0
-    returns the sampled token's log-prob (after the repetition penalty, temperature, top-k,
-    top-p, min-p: the engine runs with logprobs_mode='processed_logprobs'), which the
-    importance-sampling correction needs. sampling: the run's settings (None: the config's)."""
-    return dict(n=args.num_generations, **(sampling or SamplingSettings.of(args)).vllm_kwargs(),
-                max_tokens=args.max_completion_length, logprobs=0)
+    returns the sampled token's log-prob (after the repetition penalty, temperature, top-k, top-p,
+    min-p: the engine runs with logprobs_mode='processed_logprobs'), which the importance-sampling
+    correction needs. sampling: the run's settings (None: the generation section's)."""
+    return dict(n=generation.num_generations,
+                **(sampling or SamplingSettings.of(generation)).vllm_kwargs(),
+                max_tokens=generation.max_completion_length, logprobs=0)
 
 
 def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
@@ -151,22 +157,24 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def model_max_positions(config) -> int | None:
-    config = getattr(config, "text_config", None) or config
-    return getattr(config, "max_position_embeddings", None)
+def model_max_positions(model_config) -> int | None:
+    """A transformers model config's max_position_embeddings (its text config's, for a
+    multimodal one; None: it declares none)."""
+    model_config = getattr(model_config, "text_config", None) or model_config
+    return getattr(model_config, "max_position_embeddings", None)
 
 
-def vllm_max_model_len(args, model_config) -> int:
+def vllm_max_model_len(vllm: VLLMSection, generation: SamplingSection, model_config) -> int:
     """vllm_max_model_length, or max_prompt_length + max_completion_length capped at the model's
     max_position_embeddings (vLLM refuses longer); a set value above that is a ConfigError."""
     limit = model_max_positions(model_config)
-    if args.vllm_max_model_length is not None:
-        if limit is not None and args.vllm_max_model_length > limit:
+    if vllm.vllm_max_model_length is not None:
+        if limit is not None and vllm.vllm_max_model_length > limit:
             raise ConfigError(
-                f"'vllm_max_model_length' is {args.vllm_max_model_length}, above the model's "
+                f"'vllm_max_model_length' is {vllm.vllm_max_model_length}, above the model's "
                 f"max_position_embeddings = {limit}: set it to <= {limit}, or None (derived)")
-        return args.vllm_max_model_length
-    want = (args.max_prompt_length or 2048) + args.max_completion_length
+        return vllm.vllm_max_model_length
+    want = (generation.max_prompt_length or 2048) + generation.max_completion_length
     return want if limit is None else min(want, limit)
 
 
@@ -231,34 +239,37 @@ def process_state_kept():
                 os.environ[key] = value
 
 
-def cpu_kv_cache_bytes(args, model_config, dtype: torch.dtype, max_model_len: int,
-                       ram_bytes: int) -> int:
+def cpu_kv_cache_bytes(settings: BackendSettings, model_config, dtype: torch.dtype,
+                       max_model_len: int, ram_bytes: int) -> int:
     """The KV cache vLLM's CPU build gets for one generation round of this run
-    (memory.round_kv_cache_bytes), within vllm_gpu_memory_utilization of the RAM."""
+    (memory.round_kv_cache_bytes: questions_per_step x G sequences), within
+    vllm_gpu_memory_utilization of the RAM."""
     return round_kv_cache_bytes(
         model_config, dtype, max_model_len=max_model_len, ram_bytes=ram_bytes,
-        sequences=args.step_plan().questions_per_step * args.num_generations,
-        ram_fraction=args.vllm_gpu_memory_utilization)
+        sequences=settings.questions_per_step * settings.generation.num_generations,
+        ram_fraction=settings.vllm.vllm_gpu_memory_utilization)
 
 
-def vllm_engine_bytes(args, policy, device, device_bytes: int) -> int:
+def vllm_engine_bytes(settings: BackendSettings, policy, device, device_bytes: int) -> int:
     """What a colocated vLLM engine keeps on this device while the trainer's passes run (0 without
     one). CUDA: vllm_gpu_memory_utilization of the device, its weights and KV cache -- 0 with
     vllm_enable_sleep_mode, which releases both after each generation (level 2). vLLM's CPU build
     (no sleep mode): its copy of the weights plus its KV cache (VLLM_CPU_KVCACHE_SPACE GiB when
     set, else what cpu_kv_cache_bytes gives it)."""
-    if not (args.use_vllm and args.vllm_mode == "colocate"):
+    vllm = settings.vllm
+    if not (vllm.use_vllm and vllm.vllm_mode == "colocate"):
         return 0
     if getattr(device, "type", device) == "cuda":
-        return 0 if args.vllm_enable_sleep_mode else int(args.vllm_gpu_memory_utilization * device_bytes)
+        return 0 if vllm.vllm_enable_sleep_mode else int(vllm.vllm_gpu_memory_utilization * device_bytes)
     dtype = next(policy.parameters()).dtype
     weights = sum(p.numel() for p in policy.parameters()) * next(policy.parameters()).element_size()
     space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if space:
         cache = int(float(space) * GIB)
     else:
-        cache = cpu_kv_cache_bytes(args, policy.config, dtype, vllm_max_model_len(args, policy.config),
-                                   device_memory_bytes("cpu"))
+        cache = cpu_kv_cache_bytes(
+            settings, policy.config, dtype,
+            vllm_max_model_len(vllm, settings.generation, policy.config), device_memory_bytes("cpu"))
     return weights + cache
 
 
@@ -286,22 +297,26 @@ class VLLMBackend:
 
     PROBE_TOKENS = 4
 
-    def __init__(self, model, tokenizer, args, vllm=None, client=None, push_weights: bool = True,
-                 sampling: SamplingSettings | None = None) -> None:
+    def __init__(self, model, tokenizer, settings: BackendSettings, vllm=None, client=None,
+                 push_weights: bool = True, sampling: SamplingSettings | None = None) -> None:
+        """settings: the run's (its vLLM and generation sections, seed, ...); vllm: the vllm
+        module (None: imported); client: a server's client (None: settings' server, or the
+        colocated engine); sampling: the settings it draws with (None: the generation
+        section's)."""
         if vllm is None and client is None:
             vllm = import_vllm()
-        self.vllm, self.model, self.tokenizer, self.args = vllm, model, tokenizer, args
-        self.sampling = sampling or SamplingSettings.of(args)
+        self.vllm, self.model, self.tokenizer, self.settings = vllm, model, tokenizer, settings
+        self.sampling = sampling or SamplingSettings.of(settings.generation)
         self.synced_round: int | None = None
         self.sleeping = False
         self.llm, self.client = None, client
         self.eos_ids = eos_token_ids(model, tokenizer)
-        self.max_model_len = vllm_max_model_len(args, model.config)
+        self.max_model_len = vllm_max_model_len(settings.vllm, settings.generation, model.config)
         self.sleep_mode = False
         self.started_world_group = False
         self.rank = 0
-        if args.vllm_mode == "colocate" and client is None:
-            self.sleep_mode = args.vllm_enable_sleep_mode and self._platform_has_sleep()
+        if settings.vllm.vllm_mode == "colocate" and client is None:
+            self.sleep_mode = settings.vllm.vllm_enable_sleep_mode and self._platform_has_sleep()
             had_group = torch.distributed.is_initialized()
             with one_process_launcher(), process_state_kept():
                 self.llm = vllm.LLM(**self.engine_kwargs())
@@ -311,7 +326,7 @@ class VLLMBackend:
                 self.llm.sleep(level=2)   # the weights are pushed before the first round anyway
                 self.sleeping = True
         else:
-            self.client = client if client is not None else connect_server(args)
+            self.client = client if client is not None else connect_server(settings.vllm)
             self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             if push_weights and self.rank == 0:   # one process pushes, as in TRL
                 device = self.push_device()
@@ -330,7 +345,7 @@ class VLLMBackend:
 
     def _check_server_logprobs(self) -> None:
         """TRL's check: the importance-sampling correction needs processed log-probs."""
-        if not (self.args.importance_sampling_correction and self.rank == 0):
+        if not (self.settings.importance_sampling_correction and self.rank == 0):
             return
         try:
             mode = self.client.get_server_info()["model_config"]["logprobs_mode"]
@@ -383,16 +398,17 @@ class VLLMBackend:
         return next(self.model.parameters()).dtype
 
     def engine_kwargs(self) -> dict:
-        args, platform = self.args, self._platform()
+        settings, section, platform = self.settings, self.settings.vllm, self._platform()
         kwargs = dict(model=self.model.config._name_or_path,   # structured outputs read tokens
-                      skip_tokenizer_init=args.vllm_structured_outputs_regex is None,
+                      skip_tokenizer_init=section.vllm_structured_outputs_regex is None,
                       dtype=str(self.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
                       enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True,
-                      seed=args.seed, distributed_executor_backend="external_launcher",
+                      seed=settings.seed, distributed_executor_backend="external_launcher",
                       logprobs_mode="processed_logprobs", disable_log_stats=True,
-                      model_impl=args.vllm_model_impl,
-                      tensor_parallel_size=args.vllm_tensor_parallel_size,
-                      revision=args.model_revision, trust_remote_code=args.trust_remote_code)
+                      model_impl=section.vllm_model_impl,
+                      tensor_parallel_size=section.vllm_tensor_parallel_size,
+                      revision=settings.model_revision,
+                      trust_remote_code=settings.trust_remote_code)
         if platform.is_cpu():
             kwargs["enforce_eager"] = True   # no inductor compile at start-up
             # a prompt prefilled over two steps has its first sample discarded, and vLLM then
@@ -404,10 +420,10 @@ class VLLMBackend:
                                                    SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS)
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):   # vLLM's own setting wins
                 kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
-                    args, self.model.config, self.dtype, self.max_model_len,
+                    settings, self.model.config, self.dtype, self.max_model_len,
                     device_memory_bytes(torch.device("cpu")))
         else:
-            kwargs["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+            kwargs["gpu_memory_utilization"] = section.vllm_gpu_memory_utilization
         return kwargs
 
     def sync_weights(self, round_index: int, probe: list[int]) -> None:
@@ -443,7 +459,8 @@ class VLLMBackend:
         """Sample PROBE_TOKENS tokens after `prompt` with vLLM and score them with the policy:
         the sampled tokens' log-probs must agree (float32: 1e-3, 16-bit: 5e-2), or the push
         missed weights. Returns the largest difference."""
-        params = self.vllm.SamplingParams(n=1, temperature=self.args.temperature, top_p=1.0,
+        params = self.vllm.SamplingParams(n=1, temperature=self.settings.generation.temperature,
+                                          top_p=1.0,
                                           top_k=0, max_tokens=self.PROBE_TOKENS, logprobs=0, seed=0,
                                           detokenize=False)
         (result,) = self.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
@@ -460,7 +477,8 @@ class VLLMBackend:
                 ours = completion_logprobs(self.model, torch.tensor([prompt], device=device),
                                            torch.ones(1, len(prompt), dtype=torch.long, device=device),
                                            ids, torch.ones_like(ids),
-                                           temperature=self.args.temperature).float().cpu()
+                                           temperature=self.settings.generation.temperature
+                                           ).float().cpu()
         finally:
             self.model.train(was_training)
         diff = float((ours - theirs).abs().max())
@@ -477,7 +495,7 @@ class VLLMBackend:
         else a ConfigError naming the fields. A context is a prompt and what was sampled after it,
         with max_completion_length less that as its budget: length - max_completion_length is
         its prompt's length."""
-        longest, budget = max(lengths, default=0), self.args.max_completion_length
+        longest, budget = max(lengths, default=0), self.settings.generation.max_completion_length
         if longest > self.max_model_len:
             raise ConfigError(
                 f"a prompt of {longest - budget} tokens + max_completion_length {budget} exceeds "
@@ -488,11 +506,11 @@ class VLLMBackend:
     def sampling_params(self, num_generations: int, max_tokens: list[int], seeds: list[int]) -> list:
         """One vllm.SamplingParams per request: the run's sampling settings (sampling_kwargs),
         num_generations completions of at most its max_tokens, its seed, the EOS ids."""
-        common = {**sampling_kwargs(self.args, self.sampling), "n": num_generations}
-        if self.args.vllm_structured_outputs_regex is not None:   # TRL's structured outputs
+        common = {**sampling_kwargs(self.settings.generation, self.sampling), "n": num_generations}
+        regex = self.settings.vllm.vllm_structured_outputs_regex
+        if regex is not None:   # TRL's structured outputs
             from vllm.sampling_params import StructuredOutputsParams
-            common["structured_outputs"] = StructuredOutputsParams(
-                regex=self.args.vllm_structured_outputs_regex)
+            common["structured_outputs"] = StructuredOutputsParams(regex=regex)
         return [self.vllm.SamplingParams(**{**common, "max_tokens": budget}, seed=seed,
                                          stop_token_ids=self.eos_ids, detokenize=False)
                 for budget, seed in zip(max_tokens, seeds)]
@@ -540,9 +558,10 @@ class VLLMBackend:
                        max_tokens: list[int], seeds=None) -> tuple[list[list[int]], list[list[float]]]:
         """sample_contexts through the server (each process asks for its own contexts; the
         server seeds its own sampling)."""
-        kwargs = {**sampling_kwargs(self.args, self.sampling), "n": num_generations, "max_tokens": max(max_tokens)}
+        kwargs = {**sampling_kwargs(self.settings.generation, self.sampling), "n": num_generations,
+                  "max_tokens": max(max_tokens)}
         result = self.client.generate(prompts=contexts, **kwargs, structured_outputs_regex=
-                                      self.args.vllm_structured_outputs_regex)
+                                      self.settings.vllm.vllm_structured_outputs_regex)
         budgets = [budget for budget in max_tokens for _ in range(num_generations)]
         outputs = [list(ids[:budget]) for ids, budget in zip(result["completion_ids"], budgets)]
         # (N, T, 1) with logprobs=0: the sampled token's; None where vLLM had a NaN
@@ -562,19 +581,19 @@ class VLLMBackend:
                  num_generations: int | None = None, stage: int = 1) -> Completions:
         """num_generations (None: G) completions per prompt (question-major), each question
         seeded by chunk_seed (stage 2: from its own seeds, as the built-in sampler's)."""
-        args = self.args
+        generation = self.settings.generation
         round_key = round_index if stage == 1 else f"{round_index}/stage{stage}"
         token_prompts = [row[mask.bool()].tolist()
                          for row, mask in zip(prompts.ids.cpu(), prompts.mask.cpu())]
-        seeds = [chunk_seed(args.seed, round_key, question_offset + i)
+        seeds = [chunk_seed(self.settings.seed, round_key, question_offset + i)
                  for i in range(len(token_prompts))]
         outputs, logprobs = self.sample_contexts(
-            token_prompts, num_generations=num_generations or args.num_generations,
-            max_tokens=[args.max_completion_length] * len(token_prompts), seeds=seeds,
+            token_prompts, num_generations=num_generations or generation.num_generations,
+            max_tokens=[generation.max_completion_length] * len(token_prompts), seeds=seeds,
             round_index=round_index)
         self.rest()
         return completions_with_logprobs(outputs, logprobs, self.eos_ids, self.tokenizer.pad_token_id,
-                                         args.max_completion_length, device=prompts.ids.device)
+                                         generation.max_completion_length, device=prompts.ids.device)
 
 
 # vLLM log lines that cppo's own way of running the engine makes expected, not worrying: no
