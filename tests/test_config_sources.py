@@ -119,3 +119,25 @@ def test_the_scan_finds_a_rule_written_twice(tmp_path):
     sources = error_sources(tmp_path)
     assert [s.module for s in sources] == ["a.py", "b.py", "b.py"]
     assert same_rule_twice(sources) == [("a.py:2", "b.py:2")]   # not h: another field
+
+
+# functions of config/checks.py that take the whole config but are not a section's rules
+NOT_SECTION_RULES = {
+    "check_fields": "every field's declared choices and bounds, for every command's config",
+    "validate": "runs check_fields, then the sections' rules",
+    "validate_vllm": "check_vllm's, with use_vllm",
+    "check_generation_batch_size": "check_generation_round's, and again once the processes are known",
+}
+
+
+def test_each_rule_of_several_fields_belongs_to_one_section():
+    import inspect
+
+    from cppo.config import checks
+    from cppo.config.fields import SECTIONS
+    declared = [rule for section in SECTIONS for rule in vars(section)["rules"]]
+    assert len(declared) == len(set(declared))
+    taking_the_config = {name for name, f in vars(checks).items() if inspect.isfunction(f)
+                         and f.__module__ == checks.__name__
+                         and "cfg" in inspect.signature(f).parameters}
+    assert {f.__name__ for f in declared} == taking_the_config - set(NOT_SECTION_RULES)

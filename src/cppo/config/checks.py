@@ -86,6 +86,9 @@ def check_fields(cfg) -> None:
         if choices and value is not None and value not in choices:
             raise ConfigError(f"'{fld.name}' is {value!r}; allowed: {', '.join(map(str, choices))}")
         tp, optional = unwrap_optional(hints[fld.name])
+        check(tp is not dict or value is None or (
+              isinstance(value, dict) and all(isinstance(k, str) for k in value)),
+              f"'{fld.name}' is {value!r}; expected a mapping of argument names to values")
         if value is None or isinstance(value, bool) or tp not in (int, float):
             continue
         check(isinstance(value, (int, float)) and math.isfinite(value),
@@ -94,7 +97,7 @@ def check_fields(cfg) -> None:
               f"'{fld.name}' is {value}; {bounds_text(fld.name, fld.metadata, optional)}")
 
 
-def _check_objective(cfg) -> None:
+def check_objective(cfg) -> None:
     """The loss options TRL refuses or warns about, each named."""
     check(not (cfg.sync_ref_model and cfg.beta == 0),
           "'sync_ref_model' is true but 'beta' is 0, so there is no reference model to sync "
@@ -123,7 +126,7 @@ def check_reference_sync(sync_ref_model: bool, lora: bool) -> None:
           "adapters disabled, which cannot be synced (TRL refuses PEFT too)")
 
 
-def _check_sampler_correction(cfg) -> None:
+def check_sampler_correction(cfg) -> None:
     """The importance-sampling bounds, as TRL checks them (and vespo's token modes)."""
     low, high, mode = cfg.importance_sampling_clip_min, cfg.importance_sampling_clip_max, \
         cfg.importance_sampling_mode
@@ -141,20 +144,16 @@ def _check_sampler_correction(cfg) -> None:
 
 
 def validate(cfg) -> None:
-    """Range and consistency checks; raises ConfigError naming the key and what is allowed."""
+    """Each field's declared rules (check_fields), then each config section's own rules (its
+    `rules`, cppo.config.sections), sections in their fields' order; raises ConfigError naming
+    the key and what is allowed."""
     check_fields(cfg)
-    _check_pruning(cfg)
-    _check_objective(cfg)
-    _check_model(cfg)
-    _check_sampling(cfg)
-    _check_precision(cfg)
-    _check_run(cfg)
-    _check_trl_knobs(cfg)
-    _check_plan(cfg)
-    _check_async(cfg)
+    for section in reversed(type(cfg).__mro__):
+        for rule in vars(section).get("rules", ()):
+            rule(cfg)
 
 
-def _check_pruning(cfg) -> None:
+def check_pruning_rate(cfg) -> None:
     """pruning_rate: a rate in [0, 1) (G >= 2 to prune), or 'auto' with async_rollout, moving
     within [pruning_rate_min, pruning_rate_max] from pruning_rate_start (cppo.algorithm.balance)."""
     auto = cfg.pruning_rate == AUTO
@@ -182,19 +181,28 @@ def _check_pruning(cfg) -> None:
           f"pruning_rate (e.g. {start})")
 
 
-def _check_sampling(cfg) -> None:
-    """Iterations, the sampling settings, tool calls, the sampler correction, speculation,
-    skipping, two-stage generation and vLLM's fields."""
-    _check_sampler_correction(cfg)
-    _check_speculation(cfg)
-    _check_two_stage(cfg)
-    _check_replay(cfg)
+def check_vllm(cfg) -> None:
+    """use_vllm: vLLM installed and settings it accepts; the server's URL; structured outputs
+    (a regex, with use_vllm)."""
+    if cfg.use_vllm:
+        validate_vllm(cfg)
     check(cfg.vllm_server_base_url is None or "://" in cfg.vllm_server_base_url,
           f"'vllm_server_base_url' is {cfg.vllm_server_base_url!r}; expected a URL such as "
           f"http://host:8000")
+    regex = cfg.vllm_structured_outputs_regex
+    if regex is not None:
+        check(cfg.use_vllm, "'vllm_structured_outputs_regex' is set but 'use_vllm' is false: "
+                            "structured outputs need vLLM's sampler (cppo's own cannot constrain "
+                            "tokens to a regex); set use_vllm: true or remove it")
+        import re
+        try:
+            re.compile(regex)
+        except re.error as err:
+            raise ConfigError(f"'vllm_structured_outputs_regex' is {regex!r}, not a regular "
+                              f"expression: {err}") from None
 
 
-def _check_replay(cfg) -> None:
+def check_replay(cfg) -> None:
     """Sampling replay needs each position's full logits and the sampler's order of transforms."""
     if not cfg.replays_sampling:
         return
@@ -211,10 +219,8 @@ def _check_replay(cfg) -> None:
           f"replay_sampling: false ('replay_sampling' is {why})")
 
 
-def _check_precision(cfg) -> None:
-    """vLLM's settings (with use_vllm) and the dtypes of sampling and of the training matmuls."""
-    if cfg.use_vllm:
-        validate_vllm(cfg)
+def check_dtypes(cfg) -> None:
+    """The dtypes of sampling and of the training matmuls."""
     explicit_generation_dtype = cfg.generation_dtype not in (None, "auto")
     check(not (explicit_generation_dtype and cfg.use_vllm),
           "'generation_dtype' applies to the built-in sampler; with use_vllm, vLLM's dtype is set "
@@ -228,10 +234,9 @@ def _check_precision(cfg) -> None:
     check(not (cfg.matmul_dtype == "bfloat16" and cfg.bf16),
           f"'matmul_dtype' is {cfg.matmul_dtype!r} with 'bf16' true; bf16 already autocasts the "
           f"forward passes' matmuls (and more): set one of the two")
-    _check_speed(cfg)
 
 
-def _check_speed(cfg) -> None:
+def check_speed(cfg) -> None:
     """fp16, tf32, torch.compile, liger and gradient checkpointing's keyword arguments, as
     transformers checks them (cppo.parallel.hardware applies them)."""
     check(not (cfg.fp16 and cfg.bf16), "'fp16' and 'bf16' are both true; at most one of them "
@@ -263,21 +268,33 @@ def _check_speed(cfg) -> None:
               f"torch.utils.checkpoint.checkpoint does not take; allowed: {', '.join(allowed)}")
 
 
-def _check_run(cfg) -> None:
-    """Lengths, steps, data sizes, rewards, logging, checkpoints and trackers."""
+def check_rewards(cfg) -> None:
     check(len(cfg.reward_funcs) >= 1, "'reward_funcs' is empty; name at least one reward function")
+
+
+def check_run(cfg) -> None:
+    """Trackers' names and the run directory."""
     from cppo.run.tracking import resolve_report_to
     resolve_report_to(cfg.report_to)   # names only; a missing library is reported by the trainer
+    check(not Path(cfg.output_dir).expanduser().is_file(),
+          f"'output_dir' is {cfg.output_dir!r}, which is a file; give a directory (it is created "
+          f"if missing)")
 
 
-def _check_plan(cfg) -> None:
-    """The selection rule's scopes, the step plan, LoRA, generation batches, the seed and the
-    run directory."""
+def check_selection(cfg) -> None:
+    """The selection rule ranks in its scopes."""
     scopes = rule_traits(cfg.selection_rule).scopes
     check(local_scope(cfg.selection_scope) in scopes,
           f"'selection_rule' {cfg.selection_rule} ranks only with selection_scope in "
           f"{', '.join(scopes)}; 'selection_scope' is {cfg.selection_scope!r}: set "
           f"selection_scope={scopes[0]}")
+
+
+def check_optimizer(cfg) -> None:
+    """AdamW's arguments, the schedule's, and a step plan for the batch shape."""
+    from cppo.run.optimizer import check_schedule_kwargs, parse_optim_args
+    parse_optim_args(cfg.optim_args)
+    check_schedule_kwargs(cfg.lr_scheduler_type, cfg.lr_scheduler_kwargs)
     try:
         cfg.step_plan()
     except ValueError as err:
@@ -287,13 +304,9 @@ def _check_plan(cfg) -> None:
             f"{cfg.completions_per_update} completions, num_generations = {cfg.num_generations}, "
             f"pruning_rate = {cfg.pruning_rate}, allocation = {cfg.allocation}, selection_scope = "
             f"{cfg.selection_scope!r}: {err}") from None
-    check_generation_batch_size(cfg)
-    check(not Path(cfg.output_dir).expanduser().is_file(),
-          f"'output_dir' is {cfg.output_dir!r}, which is a file; give a directory (it is created "
-          f"if missing)")
 
 
-def _check_model(cfg) -> None:
+def check_model(cfg) -> None:
     """TRL's quantisation and adapter fields that contradict each other (bitsandbytes and peft
     are checked where the model loads: cppo.models.loading, cppo.models.lora)."""
     check(not (cfg.load_in_4bit and cfg.load_in_8bit),
@@ -347,7 +360,7 @@ def installed_vllm_version() -> str | None:
     return "unknown"   # importable, installed by another name (a source build): let it try
 
 
-def _check_speculation(cfg) -> None:
+def check_speculation(cfg) -> None:
     k = cfg.num_speculative_tokens
     check(cfg.prompt_lookup_min <= cfg.prompt_lookup_max,
           f"'prompt_lookup_min' is {cfg.prompt_lookup_min} and 'prompt_lookup_max' is "
@@ -365,7 +378,7 @@ def _check_speculation(cfg) -> None:
               f"penalty (each drafted position would need its own history): set one of them off")
 
 
-def _check_two_stage(cfg) -> None:
+def check_two_stage(cfg) -> None:
     k, g = cfg.two_stage_generations, cfg.num_generations
     if not k:
         return
@@ -409,7 +422,7 @@ def validate_vllm(cfg) -> None:
               f"or set it to None (derived)")
 
 
-def _check_async(cfg) -> None:
+def check_async(cfg) -> None:
     """async_rollout's fields, and what it cannot run with (yet)."""
     check(cfg.queue_maxsize >= cfg.num_generations,
           f"'queue_maxsize' is {cfg.queue_maxsize}, smaller than one group (num_generations "
@@ -437,29 +450,12 @@ def _check_async(cfg) -> None:
               f"{why}; set {name} off or async_rollout: false")
 
 
-def _check_trl_knobs(cfg) -> None:
-    """TRL's generation-round, optimizer, schedule, template, structured-output and data fields."""
+def check_generation_round(cfg) -> None:
+    """TRL's generation round: steps_per_generation fills whole optimizer steps, and
+    generation_batch_size counts whole questions."""
     spg, ga = cfg.steps_per_generation, cfg.gradient_accumulation_steps
     check(spg is None or spg % ga == 0,
           f"'steps_per_generation' is {spg}; a generation round must fill whole optimizer steps "
           f"of gradient_accumulation_steps = {ga} micro-batches: set it to a multiple of {ga} "
           f"(e.g. {ga * max(1, round((spg or 0) / ga))}), or None ({ga}, one step a round)")
-    for key in ("chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs",
-                "liger_kernel_config"):
-        value = getattr(cfg, key)
-        check(value is None or (isinstance(value, dict) and all(isinstance(k, str) for k in value)),
-              f"'{key}' is {value!r}; expected a mapping of argument names to values")
-    from cppo.run.optimizer import check_schedule_kwargs, parse_optim_args
-    parse_optim_args(cfg.optim_args)
-    check_schedule_kwargs(cfg.lr_scheduler_type, cfg.lr_scheduler_kwargs)
-    regex = cfg.vllm_structured_outputs_regex
-    if regex is not None:
-        check(cfg.use_vllm, "'vllm_structured_outputs_regex' is set but 'use_vllm' is false: "
-                            "structured outputs need vLLM's sampler (cppo's own cannot constrain "
-                            "tokens to a regex); set use_vllm: true or remove it")
-        import re
-        try:
-            re.compile(regex)
-        except re.error as err:
-            raise ConfigError(f"'vllm_structured_outputs_regex' is {regex!r}, not a regular "
-                              f"expression: {err}") from None
+    check_generation_batch_size(cfg)

@@ -1,8 +1,9 @@
 """The run's config in typed sections: each section is a dataclass of the fields of one part of
 a run (model, sampling, loss, pruning, asynchronous rollouts, vLLM, ...), declared once with
-`option()`. `CPPOConfig` is all of them together, so YAML, the command line and TRL's names stay
-flat; a stage takes its section (`SamplingSection.of(config)`) or plain values, never the whole
-config.
+`option()` (a field's choices and bounds), with the section's rules that relate several fields
+(`rules`: functions of cppo.config.checks that `checks.validate` runs, section by section).
+`CPPOConfig` is all of them together, so YAML, the command line and TRL's names stay flat; a
+stage takes its section (`SamplingSection.of(config)`) or plain values, never the whole config.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from cppo.algorithm import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
                             SELECTION_RULES, SELECTION_SCOPES)
 from cppo.algorithm.balance import AUTO
 from cppo.algorithm.sampler_correction import IMPORTANCE_SAMPLING_MODES
+from cppo.config import checks
 from cppo.config.options import option
 from cppo.data import arithmetic
 from cppo.models.loading import TORCH_DTYPES
@@ -38,6 +40,8 @@ class Section:
 @dataclass
 class ModelSection(Section):
     """The model: what is loaded, how, its adapters and quantisation."""
+
+    rules = (checks.check_model,)
 
     # --- model -----------------------------------------------------------------------------
     model: str = option("embedded", "Model: 'embedded' (the shipped tiny model), a local directory, "
@@ -98,6 +102,8 @@ class ModelSection(Section):
 class PrecisionSection(Section):
     """Speed and precision (transformers' TrainingArguments names and defaults)."""
 
+    rules = (checks.check_speed,)
+
     # --- speed and precision (transformers' TrainingArguments names and defaults) ----------
     gradient_checkpointing_kwargs: Optional[dict] = option(
         None, "Keyword arguments of the model's gradient_checkpointing_enable, e.g. "
@@ -133,6 +139,8 @@ class PrecisionSection(Section):
 class DataSection(Section):
     """The dataset, its prompts, and the rewards."""
 
+    rules = (checks.check_rewards,)
+
     # --- data and rewards ------------------------------------------------------------------
     dataset_name: str = option("embedded", "Training data: 'embedded' (the arithmetic task), 'gsm8k', "
                            "'math', a local .jsonl/.json/.parquet file, or a datasets name/dir "
@@ -167,7 +175,11 @@ class DataSection(Section):
 
 @dataclass
 class SamplingSection(Section):
-    """Generation: how many completions, their lengths and sampling, how a round is decoded, and the round's features (skipping, two-stage, speculation)."""
+    """Generation: how many completions, their lengths and sampling, how a round is decoded,
+    and the round's features (skipping, two-stage, speculation)."""
+
+    rules = (checks.check_generation_round, checks.check_dtypes, checks.check_speculation,
+             checks.check_two_stage, checks.check_replay)
 
     # --- generation ------------------------------------------------------------------------
     num_generations: int = option(8, "G: completions sampled per question.", at_least=1)
@@ -288,6 +300,8 @@ class SamplingSection(Section):
 class SamplerCorrectionSection(Section):
     """The importance-sampling correction for a sampler that is not the policy itself."""
 
+    rules = (checks.check_sampler_correction,)
+
     importance_sampling_correction: bool = option(
         True, "When the sampler is not the policy itself (generation_dtype, vLLM), weight each token's "
         "policy loss by pi_policy / pi_sampler (the sampler's own log-probs), truncated or masked "
@@ -310,6 +324,8 @@ class SamplerCorrectionSection(Section):
 @dataclass
 class VLLMSection(Section):
     """vLLM: colocated or a server, and its engine's settings."""
+
+    rules = (checks.check_vllm,)
 
     vllm_structured_outputs_regex: Optional[str] = option(
         None, "vLLM: every completion must match this regular expression (vLLM's structured "
@@ -354,6 +370,8 @@ class VLLMSection(Section):
 class AsyncSection(Section):
     """Asynchronous rollouts (TRL's AsyncGRPOConfig names)."""
 
+    rules = (checks.check_async,)
+
     # --- asynchronous rollouts (TRL's AsyncGRPOConfig names) --------------------------------
     async_rollout: bool = option(
         False, "Generate in a separate process that never waits for training: it samples the "
@@ -389,6 +407,8 @@ class AsyncSection(Section):
 @dataclass
 class LossSection(Section):
     """The GRPO loss: clipping, KL, entropy, the reference model and the rewards' scaling."""
+
+    rules = (checks.check_objective,)
 
     # --- GRPO loss -------------------------------------------------------------------------
     beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.",
@@ -469,6 +489,8 @@ class LossSection(Section):
 class PruningSection(Section):
     """CPPO: how many completions are kept, which, and how the freed slots are filled."""
 
+    rules = (checks.check_pruning_rate, checks.check_selection)
+
     # --- CPPO ------------------------------------------------------------------------------
     pruning_rate: Union[float, str] = option(
         0.75, "P: fraction of completions pruned (smallest |A| first) before any forward pass. "
@@ -500,6 +522,8 @@ class PruningSection(Section):
 @dataclass
 class OptimizationSection(Section):
     """Optimisation: batch sizes, the optimizer, its schedule, the step budget and the seed."""
+
+    rules = (checks.check_optimizer,)
 
     # --- optimisation ----------------------------------------------------------------------
     per_device_train_batch_size: int = option(256, "Completions per micro-batch on each device "
@@ -540,6 +564,8 @@ class OptimizationSection(Section):
 class DistributedSection(Section):
     """Several processes (torchrun / accelerate launch)."""
 
+    rules = ()
+
     # --- several processes (torchrun / accelerate launch) -----------------------------------
     distributed: str = option("ddp", "How several processes share the model: ddp (torch's "
                               "DistributedDataParallel: each holds the whole model) or fsdp "
@@ -554,6 +580,8 @@ class DistributedSection(Section):
 @dataclass
 class RunSection(Section):
     """Evaluation, logging, checkpoints and the run directory."""
+
+    rules = (checks.check_run,)
 
     # --- evaluation, logging, checkpoints --------------------------------------------------
     output_dir: str = option("runs/cppo", "Run directory: metrics, plots, checkpoints, summary.")
