@@ -43,7 +43,6 @@ class ModelSection(Section):
 
     rules = (checks.check_model,)
 
-    # --- model -----------------------------------------------------------------------------
     model: str = option("embedded", "Model: 'embedded' (the shipped tiny model), a local directory, "
                     "or a Hugging Face hub id loaded with transformers AutoModelForCausalLM.")
     torch_dtype: str = option("float32", "Weights dtype for the policy.", DTYPES)
@@ -104,7 +103,6 @@ class PrecisionSection(Section):
 
     rules = (checks.check_speed,)
 
-    # --- speed and precision (transformers' TrainingArguments names and defaults) ----------
     gradient_checkpointing_kwargs: Optional[dict] = option(
         None, "Keyword arguments of the model's gradient_checkpointing_enable, e.g. "
         "{use_reentrant: true} (None: {use_reentrant: false}).")
@@ -141,7 +139,6 @@ class DataSection(Section):
 
     rules = (checks.check_rewards,)
 
-    # --- data and rewards ------------------------------------------------------------------
     dataset_name: str = option("embedded", "Training data: 'embedded' (the arithmetic task), 'gsm8k', "
                            "'math', a local .jsonl/.json/.parquet file, or a datasets name/dir "
                            "with a 'prompt' column.")
@@ -181,7 +178,6 @@ class SamplingSection(Section):
     rules = (checks.check_generation_round, checks.check_dtypes, checks.check_speculation,
              checks.check_two_stage, checks.check_replay)
 
-    # --- generation ------------------------------------------------------------------------
     num_generations: int = option(8, "G: completions sampled per question.", at_least=1)
     max_prompt_length: Optional[int] = option(512, "Prompts longer than this are left-truncated.",
         at_least=1)
@@ -372,7 +368,6 @@ class AsyncSection(Section):
 
     rules = (checks.check_async,)
 
-    # --- asynchronous rollouts (TRL's AsyncGRPOConfig names) --------------------------------
     async_rollout: bool = option(
         False, "Generate in a separate process that never waits for training: it samples the "
         "next rounds under the newest weights it was pushed while the trainer trains; each "
@@ -410,7 +405,6 @@ class LossSection(Section):
 
     rules = (checks.check_objective,)
 
-    # --- GRPO loss -------------------------------------------------------------------------
     beta: float = option(0.0, "KL coefficient (k3 estimator). 0: no reference model is loaded.",
         at_least=0)
     epsilon: float = option(0.2, "Lower clip range of the ratio.", above=0)
@@ -491,7 +485,6 @@ class PruningSection(Section):
 
     rules = (checks.check_pruning_rate, checks.check_selection)
 
-    # --- CPPO ------------------------------------------------------------------------------
     pruning_rate: Union[float, str] = option(
         0.75, "P: fraction of completions pruned (smallest |A| first) before any forward pass. "
         "0: plain GRPO. 'auto' (async_rollout, cppo's generator process): each round's "
@@ -525,7 +518,6 @@ class OptimizationSection(Section):
 
     rules = (checks.check_optimizer,)
 
-    # --- optimisation ----------------------------------------------------------------------
     per_device_train_batch_size: int = option(256, "Completions per micro-batch on each device "
                                           "(TRL: counts completions, not prompts).", at_least=1)
     gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.", at_least=1)
@@ -566,7 +558,6 @@ class DistributedSection(Section):
 
     rules = ()
 
-    # --- several processes (torchrun / accelerate launch) -----------------------------------
     distributed: str = option("ddp", "How several processes share the model: ddp (torch's "
                               "DistributedDataParallel: each holds the whole model) or fsdp "
                               "(FSDP2: parameters, gradients and optimizer state sharded per "
@@ -583,7 +574,6 @@ class RunSection(Section):
 
     rules = (checks.check_run,)
 
-    # --- evaluation, logging, checkpoints --------------------------------------------------
     output_dir: str = option("runs/cppo", "Run directory: metrics, plots, checkpoints, summary.")
     eval_steps: int = option(75, "Held-out evaluation every N steps (0: only before and after).",
         at_least=0)
