@@ -3,8 +3,8 @@
 One small interface, `backend.generate(prompts, round_index, question_offset) -> Completions`:
 
 * `TransformersBackend` (default): the KV-shared sampler of cppo.sampling.sampler on the policy itself.
-* `VLLMBackend` (cppo.sampling.vllm; `use_vllm: true`): vLLM in the same process or a TRL
-  `vllm-serve` server.
+* `VLLMEngineBackend` / `VLLMServerBackend` (cppo.sampling.vllm; `use_vllm: true`): vLLM in the
+  same process (`vllm_mode: colocate`) or a TRL `vllm-serve` server (`vllm_mode: server`).
 
 Reproducibility across process counts: the questions of a step are cut into generation chunks of
 `generation_chunk_size // G` questions (cppo.parallel.memory derives the chunk size from the memory budget
@@ -143,7 +143,8 @@ def make_backend(model, tokenizer, settings: BackendSettings, chunk_size: int | 
     takes the policy's weights before each round (False under async_rollout: the generator
     pushes them)."""
     sampling = sampling or SamplingSettings.of(settings.generation)
-    if settings.vllm.use_vllm:
-        from cppo.sampling.vllm import VLLMBackend
-        return VLLMBackend(model, tokenizer, settings, sampling=sampling, push_weights=push_weights)
+    if settings.vllm.use_vllm:   # vllm_mode picks the engine's backend or the server's
+        from cppo.sampling.vllm import vllm_backend_class
+        return vllm_backend_class(settings.vllm)(model, tokenizer, settings, sampling=sampling,
+                                                 push_weights=push_weights)
     return TransformersBackend(model, tokenizer, settings, chunk_size, sampling, generation_dtype)

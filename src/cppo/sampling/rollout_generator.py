@@ -1,0 +1,74 @@
+"""What both asynchronous generators share (cppo's generator process,
+cppo.sampling.generator_process; the vLLM server's thread, cppo.sampling.server_generator): how a
+round is sampled (sample_round, on a WholeModel) and how the trainer waits for it (Generator: a
+queue of results, a failure raised with its traceback, a generator that ended, never started or
+fell silent raised as a GeneratorError, never a hang)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import queue
+import time
+
+from cppo.errors import GeneratorError
+from cppo.sampling.batches import Completions, PromptBatch
+from cppo.sampling.generation import Generation
+from cppo.sampling.rollout_messages import Failure, RolloutTask, Sampled
+
+START_S = 600.0           # the longest a generator process may take to start (imports, its model)
+POLL_S = 0.2              # how often a waiting trainer checks the generator
+
+
+class WholeModel:
+    """The generator's model is never sharded: `gathered()` is a no-op (cppo.parallel.engines)."""
+
+    gathered = staticmethod(contextlib.nullcontext)
+
+
+def sample_round(generation: Generation, task: RolloutTask
+                 ) -> tuple[list[PromptBatch], list[Completions]]:
+    """Each process's prompts and completions of the task's round, sampled as that process would
+    sample them in a synchronous run (its rank's seeds, its own padding)."""
+    parts = [dataclasses.replace(generation, rank=rank).sample(rows, task.round_index)
+             for rank, rows in enumerate(task.rows)]
+    return [p for p, _ in parts], [c for _, c in parts]
+
+
+class Generator:
+    """What the trainer waits on: a queue of results and a side that may end or fall silent.
+    Subclasses set self.results, self.stale_after, self.heartbeat (a Value: 0 until started),
+    self.started, and define _ended() -> str | None, _stop(), close() and `name`."""
+
+    def receive(self) -> Sampled:
+        """The next sampled round. A generator that ended, failed or went heartbeat_stale_after_s
+        without a heartbeat raises GeneratorError (never a hang)."""
+        while True:
+            try:
+                got = self.results.get(timeout=POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if isinstance(got, Failure):
+                self.close()
+                raise GeneratorError(f"the {self.name} failed:\n{got.text}")
+            return got
+
+    def _check_alive(self) -> None:
+        how = self._ended()
+        if how is not None:
+            raise GeneratorError(f"the {self.name} ended with {how} while the trainer waited for "
+                                 f"a round; the last checkpoint is intact: `cppo train --resume "
+                                 f"true` continues the run")
+        last = self.heartbeat.value
+        if not last and time.time() - self.started > START_S:
+            self._stop()
+            raise GeneratorError(f"the {self.name} did not start within {START_S:g} s; it was "
+                                 f"stopped")
+        silent = time.time() - last if last else 0.0
+        if silent > self.stale_after:
+            self._stop()
+            raise GeneratorError(f"the {self.name} sent no heartbeat for {silent:.1f} s "
+                                 f"(heartbeat_stale_after_s = {self.stale_after:g}): it hangs, so "
+                                 f"it was stopped; the last checkpoint is intact: `cppo train "
+                                 f"--resume true` continues")

@@ -1,0 +1,63 @@
+"""What asynchronous rollouts pass between the trainer and its generator: a round to sample
+(RolloutTask), the round as sampled (Sampled: every training process's part), one process's part
+of it (Arrival), and a generator's failure (Failure, raised on the trainer's side)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from cppo.sampling.batches import Completions, PromptBatch
+
+
+@dataclass
+class RolloutTask:
+    """One round to sample: each training process's rows (its questions, in rank order) and the
+    round index that seeds it."""
+
+    task_id: int
+    round_index: int
+    rows: list[list[dict]]
+
+
+@dataclass
+class Sampled:
+    """A round as the generator sampled it: the policy version that sampled it, each process's
+    prompts (Q rows) and completions (Q x G rows), in rank order, the seconds it took and the
+    seconds the generator waited for the task (Arrival)."""
+
+    task_id: int
+    version: int
+    prompts: list[PromptBatch]
+    completions: list[Completions]
+    seconds: float
+    idle_seconds: float = 0.0
+
+    def part(self, rank: int) -> "Arrival":
+        return Arrival(self.task_id, self.version, self.prompts[rank], self.completions[rank],
+                       self.seconds, self.idle_seconds)
+
+
+@dataclass
+class Arrival:
+    """This process's part of a sampled round: the policy version that sampled it, the prompts
+    (Q rows), completions (Q x G rows), the seconds the sampling took and the seconds the
+    generator waited for the task before (idle_seconds: 0 for its first task)."""
+
+    task_id: int
+    version: int
+    prompts: PromptBatch
+    completions: Completions
+    seconds: float
+    idle_seconds: float = 0.0
+
+    def to(self, device) -> "Arrival":
+        return dataclasses.replace(self, prompts=self.prompts.to(device),
+                                   completions=self.completions.to(device))
+
+
+@dataclass
+class Failure:
+    """A generator's failure (its traceback), sent in place of a round."""
+
+    text: str

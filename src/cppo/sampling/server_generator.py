@@ -1,0 +1,106 @@
+"""async_rollout with a vLLM server (`use_vllm`, `vllm_mode: server`): a thread of the trainer
+process sends each round to the server, which generates while the trainer trains, and has the
+server take the newest pushed weights before each round (cppo.sampling.weight_sinks: over NCCL
+on CUDA, from files elsewhere)."""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import time
+import traceback
+
+import torch
+
+from cppo.sampling.generation import Generation
+from cppo.sampling.rollout_generator import Generator, WholeModel, sample_round
+from cppo.sampling.rollout_messages import Failure, RolloutTask, Sampled
+from cppo.sampling.vllm import EXPORT, check_file_reload
+from cppo.sampling.vllm_server import server_url
+from cppo.sampling.weight_sinks import ServerFiles, StagedServerNCCL
+
+
+class ThreadBeat:
+    """A heartbeat in this process (the server generator's thread), read as mp.Value's .value."""
+
+    value = 0.0
+
+
+class ServerGenerator(Generator):
+    """async_rollout with a vLLM server: a thread of the trainer process sends each round to the
+    server (cppo.sampling.vllm's server backend) and the server generates while the trainer
+    trains. A push hands the policy's weights (LoRA merged, vLLM's names) to the weight sink,
+    from which the thread has the server take the newest before its next round (never
+    mid-round) and reset its prefix cache. On CUDA they go over NCCL, TRL's `trl vllm-serve`
+    protocol (StagedServerNCCL: a snapshot, streamed by the thread); elsewhere as safetensors in a
+    new folder under `weights_dir`, which the server reloads in place (ServerFiles).
+
+    backend: a VLLMBackend in server mode built with push_weights=False (make_backend's under
+    async_rollout): the pushes, and the NCCL communicator, are this generator's; the server,
+    G, the prompt length and the seed are its settings'."""
+
+    def __init__(self, backend, tokenizer, weights_dir, *, heartbeat_stale_after_s: float) -> None:
+        if backend.push_weights:
+            raise ValueError("ServerGenerator pushes the weights itself: build its backend with "
+                             "push_weights=False")
+        self.backend = backend
+        settings = backend.settings
+        self.generation = Generation(backend, tokenizer, WholeModel(), torch.device("cpu"), 0,
+                                     settings.generation.num_generations,
+                                     settings.generation.max_prompt_length, settings.seed)
+        self.url = server_url(settings.vllm)
+        device = backend.push_device()
+        if device.type == "cuda":
+            self.sink = StagedServerNCCL(backend.client, device, EXPORT)
+        else:
+            check_file_reload(backend.model.config)
+            self.sink = ServerFiles(backend.client, self.url, weights_dir, EXPORT,
+                                    timeout=heartbeat_stale_after_s)
+        # the heartbeat: when the round being sampled started (0: idle); no start-up to allow for
+        self.heartbeat, self.started = ThreadBeat(), float("inf")
+        self.stale_after = heartbeat_stale_after_s
+        self.tasks, self.results = queue.Queue(), queue.Queue()
+        self.name = f"vLLM server generator ({self.url})"
+        self.thread = threading.Thread(target=self._run, daemon=True, name="cppo-server-generator")
+        self.thread.start()
+        atexit.register(self.close)   # a script that never calls close() leaves no weights behind
+
+    def push(self, policy, version: int) -> float:
+        """Hand the policy's weights to the sink as `version` (a snapshot on the policy's device,
+        or weights_dir/version-<version>/model.safetensors); the seconds it took. The thread
+        sends the newest before its next round."""
+        return self.sink.push(policy, version)
+
+    def submit(self, task: RolloutTask) -> None:
+        self.tasks.put(task)
+
+    def _reload(self) -> int:
+        """Have the server take the newest pushed weights, if any came since the last (the
+        sink's take); the server's version."""
+        return self.sink.take()
+
+    def _run(self) -> None:
+        try:
+            while (task := self.tasks.get()) is not None:
+                self.heartbeat.value = time.time()
+                version = self._reload()
+                start = time.perf_counter()
+                prompts, completions = sample_round(self.generation, task)
+                self.results.put(Sampled(task.task_id, version, prompts, completions,
+                                         time.perf_counter() - start))
+                self.heartbeat.value = 0.0
+        except Exception:
+            self.results.put(Failure(traceback.format_exc()))
+
+    def _ended(self) -> str | None:
+        return None if self.thread.is_alive() else "its thread ended"
+
+    def _stop(self) -> None:
+        """A thread cannot be stopped: it is left to end with the process (a daemon)."""
+
+    def close(self, timeout: float = 10.0) -> None:
+        atexit.unregister(self.close)
+        self.tasks.put(None)
+        self.thread.join(timeout)
+        self.sink.close()

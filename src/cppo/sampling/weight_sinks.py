@@ -1,0 +1,268 @@
+"""Weight sinks: where the trainer pushes the policy's weights for a sampler, one per transport.
+
+* `EngineReload`: a colocated vLLM engine (`vllm.LLM` in this process; cppo.sampling.vllm's
+  engine backend), reloaded in place.
+* `ServerNCCL`: a `trl vllm-serve` server over NCCL (TRL's VLLMClient protocol: init_communicator
+  once, then update_named_params per push), streaming the live weights (the server backend's
+  first process). `StagedServerNCCL`: the same stream from a snapshot, sent by async_rollout's
+  server thread before its next round (cppo.sampling.server_generator).
+* `ServerFiles`: a vLLM server reloading from files (the policy off CUDA): safetensors in a new
+  folder that the server reloads in place (vLLM's `reload_weights` with a `weights_path`, through
+  its `/collective_rpc` route: the server runs with VLLM_SERVER_DEV_MODE=1).
+* `SharedMemory`: cppo's own generator process (cppo.sampling.generator_process): a staging copy
+  of the policy in shared memory, copied into the process's private model between two rounds.
+
+Every sink is a `WeightSink`: `push(policy, version)` makes the policy's weights the sampler's as
+`version` (the seconds it took on the trainer's side): its next round, never one under way,
+samples with them or newer. A staged sink (`StagedServerNCCL`, `ServerFiles`, `SharedMemory`)
+keeps the newest push until the sampler's side takes it (`take`, between two rounds); a push
+not yet taken is replaced, never sent. The vLLM sinks send what a `VLLMExport` makes of the
+policy (cppo.sampling.vllm's: vLLM's names, LoRA merged)."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+from safetensors.torch import save_file
+
+from cppo.errors import VLLMServerError
+from cppo.sampling.vllm_process import process_state_kept
+
+
+@runtime_checkable
+class WeightSink(Protocol):
+    """Where the trainer's pushes go (one per transport)."""
+
+    def push(self, policy, version: int) -> float:
+        """Make the policy's weights the sampler's as `version` (optimizer steps taken; the
+        round index for a synchronous backend): its next round samples with them or newer. The
+        seconds it took on the trainer's side."""
+
+    def close(self) -> None:
+        """Release what the sink holds (files written, ...)."""
+
+
+@dataclass(frozen=True)
+class VLLMExport:
+    """What a vLLM sink sends of a policy. weights(policy): a context giving (vLLM name, tensor)
+    one at a time (live parameters among them: sent before it exits); metadata(policy): (vLLM
+    name, dtype, shape) of each, in that order (what NCCL announces before it streams them)."""
+
+    weights: Callable
+    metadata: Callable
+
+
+def refresh_tied_head(model) -> None:
+    """(Runs inside vLLM's worker, on vLLM's model.) A tied LM head gets no weights of its own
+    in a reload, but vLLM's CPU build keeps a repacked copy of it for the logits GEMM: rebuild
+    that copy from the reloaded embedding (a no-op where nothing is repacked)."""
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(head, "weight"):
+        method.process_weights_after_loading(head)
+
+
+class EngineReload:
+    """A colocated vLLM engine: the policy's weights through vLLM's in-place reload
+    (`collective_rpc("reload_weights")`, checkpoint-format names, LoRA merged), a tied LM head's
+    copy rebuilt from the reloaded embedding (refresh_tied_head), then the prefix cache reset. The
+    engine must be awake (its weights held)."""
+
+    def __init__(self, llm, export: VLLMExport) -> None:
+        self.llm, self.export = llm, export
+
+    def push(self, policy, version: int) -> float:
+        start = time.perf_counter()
+        with process_state_kept():
+            with self.export.weights(policy) as weights:
+                self.llm.collective_rpc("reload_weights", kwargs=dict(
+                    weights_iterator=weights, is_checkpoint_format=True))
+            if getattr(policy.config, "tie_word_embeddings", False):
+                self.llm.apply_model(refresh_tied_head)
+            self.llm.reset_prefix_cache()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """The engine is its backend's to end."""
+
+
+class ServerNCCL:
+    """A vLLM server over NCCL, TRL's `trl vllm-serve` protocol through its VLLMClient: the
+    communicator set up once (connect, from `device`), then per push the tensors announced
+    (metadata) and streamed (update_named_params), and the server's prefix cache reset. push
+    streams the policy's live weights now."""
+
+    def __init__(self, client, device: torch.device, export: VLLMExport) -> None:
+        self.client, self.device, self.export = client, device, export
+        self.communicating = False
+
+    def connect(self) -> None:
+        """Set up the NCCL communicator with the server (once)."""
+        if not self.communicating:
+            self.client.init_communicator(device=self.device)
+            self.communicating = True
+
+    def send(self, metadata, tensors) -> None:
+        """Announce and stream (vLLM name, tensor) pairs, then reset the server's prefix cache."""
+        self.connect()
+        self.client.update_named_params(metadata, tensors)
+        self.client.reset_prefix_cache()
+
+    def push(self, policy, version: int) -> float:
+        start = time.perf_counter()
+        metadata = self.export.metadata(policy)
+        with self.export.weights(policy) as weights:
+            self.send(metadata, weights)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """The communicator lives as long as the client."""
+
+
+class _Staged:
+    """A sink whose push stages the weights (stage(policy, version) -> what to load) for the
+    sampler's side to load (load(version, staged)) when it takes them; the newest push only."""
+
+    def __init__(self) -> None:
+        # latest: (version, staged) pushed and not yet taken; loaded: the sampler's version (-1:
+        # the weights it started with)
+        self.lock, self.latest, self.loaded = threading.Lock(), None, -1
+
+    def push(self, policy, version: int) -> float:
+        start = time.perf_counter()
+        staged = self.stage(policy, version)
+        with self.lock:
+            self.latest = (version, staged)   # a push not yet taken is replaced, never sent
+        return time.perf_counter() - start
+
+    def take(self) -> int:
+        """(The sampler's side, between two rounds.) Load the newest push, if any came since the
+        last; the sampler's version."""
+        with self.lock:
+            latest, self.latest = self.latest, None
+        if latest is not None:
+            version, staged = latest
+            self.load(version, staged)
+            self.loaded = version
+        return self.loaded
+
+
+class StagedServerNCCL(_Staged):
+    """ServerNCCL from a snapshot: a push keeps (metadata, tensors) on the policy's device, which
+    the trainer's next steps leave as they are (a clone of each weight, in the order of the
+    metadata), and take streams the newest."""
+
+    def __init__(self, client, device: torch.device, export: VLLMExport) -> None:
+        super().__init__()
+        self.nccl = ServerNCCL(client, device, export)
+
+    def stage(self, policy, version: int):
+        export = self.nccl.export
+        with export.weights(policy) as weights:
+            tensors = [(name, t.detach().clone()) for name, t in weights]
+        if tensors and tensors[0][1].is_cuda:   # the sender packs on streams of its own
+            torch.cuda.current_stream(tensors[0][1].device).synchronize()
+        return export.metadata(policy), tensors
+
+    def load(self, version: int, staged) -> None:
+        metadata, tensors = staged
+        self.nccl.send(metadata, iter(tensors))
+
+    def close(self) -> None:
+        self.nccl.close()
+
+
+class ServerFiles(_Staged):
+    """A vLLM server reloading from files: a push writes weights_dir/version-<version>/
+    model.safetensors; take has the server reload it in place (`reload_weights` through
+    `/collective_rpc` at `url`, waiting at most `timeout` s), removes the older folders (loaded or
+    skipped) and resets the server's prefix cache. close removes weights_dir."""
+
+    def __init__(self, client, url: str, weights_dir, export: VLLMExport, *,
+                 timeout: float) -> None:
+        super().__init__()
+        self.client, self.url, self.export, self.timeout = client, url, export, timeout
+        self.weights_dir = Path(weights_dir)
+
+    def stage(self, policy, version: int) -> Path:
+        folder = self.weights_dir / f"version-{version}"
+        folder.mkdir(parents=True, exist_ok=True)
+        with self.export.weights(policy) as weights:
+            save_file({name: t.detach().contiguous().cpu() for name, t in weights},
+                      str(folder / "model.safetensors"))
+        return folder
+
+    def load(self, version: int, folder: Path) -> None:
+        import requests   # with trl, which the server's client needs (cppo.sampling.vllm_server)
+        reply = requests.post(f"{self.url}/collective_rpc", timeout=self.timeout, json={
+            "method": "reload_weights",
+            "kwargs": {"weights_path": str(folder), "is_checkpoint_format": True}})
+        if reply.status_code != 200:
+            raise VLLMServerError(f"the vLLM server at {self.url} refused the weights "
+                                  f"({reply.status_code}: {reply.text[:300]}); start it with "
+                                  f"VLLM_SERVER_DEV_MODE=1 so that /collective_rpc exists")
+        for older in self.weights_dir.glob("version-*"):   # older pushes, loaded or skipped
+            if int(older.name.removeprefix("version-")) < version:
+                shutil.rmtree(older, ignore_errors=True)
+        self.client.reset_prefix_cache()
+
+    def close(self) -> None:
+        shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+
+def trainable_names(model) -> list[str]:
+    """The parameters an optimizer step changes: the ones a push copies."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def copy_parameters(target, source, names: list[str]) -> None:
+    """Copy the named parameters of `source` into `target`'s, in place."""
+    dst, src = dict(target.named_parameters()), dict(source.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            dst[name].copy_(src[name].detach())
+
+
+class SharedMemory:
+    """cppo's generator process: a staging copy of the policy in shared memory (made from
+    `policy`, without gradients), its version and a lock, made in the multiprocessing context
+    `ctx`; the sink is handed to the process whole (it is pickled there, the staging copy shared,
+    CUDA tensors through CUDA IPC). A push copies the trainable weights into the staging copy as
+    `version`; the process makes its private model from it (private_copy) and takes each newer
+    version between two rounds (take)."""
+
+    def __init__(self, policy, ctx) -> None:
+        self.staging = copy.deepcopy(policy).requires_grad_(False).share_memory()
+        self.names = trainable_names(policy)
+        self.lock, self.version = ctx.Lock(), ctx.Value("q", -1)
+        self.taken = -1   # the version the process's model holds (-1: the staging copy's first)
+
+    def push(self, policy, version: int) -> float:
+        start = time.perf_counter()
+        with self.lock:
+            copy_parameters(self.staging, policy, self.names)
+            self.version.value = version
+        return time.perf_counter() - start
+
+    def private_copy(self):
+        """(In the generator process.) Its own model: a push never lands mid-round."""
+        return copy.deepcopy(self.staging)
+
+    def take(self, model) -> int:
+        """(In the generator process, between two rounds.) Copy the staging copy into `model` if
+        a newer version was pushed; the version `model` holds."""
+        with self.lock:
+            if self.version.value != self.taken:
+                copy_parameters(model, self.staging, self.names)
+                self.taken = self.version.value
+        return self.taken
+
+    def close(self) -> None:
+        """The staging copy goes with the sink."""

@@ -1,0 +1,200 @@
+"""The weight sinks (cppo.sampling.weight_sinks): one per transport, each a WeightSink, and every
+weight push of the package goes through one. The transports' own tests drive them end to end
+(tests/test_vllm_backend.py: the engine reload and the server's NCCL push; tests/
+test_async_server_push.py: the server generator's; tests/test_async_rollout.py: the generator
+process's shared memory; tests/test_vllm_server.py: the file reload against a real server);
+here each sink alone, on fakes."""
+
+import ast
+import inspect
+import multiprocessing
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cppo.models import load_model
+from cppo.sampling import weight_sinks
+from cppo.sampling.vllm import EXPORT, vllm_weights
+from cppo.sampling.weight_sinks import (EngineReload, ServerFiles, ServerNCCL, SharedMemory,
+                                        StagedServerNCCL, WeightSink)
+
+SAMPLING = Path(__file__).resolve().parents[1] / "src" / "cppo" / "sampling"
+SINKS = (EngineReload, ServerNCCL, StagedServerNCCL, ServerFiles, SharedMemory)
+
+
+def weights_of(model) -> list[tuple[str, torch.Tensor]]:
+    with vllm_weights(model) as weights:
+        return [(name, t.detach().clone()) for name, t in weights]
+
+
+def change_in_place(model, by: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(by)
+
+
+class Recorder:
+    """A vLLM engine or TRL client that records the calls a sink makes (and what it streams)."""
+
+    def __init__(self):
+        self.calls, self.streamed = [], []
+
+    def __getattr__(self, method):
+        def call(*args, **kwargs):
+            self.calls.append(method)
+            for value in [*args, *kwargs.values()]:   # a weights iterator, or its kwargs
+                if isinstance(value, dict) and "weights_iterator" in value:
+                    value = value["weights_iterator"]
+                if inspect.isgenerator(value) or type(value).__name__ == "list_iterator":
+                    self.streamed = [(n, t.clone()) for n, t in value]
+        return call
+
+
+@pytest.mark.parametrize("sink", SINKS, ids=lambda s: s.__name__)
+def test_each_transport_is_a_weight_sink(sink):
+    """Each sink takes the protocol's push(policy, version) and close(), and a push returns the
+    seconds it took."""
+    assert isinstance(sink.__new__(sink), WeightSink)
+    protocol = inspect.signature(WeightSink.push).parameters
+    assert list(inspect.signature(sink.push).parameters) == list(protocol)
+    assert list(inspect.signature(sink.close).parameters) == ["self"]
+
+
+def calls_of(path: Path, names: set[str]) -> list[str]:
+    """'file:line name' for each call of one of `names` (a function or a method) in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in names:
+                found.append(f"{path.name}:{node.lineno} {name}")
+    return found
+
+
+def test_every_weight_push_goes_through_a_sink():
+    """The calls that move weights to a sampler (vLLM's reload, TRL's NCCL stream and
+    communicator, the safetensors written for a server, the copy into the shared staging
+    model) are made in cppo.sampling.weight_sinks only; the backends and generators call their
+    sink's push."""
+    moving = {"collective_rpc", "update_named_params", "init_communicator", "save_file",
+              "copy_parameters", "_copy_parameters"}
+    elsewhere = [call for path in sorted(SAMPLING.glob("*.py")) if path.name != "weight_sinks.py"
+                 for call in calls_of(path, moving)]
+    assert elsewhere == []
+    assert calls_of(SAMPLING / "weight_sinks.py", moving)   # the scan sees them there
+    for name in ("vllm.py", "generator_process.py", "server_generator.py"):
+        assert "self.sink.push(" in (SAMPLING / name).read_text(), name
+
+
+def test_engine_reload_pushes_in_place_and_refreshes_a_tied_head(tiny_model_dir,
+                                                                 untied_model_dir):
+    for model_dir, tied in [(tiny_model_dir, True), (untied_model_dir, False)]:
+        policy, llm = load_model(model_dir), Recorder()
+        sink = EngineReload(llm, EXPORT)
+        assert sink.push(policy, 3) >= 0.0
+        assert llm.calls == ["collective_rpc", *(["apply_model"] if tied else []),
+                             "reset_prefix_cache"]
+        assert [n for n, _ in llm.streamed] == [n for n, _ in weights_of(policy)]
+
+
+def test_the_nccl_sink_streams_now_and_the_staged_one_at_take(tiny_model_dir):
+    """ServerNCCL streams the live weights on push; StagedServerNCCL keeps a snapshot that take
+    streams (the policy changed since), the newest of two pushes only; the communicator is set
+    up once."""
+    policy = load_model(tiny_model_dir)
+    now = Recorder()
+    ServerNCCL(now, torch.device("cpu"), EXPORT).push(policy, 0)
+    assert now.calls == ["init_communicator", "update_named_params", "reset_prefix_cache"]
+    client = Recorder()
+    staged = StagedServerNCCL(client, torch.device("cpu"), EXPORT)
+    assert staged.take() == -1 and client.calls == []   # nothing pushed: the server's own
+    staged.push(policy, 1)
+    change_in_place(policy, 0.5)
+    staged.push(policy, 2)
+    pushed = weights_of(policy)
+    change_in_place(policy, 0.5)
+    assert client.calls == []                           # nothing sent before take
+    assert staged.take() == 2
+    assert client.calls == ["init_communicator", "update_named_params", "reset_prefix_cache"]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(client.streamed, pushed))
+    assert staged.take() == 2 and len(client.calls) == 3   # no new push: nothing sent
+
+
+def test_the_file_sink_writes_then_has_the_server_reload(untied_model_dir, tmp_path,
+                                                        monkeypatch):
+    """A push writes version-<v>/model.safetensors; take posts reload_weights to the server's
+    /collective_rpc, removes the older folders and resets the prefix cache; close removes the
+    folder. A refusal is a VLLMServerError."""
+    pytest.importorskip("requests")
+    import requests
+    from cppo.errors import VLLMServerError
+    posted = []
+
+    def post(url, timeout, json):
+        posted.append((url, timeout, json))
+        return SimpleNamespace(status_code=200 if len(posted) < 3 else 404, text="no route")
+    monkeypatch.setattr(requests, "post", post)
+    policy, client = load_model(untied_model_dir), Recorder()
+    sink = ServerFiles(client, "http://server:8000", tmp_path / "weights", EXPORT, timeout=7.0)
+    sink.push(policy, 1)
+    sink.push(policy, 2)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["version-1", "version-2"]
+    assert sink.take() == 2
+    assert posted == [("http://server:8000/collective_rpc", 7.0, {
+        "method": "reload_weights", "kwargs": {
+            "weights_path": str(tmp_path / "weights" / "version-2"), "is_checkpoint_format": True}})]
+    assert [p.name for p in (tmp_path / "weights").iterdir()] == ["version-2"]
+    assert client.calls == ["reset_prefix_cache"]
+    sink.push(policy, 3)
+    assert sink.take() == 3 and len(posted) == 2
+    sink.push(policy, 4)
+    with pytest.raises(VLLMServerError, match="refused the weights"):
+        sink.take()
+    sink.close()
+    assert not (tmp_path / "weights").exists()
+
+
+def test_shared_memory_copies_trainable_weights_between_rounds(tiny_model_dir):
+    """A push copies the trainable weights into the staging copy as a version; take copies them
+    into the generator's private model once per new version."""
+    policy = load_model(tiny_model_dir)
+    sink = SharedMemory(policy, multiprocessing.get_context("spawn"))
+    private = sink.private_copy()
+    assert sink.take(private) == -1   # nothing pushed: the copy it was made from
+    change_in_place(policy, 0.25)
+    sink.push(policy, 5)
+    assert not torch.equal(next(private.parameters()), next(policy.parameters()))
+    assert sink.take(private) == 5
+    for (name, mine), (_, theirs) in zip(private.named_parameters(), policy.named_parameters()):
+        assert torch.equal(mine, theirs), name
+    assert weight_sinks.trainable_names(policy) == sink.names
+
+
+def test_the_backends_and_generators_hold_their_transports_sink(tiny_model_dir, tmp_path,
+                                                                monkeypatch):
+    """The server backend that pushes holds a ServerNCCL (a frozen one none); the async server
+    generator a StagedServerNCCL on CUDA, ServerFiles elsewhere (an untied model)."""
+    pytest.importorskip("trl")
+    from helpers.vllm_client import FakeClient
+    from cppo.assembly.run import backend_settings
+    from cppo.config import CPPOConfig
+    from cppo.models import load_tokenizer
+    from cppo.sampling.async_rollout import ServerGenerator
+    from cppo.sampling.vllm import VLLMBackend, VLLMServerBackend
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    settings = backend_settings(CPPOConfig(use_vllm=True, vllm_mode="server", num_generations=2,
+                                           max_completion_length=4))
+    monkeypatch.setattr(VLLMBackend, "push_device", lambda self: torch.device("cuda", 0))
+    pushing = VLLMBackend(model, tok, settings, vllm=SimpleNamespace(), client=FakeClient())
+    assert type(pushing) is VLLMServerBackend and isinstance(pushing.sink, ServerNCCL)
+    frozen = VLLMBackend(model, tok, settings, vllm=SimpleNamespace(), client=FakeClient(),
+                         push_weights=False)
+    assert frozen.sink is None
+    generator = ServerGenerator(frozen, tok, tmp_path / "weights", heartbeat_stale_after_s=60.0)
+    try:
+        assert isinstance(generator.sink, StagedServerNCCL)
+    finally:
+        generator.close()
