@@ -5,6 +5,7 @@ signatures (helpers.vllm_client). tests/test_vllm_server.py trains through a rea
 (the file push); tests/test_cuda.py runs this push from a real GPU."""
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -121,6 +122,28 @@ def test_a_push_during_a_round_waits_for_the_next(tiny_model_dir, tmp_path, on_c
         assert_streamed(client, newest)
     finally:
         release.set()
+        generator.close()
+
+
+def test_each_round_reports_how_long_the_generator_waited_for_its_task(tiny_model_dir, tmp_path,
+                                                                      on_cuda):
+    """pruning_rate auto reads the generator's wait for its task (rollout/generator_idle_s), as
+    cppo's generator process measures it: 0 for the first task; then the seconds from the end of
+    the last round until the next task reached the thread, not counting a task that was queued
+    before the round ended."""
+    generator = server_generator(tiny_model_dir, tmp_path / "weights", FakeClient())
+    try:
+        generator.push(generator.backend.model, 0)
+        first = round_of(generator, 0)
+        time.sleep(0.3)   # the trainer's side: the generator waits for its next task
+        waited = round_of(generator, 1)
+        for task_id in (2, 3):   # both queued at once: the second waits for no one
+            generator.submit(RolloutTask(task_id, task_id, [[{"prompt": "5+6="}]]))
+        queued = [generator.receive() for _ in range(2)]
+        assert first.idle_seconds == 0.0
+        assert 0.3 <= waited.idle_seconds < 30.0
+        assert queued[1].idle_seconds < 0.25
+    finally:
         generator.close()
 
 

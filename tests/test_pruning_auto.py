@@ -97,8 +97,6 @@ def test_auto_is_read_from_yaml_and_the_command_line(tmp_path):
 
 @pytest.mark.parametrize("values, names", [
     (dict(pruning_rate="auto"), ["'pruning_rate' is 'auto'", "async_rollout: true"]),
-    (dict(pruning_rate="auto", async_rollout=True, use_vllm=True, vllm_mode="server"),
-     ["'pruning_rate' is 'auto'", "use_vllm: false"]),
     (dict(pruning_rate="fast"), ["'pruning_rate' is 'fast'", "'auto'"]),
     (dict(pruning_rate="auto", async_rollout=True, pruning_rate_min=0.9, pruning_rate_start=0.9,
           pruning_rate_max=0.9), ["pruning_rate_min", "pruning_rate_max", "<"]),

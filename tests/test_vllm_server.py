@@ -197,6 +197,51 @@ def test_async_rollout_trains_with_the_server_as_its_generator(server, tmp_path)
         requests.post(f"{url}/reset_prefix_cache", timeout=30)
 
 
+def test_auto_pruning_balances_against_the_server(server, tmp_path):
+    """pruning_rate auto with the server as the generator (3 steps) and a slow trainer (a reward
+    that sleeps): every step logs the generator's wait (rollout/generator_idle_s, 0 for the first
+    round) and prunes at a rate within [pruning_rate_min, pruning_rate_max], the first round's
+    pruning_rate_start, each later one moved from the last by that round's logged waits
+    (cppo.algorithm.balance); the server waiting for the slow trainer raises the rate."""
+    import json
+    import requests
+    from cppo.algorithm.balance import balanced_pruning_rate
+    from cppo.trainer import CPPOTrainer
+    path, url = server
+
+    def slow_reward(prompts, completions, completion_ids=None, **kw):
+        time.sleep(0.5)   # the trainer's side: the server waits for its next task
+        return [float(len(c) % 2) for c in completions]
+
+    args = CPPOConfig(model=path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+                      vllm_server_timeout=10, async_rollout=True, max_staleness=1, max_steps=3,
+                      num_generations=G, per_device_train_batch_size=8, pruning_rate="auto",
+                      pruning_rate_min=0.25, pruning_rate_start=0.5, pruning_rate_max=0.75,
+                      max_completion_length=8, max_prompt_length=64, eval_steps=0, save_steps=0,
+                      eval_num_questions=4, learning_rate=1e-2, progress_bar=False,
+                      output_dir=str(tmp_path / "run"))
+    try:
+        with CPPOTrainer(args=args, reward_funcs=[slow_reward]) as trainer:
+            trainer.train()
+    finally:
+        requests.post(f"{url}/collective_rpc", timeout=120, json={
+            "method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}})
+        requests.post(f"{url}/reset_prefix_cache", timeout=30)
+    rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    rates = [r["cppo/pruning_rate"] for r in rows]
+    assert rates[0] == 0.5 and all(0.25 <= rate <= 0.75 for rate in rates), rates
+    idle = [r["rollout/generator_idle_s"] for r in rows]
+    assert idle[0] == 0.0 and min(idle) >= 0.0 and all(r["rollout/duration_s"] > 0 for r in rows)
+    # round 3's task came once step 1 was trained: the server waited about the slow reward
+    assert idle[-1] > 0.1 and rates[-1] > rates[0], (idle, rates)
+    for last, row in zip(rates, rows[1:]):
+        assert row["cppo/pruning_rate"] == pytest.approx(balanced_pruning_rate(
+            last, trainer_wait=row["perf/rollout_wait_s"],
+            generator_idle=row["rollout/generator_idle_s"], round_seconds=row["rollout/duration_s"],
+            low=0.25, high=0.75), abs=1e-3)
+
+
 def test_async_rollout_under_torchrun_shares_the_server_between_two_trainers(server, tmp_path):
     """2 training processes (torchrun, ddp) with the server as their one generator: the first
     process's thread sends both processes' questions each round and pushes the weights; both

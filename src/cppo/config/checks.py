@@ -154,8 +154,9 @@ def validate(cfg) -> None:
 
 
 def check_pruning_rate(cfg) -> None:
-    """pruning_rate: a rate in [0, 1) (G >= 2 to prune), or 'auto' with async_rollout, moving
-    within [pruning_rate_min, pruning_rate_max] from pruning_rate_start (cppo.algorithm.balance)."""
+    """pruning_rate: a rate in [0, 1) (G >= 2 to prune), or 'auto' with async_rollout (cppo's
+    generator process or a vLLM server), moving within [pruning_rate_min, pruning_rate_max] from
+    pruning_rate_start (cppo.algorithm.balance)."""
     auto = cfg.pruning_rate == AUTO
     check(auto or not isinstance(cfg.pruning_rate, str),
           f"'pruning_rate' is {cfg.pruning_rate!r}; allowed: a number in [0, 1), or "
@@ -174,11 +175,8 @@ def check_pruning_rate(cfg) -> None:
     if not auto:
         return
     check(cfg.async_rollout, f"'pruning_rate' is '{AUTO}', which balances training against the "
-          f"generator process of asynchronous rollouts; set async_rollout: true, or a number for "
+          f"generator of asynchronous rollouts; set async_rollout: true, or a number for "
           f"pruning_rate (e.g. {start}, pruning_rate_start)")
-    check(not cfg.use_vllm, f"'pruning_rate' is '{AUTO}' with use_vllm: auto measures cppo's "
-          f"generator process, not a vLLM server; set use_vllm: false, or a number for "
-          f"pruning_rate (e.g. {start})")
 
 
 def check_vllm(cfg) -> None:

@@ -487,11 +487,11 @@ class PruningSection(Section):
 
     pruning_rate: Union[float, str] = option(
         0.75, "P: fraction of completions pruned (smallest |A| first) before any forward pass. "
-        "0: plain GRPO. 'auto' (async_rollout, cppo's generator process): each round's "
-        "questions are planned for pruning_rate_start, and the share of them kept moves every "
-        "round within [pruning_rate_min, pruning_rate_max]: less pruning when the trainer waited "
-        "for the round, more when the generator waited for the trainer (docs/asynchronous.md); "
-        "the run then depends on timing.")
+        "0: plain GRPO. 'auto' (async_rollout, with cppo's generator process or a vLLM "
+        "server): each round's questions are planned for pruning_rate_start, and the share of "
+        "them kept moves every round within [pruning_rate_min, pruning_rate_max]: less "
+        "pruning when the trainer waited for the round, more when the generator waited for the "
+        "trainer (docs/asynchronous.md); the run then depends on timing.")
     pruning_rate_min: float = option(0.5, "pruning_rate auto: the lowest pruning rate (the "
                                      "most completions kept).", at_least=0)
     pruning_rate_max: float = option(0.9375, "pruning_rate auto: the highest pruning rate (the "

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from cppo.sampling.backends import make_backend
 from cppo.sampling.generation import Generation
-from cppo.sampling.rollout_generator import Generator, WholeModel, sample_round
+from cppo.sampling.rollout_generator import Generator, IdleClock, WholeModel, sample_round
 from cppo.sampling.rollout_messages import Failure, RolloutTask, Sampled
 from cppo.sampling.settings import BackendSettings
 from cppo.sampling.weight_sinks import SharedMemory
@@ -63,14 +63,14 @@ def generator_main(sink: SharedMemory, heartbeat, tasks, results, build, threads
             heartbeat.value = time.time()
     heartbeat.value = time.time()
     threading.Thread(target=beat, daemon=True).start()
-    generation, done = build(model, WholeModel()), None   # done: the last round's end
+    generation, clock = build(model, WholeModel()), IdleClock()
     try:
         while (task := tasks.get()) is not None:
-            idle = 0.0 if done is None else time.perf_counter() - done
+            idle = clock.task_arrived()
             mine = sink.take(model)
             start = time.perf_counter()
             prompts, completions = sample_round(generation, task)
-            done = time.perf_counter()
+            done = clock.round_done()
             results.put(Sampled(task.task_id, mine, prompts, completions, done - start, idle))
     except Exception:   # the trainer raises it, with the generator's traceback
         results.put(Failure(traceback.format_exc()))

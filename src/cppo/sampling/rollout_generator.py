@@ -1,6 +1,7 @@
 """What both asynchronous generators share (cppo's generator process,
 cppo.sampling.generator_process; the vLLM server's thread, cppo.sampling.server_generator): how a
-round is sampled (sample_round, on a WholeModel) and how the trainer waits for it (Generator: a
+round is sampled (sample_round, on a WholeModel), how long the generator waited for its task
+(IdleClock) and how the trainer waits for it (Generator: a
 queue of results, a failure raised with its traceback, a generator that ended, never started or
 fell silent raised as a GeneratorError, never a hang)."""
 
@@ -33,6 +34,24 @@ def sample_round(generation: Generation, task: RolloutTask
     parts = [dataclasses.replace(generation, rank=rank).sample(rows, task.round_index)
              for rank, rows in enumerate(task.rows)]
     return [p for p, _ in parts], [c for _, c in parts]
+
+
+class IdleClock:
+    """A generator's wait for its task (Sampled.idle_seconds, which pruning_rate auto reads): the
+    seconds from the end of its last round until the next task arrived; 0 for the first task (a
+    start-up is not idling)."""
+
+    def __init__(self) -> None:
+        self.done: float | None = None   # when the last round ended
+
+    def task_arrived(self) -> float:
+        """The seconds idle before this task (call as it arrives)."""
+        return 0.0 if self.done is None else time.perf_counter() - self.done
+
+    def round_done(self) -> float:
+        """Now, the end of a round (perf_counter), from which the next task's wait counts."""
+        self.done = time.perf_counter()
+        return self.done
 
 
 class Generator:

@@ -14,7 +14,7 @@ import traceback
 import torch
 
 from cppo.sampling.generation import Generation
-from cppo.sampling.rollout_generator import Generator, WholeModel, sample_round
+from cppo.sampling.rollout_generator import Generator, IdleClock, WholeModel, sample_round
 from cppo.sampling.rollout_messages import Failure, RolloutTask, Sampled
 from cppo.sampling.vllm import EXPORT, check_file_reload
 from cppo.sampling.vllm_server import server_url
@@ -81,14 +81,17 @@ class ServerGenerator(Generator):
         return self.sink.take()
 
     def _run(self) -> None:
+        clock = IdleClock()   # the generator side's wait for its task, as the process measures it
         try:
             while (task := self.tasks.get()) is not None:
+                idle = clock.task_arrived()
                 self.heartbeat.value = time.time()
                 version = self._reload()
                 start = time.perf_counter()
                 prompts, completions = sample_round(self.generation, task)
+                done = clock.round_done()
                 self.results.put(Sampled(task.task_id, version, prompts, completions,
-                                         time.perf_counter() - start))
+                                         done - start, idle))
                 self.heartbeat.value = 0.0
         except Exception:
             self.results.put(Failure(traceback.format_exc()))
