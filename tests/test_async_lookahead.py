@@ -31,7 +31,8 @@ class InlineGenerator:
     name = "inline generator"
     made: list = []
 
-    def __init__(self, policy, build, *, threads, heartbeat_stale_after_s, cpus=None) -> None:
+    def __init__(self, policy, build, *, threads, heartbeat_stale_after_s, cpus=None,
+                 tools=None) -> None:
         self.model = copy.deepcopy(policy).requires_grad_(False)
         self.names = async_rollout.trainable_names(policy)
         self.generation = build(self.model, async_rollout._WholeModel())

@@ -228,7 +228,7 @@ def test_async_launches_it_cannot_run_name_the_fix():
     with pytest.raises(ConfigError, match="2 training processes needs distributed: ddp.*got "
                                           "distributed: fsdp"):
         async_rollout.check_async_launch(2, "fsdp", None)
-    with pytest.raises(ConfigError, match="rollout_func or tools.*async_rollout: false"):
+    with pytest.raises(ConfigError, match="cannot run a rollout_func.*async_rollout: false"):
         async_rollout.check_async_launch(1, "ddp", lambda prompts, trainer: {})
     async_rollout.check_async_launch(2, "ddp", None)
     async_rollout.check_async_launch(1, "fsdp", None)

@@ -158,10 +158,12 @@ class CPPOTrainer:
         def every_process_rows() -> tuple[list[list[dict]], list[int]]:
             order = self.take_questions()[1]
             return [self.rows_of(order, rank) for rank in range(self.dist.world_size)], order
-        rows, order, prompts, completions, metrics = self.rollouts.next_round(
+        rows, order, prompts, completions, metrics, turns = self.rollouts.next_round(
             self.round_index, (self.total_steps - 1) // self.args.steps_per_round,
             version=self.run_state.step, take_questions=every_process_rows,
             questions_state=self.questions.state)
+        if turns is not None:   # the generator ran the tool loop: its messages and tools/* metrics
+            self.rollout_func.messages, self.rollout_func.metrics = turns["messages"], turns["metrics"]
         return Rollout(rows, order, prompts, completions, metrics=metrics)
 
     def take_questions(self) -> tuple[list[dict], list[int], int | None]:
@@ -355,7 +357,8 @@ class CPPOTrainer:
                               steps_per_round=args.steps_per_round,
                               questions_per_round=self.plan.questions_per_step,
                               backend=self.backend, weights_dir=self.output_dir / ".async_weights",
-                              dist=self.dist, engine=self.engine)
+                              dist=self.dist, engine=self.engine,
+                              tools=self.rollout_func)
 
     def _request_stop(self, signum, frame) -> None:
         """SIGINT / SIGTERM handler: the loop stops after this step (cppo.run.signals)."""

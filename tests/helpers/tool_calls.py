@@ -5,7 +5,13 @@ random model (which calls no tool by itself)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from cppo.sampling.tools import ToolLoop
+
+TOOL_LOG = "CPPO_TEST_TOOL_LOG"   # when set: a file each multiply call adds its process id to
 
 TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
@@ -33,6 +39,9 @@ def multiply(a: int, b: int) -> int:
         a: The first factor.
         b: The second factor.
     """
+    if os.environ.get(TOOL_LOG):
+        with open(os.environ[TOOL_LOG], "a") as log:
+            log.write(f"{os.getpid()}\n")
     return a * b
 
 
@@ -69,6 +78,35 @@ def save_tool_model(path, **sizes) -> str:
     build_model("qwen2", tok, **sizes).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+def write_call(tok, context: list[int]) -> list[int]:
+    """A model turn calling multiply with the question's numbers (context: the rendered prompt)."""
+    a, b = tok.decode(context).split("user\n")[-1].split("=")[0].split("*")
+    call = f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+    return tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
+class ScriptedToolLoop(ToolLoop):
+    """script_first_turn for a loop that runs elsewhere (async_rollout's generator gets a pickled
+    copy): the first turn of every other completion of every round is written (a multiply
+    call); where the sampler returns log-probs, a written turn gets the policy's own."""
+
+    def sample(self, run, contexts, num_generations, max_new_tokens, turn=0, keys=None):
+        turns, logprobs = super().sample(run, contexts, num_generations, max_new_tokens, turn, keys)
+        if turn:
+            return turns, logprobs
+        for i in range(0, len(turns), 2):
+            context = contexts[i // num_generations]
+            turns[i] = write_call(run.tokenizer, context)
+            if logprobs is not None:
+                logprobs[i] = policy_logprobs(run, context, turns[i])
+        return turns, logprobs
+
+
+def script_tool_turns(trainer) -> None:
+    """The trainer's tool loop becomes a ScriptedToolLoop (a picklable class)."""
+    trainer.rollout_func.__class__ = ScriptedToolLoop
 
 
 def script_first_turn(trainer) -> list[int]:

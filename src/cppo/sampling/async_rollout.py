@@ -31,6 +31,7 @@ part for its callers.
 from __future__ import annotations
 
 import functools
+import pickle
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -44,10 +45,12 @@ from cppo.algorithm.staleness import (is_stale, lookahead_rounds, push_due, roun
 from cppo.errors import ConfigError
 from cppo.sampling.generator_process import GeneratorProcess, generator_main, generator_sampling
 from cppo.sampling.process_share import ProcessShare
+from cppo.sampling.rollout_generator import RoundTools
 from cppo.sampling.rollout_generator import WholeModel as _WholeModel
 from cppo.sampling.rollout_generator import sample_round
 from cppo.sampling.rollout_messages import Arrival, RolloutTask, Sampled
 from cppo.sampling.server_generator import ServerGenerator
+from cppo.sampling.tools import ToolLoop
 from cppo.sampling.weight_sinks import copy_parameters as _copy_parameters
 from cppo.sampling.weight_sinks import trainable_names
 
@@ -56,7 +59,8 @@ if TYPE_CHECKING:
 
 # the parts' names as callers (the trainer, tests, benchmarks) import them from here
 __all__ = ["Arrival", "GeneratorProcess", "ProcessShare", "RolloutScheduler", "RolloutTask",
-           "Sampled", "ServerGenerator", "check_async_launch", "generator_main",
+           "RoundTools", "Sampled", "ServerGenerator", "check_async_launch",
+           "check_picklable_tools", "generator_main",
            "generator_sampling", "sample_round", "start_rollouts", "trainable_names",
            "_WholeModel", "_copy_parameters"]
 
@@ -136,12 +140,13 @@ class RolloutScheduler:
     def next_round(self, round_index: int, last_round: int, *, version: int, take_questions,
                    questions_state) -> tuple:
         """Submit the rounds ahead (fill), then take round_index's arrival (take): this process's
-        rows, the round's question order, this process's prompts, completions and metrics."""
+        rows, the round's question order, this process's prompts, completions, metrics and, with
+        tools, the generator's tool-loop turns (Arrival.turns; None without)."""
         self.fill(round_index, last_round, take_questions, questions_state)
         head, arrival, stale, waited = self.take(version)
         rows = head.task.rows[self.rank]
         return (rows, head.order, arrival.prompts, arrival.completions,
-                self.metrics(arrival, stale, waited, len(rows)))
+                self.metrics(arrival, stale, waited, len(rows)), arrival.turns)
 
     def questions_state(self, current: dict) -> dict:
         """What a checkpoint stores: the stream's state before the oldest round not trained on
@@ -182,26 +187,32 @@ class RolloutScheduler:
 
 def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_round: int,
                    questions_per_round: int, backend, weights_dir: Path, dist,
-                   engine) -> RolloutScheduler:
+                   engine, tools: ToolLoop | None = None) -> RolloutScheduler:
     """The generator (cppo's sampler in its own process, built as the trainer's `backend` is:
     its settings, chunk size and sampling dtype; with use_vllm, the vLLM server that `backend`
     talks to), held by the first training process, on the policy's weights as `version`, and
     this process's scheduler: rounds ahead as max_staleness, max_inflight_tasks and
     queue_maxsize allow (rollout: the config's async section; steps_per_round: optimizer steps
     per generation round; questions_per_round: each process's). engine: the policy's
-    (cppo.parallel.engines.Engine; call check_async_launch first)."""
+    (cppo.parallel.engines.Engine; call check_async_launch first). tools: the run's tool loop
+    (tools= or environment_factory=), which the generator runs each round in: cppo's generator
+    process gets a pickled copy (check_picklable_tools), a vLLM server's thread a copy."""
     policy, generator, settings = engine.policy, None, backend.settings
     use_vllm = settings.vllm.use_vllm
+    round_tools = None if tools is None else RoundTools(tools, steps_per_round)
     if dist.is_main and use_vllm:
         generator = ServerGenerator(backend, tokenizer, weights_dir,
-                                    heartbeat_stale_after_s=rollout.heartbeat_stale_after_s)
+                                    heartbeat_stale_after_s=rollout.heartbeat_stale_after_s,
+                                    tools=round_tools)
     elif dist.is_main:
+        if tools is not None:
+            check_picklable_tools(tools)
         build = functools.partial(generator_sampling, tokenizer, settings, backend.chunk_size,
                                   backend.generation_dtype, rollout.max_staleness > 0)
         generator = GeneratorProcess(policy, build,
                                      threads=rollout.generator_threads or torch.get_num_threads(),
                                      heartbeat_stale_after_s=rollout.heartbeat_stale_after_s,
-                                     cpus=rollout.generator_cpus)
+                                     cpus=rollout.generator_cpus, tools=round_tools)
     share = ProcessShare(generator, dist, dist.device, engine.gathered)
     questions = questions_per_round * dist.world_size
     waiting = rollout.queue_maxsize // (questions * settings.generation.num_generations)
@@ -221,15 +232,44 @@ def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_
 
 
 def check_async_launch(world_size: int, strategy: str, rollout_func) -> None:
-    """What async_rollout cannot run with, known once the launch is: a rollout function (it
-    samples inside the trainer) and, under several processes, fsdp (the generator holds a
-    whole copy of the policy, made from the first process's)."""
-    if rollout_func is not None:
+    """What async_rollout cannot run with, known once the launch is: a user rollout_func (TRL's
+    rollout_func(prompts, trainer) takes the trainer object, which trains while the generator
+    samples; cppo's tool loop for tools= and environment_factory= runs in the generator) and,
+    under several processes, fsdp (the generator holds a whole copy of the policy, made from
+    the first process's)."""
+    if rollout_func is not None and not isinstance(rollout_func, ToolLoop):
         raise ConfigError("'async_rollout' samples in its generator, so it cannot run a "
-                          "rollout_func or tools (they sample inside the trainer); unset them, or "
-                          "set async_rollout: false")
+                          "rollout_func: TRL's rollout_func(prompts, trainer) takes the trainer, "
+                          "which keeps training (its weights and state change) while the "
+                          "generator samples, and cppo's generator process cannot hold it. Pass "
+                          "tools= or environment_factory= (cppo's tool loop runs in the "
+                          "generator), or set async_rollout: false")
     if world_size > 1 and strategy != "ddp":
         raise ConfigError(f"'async_rollout' with {world_size} training processes needs "
                           f"distributed: ddp (the generator copies the first process's whole "
                           f"policy); got distributed: {strategy}. Set distributed: ddp, or "
                           f"async_rollout: false")
+
+
+def check_picklable_tools(tools: ToolLoop) -> None:
+    """cppo's generator process gets the tool loop pickled (a spawned process): each tool, each
+    environment_factory and its environments must pickle, else a ConfigError naming it and the
+    fix."""
+    parts = [(f"the tool {t.__name__!r}", t) for t in tools.tools]
+    for name, factory in tools.factories.items():
+        label = "environment_factory" if name is None else f"environment_factory[{name!r}]"
+        parts += [(f"{label} ({getattr(factory, '__qualname__', factory)!r})", factory)]
+        parts += [(f"the environment {type(e).__qualname__!r} of {label}", e)
+                  for e in tools.pools.get(name, [])]
+    parts.append(("the tool loop", tools))
+    for what, part in parts:
+        try:
+            pickle.dumps(part)
+        except Exception as err:   # noqa: BLE001 -- pickle raises many kinds
+            raise ConfigError(
+                f"async_rollout runs the tools in its generator process, which gets them pickled, "
+                f"and {what} cannot be pickled ({type(err).__name__}: {err}). Define it at a "
+                f"module's top level (a plain function, a class, or a functools.partial of one; "
+                f"not a lambda, a nested function or an object holding a lock or a connection), "
+                f"or set async_rollout: false (or use a vLLM server: use_vllm with vllm_mode: "
+                f"server runs the tools in a thread of the trainer)") from None

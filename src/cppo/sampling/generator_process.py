@@ -20,7 +20,8 @@ import torch.multiprocessing as mp
 
 from cppo.sampling.backends import make_backend
 from cppo.sampling.generation import Generation
-from cppo.sampling.rollout_generator import Generator, IdleClock, WholeModel, sample_round
+from cppo.sampling.rollout_generator import (Generator, IdleClock, RoundTools, WholeModel,
+                                             roll_out_round)
 from cppo.sampling.rollout_messages import Failure, RolloutTask, Sampled
 from cppo.sampling.settings import BackendSettings
 from cppo.sampling.weight_sinks import SharedMemory
@@ -43,10 +44,11 @@ def generator_sampling(tokenizer, settings: BackendSettings, chunk_size: int,
                       generation.num_generations, generation.max_prompt_length, settings.seed)
 
 
-def generator_main(sink: SharedMemory, heartbeat, tasks, results, build, threads, cpus) -> None:
+def generator_main(sink: SharedMemory, heartbeat, tasks, results, build, threads, cpus,
+                   tools: RoundTools | None = None) -> None:
     """The generator process: a private copy of the sink's staging model, refreshed from it
     whenever the trainer has pushed a newer version; one round sampled per task until a None
-    task. Signals are the trainer's to act on (it stops this process); an orphaned generator
+    task (with tools, the round's multi-turn rollouts: the tool loop runs here). Signals are the trainer's to act on (it stops this process); an orphaned generator
     ends itself."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
@@ -69,9 +71,10 @@ def generator_main(sink: SharedMemory, heartbeat, tasks, results, build, threads
             idle = clock.task_arrived()
             mine = sink.take(model)
             start = time.perf_counter()
-            prompts, completions = sample_round(generation, task)
+            prompts, completions, turns = roll_out_round(generation, task, tools)
             done = clock.round_done()
-            results.put(Sampled(task.task_id, mine, prompts, completions, done - start, idle))
+            results.put(Sampled(task.task_id, mine, prompts, completions, done - start, idle,
+                                turns))
     except Exception:   # the trainer raises it, with the generator's traceback
         results.put(Failure(traceback.format_exc()))
     finally:
@@ -84,10 +87,11 @@ class GeneratorProcess(Generator):
     queues."""
 
     def __init__(self, policy, build, *, threads: int, heartbeat_stale_after_s: float,
-                 cpus: list[int] | None = None) -> None:
+                 cpus: list[int] | None = None, tools: RoundTools | None = None) -> None:
         """build(model, engine) -> a cppo.sampling.generation.Generation sampling with `model`;
         it is pickled to the process (a functools.partial of module-level functions). cpus: the
-        cores the process runs on (None: the trainer's)."""
+        cores the process runs on (None: the trainer's). tools: the tool loop the process runs
+        each round in (pickled to it: check_picklable_tools first), None to sample single turns."""
         ctx = mp.get_context("spawn")
         self.sink = SharedMemory(policy, ctx)
         self.heartbeat = ctx.Value("d", 0.0)   # 0: not started yet
@@ -96,7 +100,8 @@ class GeneratorProcess(Generator):
         self.stale_after = heartbeat_stale_after_s
         self.process = ctx.Process(
             target=generator_main, daemon=True, name="cppo-generator",
-            args=(self.sink, self.heartbeat, self.tasks, self.results, build, threads, cpus))
+            args=(self.sink, self.heartbeat, self.tasks, self.results, build, threads, cpus,
+                  tools))
         self.process.start()
         self.name = f"generator process (pid {self.process.pid})"
         # before multiprocessing's own exit handler, which would wait for a daemon process that

@@ -1,6 +1,7 @@
 """What both asynchronous generators share (cppo's generator process,
 cppo.sampling.generator_process; the vLLM server's thread, cppo.sampling.server_generator): how a
-round is sampled (sample_round, on a WholeModel), how long the generator waited for its task
+round is sampled (sample_round, on a WholeModel; with tools, roll_out_round runs the tool loop
+around it: RoundTools), how long the generator waited for its task
 (IdleClock) and how the trainer waits for it (Generator: a
 queue of results, a failure raised with its traceback, a generator that ended, never started or
 fell silent raised as a GeneratorError, never a hang)."""
@@ -8,14 +9,18 @@ fell silent raised as a GeneratorError, never a hang)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import queue
 import time
+from dataclasses import dataclass
 
 from cppo.errors import GeneratorError
 from cppo.sampling.batches import Completions, PromptBatch
 from cppo.sampling.generation import Generation
 from cppo.sampling.rollout_messages import Failure, RolloutTask, Sampled
+from cppo.sampling.settings import SamplingSettings
+from cppo.sampling.tools import ToolContext, ToolLoop
 
 START_S = 600.0           # the longest a generator process may take to start (imports, its model)
 POLL_S = 0.2              # how often a waiting trainer checks the generator
@@ -34,6 +39,52 @@ def sample_round(generation: Generation, task: RolloutTask
     parts = [dataclasses.replace(generation, rank=rank).sample(rows, task.round_index)
              for rank, rows in enumerate(task.rows)]
     return [p for p, _ in parts], [c for _, c in parts]
+
+
+@dataclass
+class RoundTools:
+    """Tools (and environment_factory) under async_rollout: the generator runs the round's
+    multi-turn rollouts, cppo's tool loop (`loop`, a copy of the trainer's) around its own
+    sampler, as the trainer runs it in a synchronous run (the same ToolContext, with the
+    generator's model and backend; step: the round's first optimizer step, which seeds cppo's
+    sampler's turns)."""
+
+    loop: ToolLoop
+    steps_per_round: int
+
+    def context(self, generation: Generation, round_index: int) -> ToolContext:
+        backend = generation.backend
+        settings = backend.settings
+        section = settings.generation
+        return ToolContext(generation.tokenizer, backend.model, backend, generation.device,
+                           SamplingSettings.of(section), settings.seed, generation.num_generations,
+                           generation.max_prompt_length, section.max_completion_length,
+                           settings.lean_forward, section.share_prefixes, generation.rank,
+                           round_index, round_index * self.steps_per_round)
+
+    def rollout(self, generation: Generation, rows: list[dict], round_index: int
+                ) -> tuple[PromptBatch, Completions, dict]:
+        """One process's part of a round: its prompts, completions (tool_mask: 0 on the tools'
+        tokens) and turns (the rollouts' chat messages, for the reward functions, and the
+        tools/* metrics). Environments come back as copies: the loop resets its own for the next
+        round while the trainer scores this one."""
+        prompts, completions = generation.rollout(self.loop, rows, round_index,
+                                                  self.context(generation, round_index))
+        if completions.columns and "environments" in completions.columns:
+            completions.columns["environments"] = copy.deepcopy(completions.columns["environments"])
+        return prompts, completions, {"messages": self.loop.messages,
+                                      "metrics": dict(self.loop.metrics)}
+
+
+def roll_out_round(generation: Generation, task: RolloutTask, tools: RoundTools | None
+                   ) -> tuple[list[PromptBatch], list[Completions], list[dict] | None]:
+    """A generator's round: sample_round's, or with tools each process's multi-turn rollouts
+    (RoundTools) and their turns, in rank order."""
+    if tools is None:
+        return (*sample_round(generation, task), None)
+    parts = [tools.rollout(dataclasses.replace(generation, rank=rank), rows, task.round_index)
+             for rank, rows in enumerate(task.rows)]
+    return [p for p, _, _ in parts], [c for _, c, _ in parts], [t for _, _, t in parts]
 
 
 class IdleClock:

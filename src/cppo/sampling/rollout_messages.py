@@ -23,8 +23,9 @@ class RolloutTask:
 @dataclass
 class Sampled:
     """A round as the generator sampled it: the policy version that sampled it, each process's
-    prompts (Q rows) and completions (Q x G rows), in rank order, the seconds it took and the
-    seconds the generator waited for the task (Arrival)."""
+    prompts (Q rows) and completions (Q x G rows), in rank order, the seconds it took, the
+    seconds the generator waited for the task and, with tools, each process's tool-loop turns
+    (Arrival)."""
 
     task_id: int
     version: int
@@ -32,17 +33,21 @@ class Sampled:
     completions: list[Completions]
     seconds: float
     idle_seconds: float = 0.0
+    turns: list[dict] | None = None
 
     def part(self, rank: int) -> "Arrival":
         return Arrival(self.task_id, self.version, self.prompts[rank], self.completions[rank],
-                       self.seconds, self.idle_seconds)
+                       self.seconds, self.idle_seconds,
+                       None if self.turns is None else self.turns[rank])
 
 
 @dataclass
 class Arrival:
     """This process's part of a sampled round: the policy version that sampled it, the prompts
     (Q rows), completions (Q x G rows), the seconds the sampling took and the seconds the
-    generator waited for the task before (idle_seconds: 0 for its first task)."""
+    generator waited for the task before (idle_seconds: 0 for its first task); turns: with tools,
+    what the generator's tool loop kept of this part (cppo.sampling.rollout_generator.RoundTools:
+    the rollouts' chat messages and the tools/* metrics), None without."""
 
     task_id: int
     version: int
@@ -50,6 +55,7 @@ class Arrival:
     completions: Completions
     seconds: float
     idle_seconds: float = 0.0
+    turns: dict | None = None
 
     def to(self, device) -> "Arrival":
         return dataclasses.replace(self, prompts=self.prompts.to(device),

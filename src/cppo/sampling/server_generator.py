@@ -6,6 +6,7 @@ on CUDA, from files elsewhere)."""
 from __future__ import annotations
 
 import atexit
+import copy
 import queue
 import threading
 import time
@@ -14,7 +15,8 @@ import traceback
 import torch
 
 from cppo.sampling.generation import Generation
-from cppo.sampling.rollout_generator import Generator, IdleClock, WholeModel, sample_round
+from cppo.sampling.rollout_generator import (Generator, IdleClock, RoundTools, WholeModel,
+                                             roll_out_round)
 from cppo.sampling.rollout_messages import Failure, RolloutTask, Sampled
 from cppo.sampling.vllm import EXPORT, check_file_reload
 from cppo.sampling.vllm_server import server_url
@@ -38,13 +40,16 @@ class ServerGenerator(Generator):
 
     backend: a VLLMBackend in server mode built with push_weights=False (make_backend's under
     async_rollout): the pushes, and the NCCL communicator, are this generator's; the server,
-    G, the prompt length and the seed are its settings'."""
+    G, the prompt length and the seed are its settings'. tools: the tool loop the thread runs
+    each round in (a copy of it: the trainer's is left alone), None to sample single turns."""
 
-    def __init__(self, backend, tokenizer, weights_dir, *, heartbeat_stale_after_s: float) -> None:
+    def __init__(self, backend, tokenizer, weights_dir, *, heartbeat_stale_after_s: float,
+                 tools: RoundTools | None = None) -> None:
         if backend.push_weights:
             raise ValueError("ServerGenerator pushes the weights itself: build its backend with "
                              "push_weights=False")
         self.backend = backend
+        self.tools = None if tools is None else copy.deepcopy(tools)
         settings = backend.settings
         self.generation = Generation(backend, tokenizer, WholeModel(), torch.device("cpu"), 0,
                                      settings.generation.num_generations,
@@ -88,10 +93,10 @@ class ServerGenerator(Generator):
                 self.heartbeat.value = time.time()
                 version = self._reload()
                 start = time.perf_counter()
-                prompts, completions = sample_round(self.generation, task)
+                prompts, completions, turns = roll_out_round(self.generation, task, self.tools)
                 done = clock.round_done()
                 self.results.put(Sampled(task.task_id, version, prompts, completions,
-                                         done - start, idle))
+                                         done - start, idle, turns))
                 self.heartbeat.value = 0.0
         except Exception:
             self.results.put(Failure(traceback.format_exc()))

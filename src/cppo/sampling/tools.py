@@ -156,7 +156,8 @@ class ToolLoop:
     contexts (vLLM: `sample_contexts`) the turns are vLLM's, each with its own token budget, and
     the rollout returns vLLM's log-probs of the model's tokens (0 on a tool's, which are out of
     the loss and of the importance-sampling correction); else cppo's sampler draws them on the
-    policy and the rollout has no sampler log-probs.
+    policy and the rollout has no sampler log-probs (except under async_rollout with
+    max_staleness > 0, whose generator's backend records the behaviour log-probs).
 
     environment_factory (TRL's): each rollout gets its own instance (created once, reused across
     steps), `reset(**row)` before its first turn (a returned string is appended to the last user
@@ -183,6 +184,12 @@ class ToolLoop:
                 raise ValueError(f"environment_factory[{name!r}] is {factory!r}; expected a callable "
                                  f"that returns an environment")
             self._probe(name, factory)
+
+    def __getstate__(self) -> dict:
+        """What a copy for async_rollout's generator carries (pickled to cppo's generator process,
+        deep-copied for a vLLM server's thread): the tools, the environments' factories and
+        instances; not the environment reward functions (the trainer's) nor the last rollouts."""
+        return {**self.__dict__, "env_rewards": [], "messages": [], "metrics": {}}
 
     @property
     def factory(self):
@@ -256,16 +263,23 @@ class ToolLoop:
         prompts = PromptBatch(*pad_token_lists(contexts, tok.pad_token_id, side="left"))
         generator = torch.Generator(device=run.device).manual_seed(
             (run.seed * 1_000_003 + run.step * 7919 + len(contexts)) % 2**63)
+        record = getattr(run.backend, "record_logprobs", False)   # async_rollout, max_staleness > 0
         with torch.no_grad():
             out = sample_completions(
                 run.policy, prompts.to(run.device), num_generations=num_generations,
                 max_new_tokens=max(budgets), eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id, sampling=run.sampling, generator=generator,
-                decoding=Decoding(lean=run.lean_forward, share_prefixes=run.share_prefixes))
-        turns = [ids[mask.bool()].tolist() for ids, mask in zip(out.ids.cpu(), out.mask.cpu())]
+                decoding=Decoding(lean=run.lean_forward, share_prefixes=run.share_prefixes,
+                                  record_logprobs=record))
+        masks = [mask.bool() for mask in out.mask.cpu()]
+        turns = [ids[mask].tolist() for ids, mask in zip(out.ids.cpu(), masks)]
+        logprobs = [lp[mask].tolist() for lp, mask in zip(out.logprobs.cpu(), masks)] \
+            if record and out.logprobs is not None else None
         if isinstance(max_new_tokens, list):
             turns = [t[:n] for t, n in zip(turns, max_new_tokens)]
-        return turns, None
+            logprobs = None if logprobs is None else \
+                [lp[:n] for lp, n in zip(logprobs, max_new_tokens)]
+        return turns, logprobs
 
     @staticmethod
     def context_limit(run: ToolContext) -> int:
