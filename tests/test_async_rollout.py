@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -223,15 +224,22 @@ def test_bad_async_settings_name_the_field_and_the_fix(values, names):
 
 
 def test_async_launches_it_cannot_run_name_the_fix():
-    """Several processes under fsdp (the generator copies a whole policy) and a rollout function
-    (it samples in the trainer): errors naming the field and the fix; ddp and one process run."""
-    with pytest.raises(ConfigError, match="2 training processes needs distributed: ddp.*got "
-                                          "distributed: fsdp"):
-        async_rollout.check_async_launch(2, "fsdp", None)
+    """A rollout function (it samples in the trainer): an error naming the field and the fix;
+    without one the launch runs (ddp and fsdp alike: tests/test_distributed.py)."""
     with pytest.raises(ConfigError, match="cannot run a rollout_func.*async_rollout: false"):
-        async_rollout.check_async_launch(1, "ddp", lambda prompts, trainer: {})
-    async_rollout.check_async_launch(2, "ddp", None)
-    async_rollout.check_async_launch(1, "fsdp", None)
+        async_rollout.check_async_launch(lambda prompts, trainer: {})
+    async_rollout.check_async_launch(None)
+
+
+def test_a_vllm_server_under_fsdp_names_the_fix():
+    """The vLLM server takes the policy whole, which fsdp processes hold as shards: an error
+    naming distributed and use_vllm, before any generator starts."""
+    backend = SimpleNamespace(settings=SimpleNamespace(vllm=SimpleNamespace(use_vllm=True)))
+    engine = SimpleNamespace(policy=None, sharded=True)
+    with pytest.raises(ConfigError, match="distributed: fsdp.*distributed: ddp.*use_vllm: false"):
+        async_rollout.start_rollouts(None, None, version=0, steps_per_round=1,
+                                     questions_per_round=1, backend=backend, weights_dir=None,
+                                     dist=SimpleNamespace(world_size=2), engine=engine)
 
 
 @pytest.mark.parametrize("stop", ["ctrl_c", "sigterm"])

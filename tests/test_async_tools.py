@@ -104,8 +104,8 @@ def test_a_tool_that_cannot_be_pickled_is_named_with_the_fix():
 def test_a_rollout_func_is_refused_and_the_tool_loop_is_not():
     with pytest.raises(ConfigError, match="cannot run a rollout_func.*takes the trainer.*"
                                           "tools=.*async_rollout: false"):
-        async_rollout.check_async_launch(1, "ddp", lambda prompts, trainer: {})
-    async_rollout.check_async_launch(1, "ddp", ToolLoop([multiply]))
+        async_rollout.check_async_launch(lambda prompts, trainer: {})
+    async_rollout.check_async_launch(ToolLoop([multiply]))
 
 
 def test_environments_run_in_the_generator_and_their_copies_are_rewarded(tool_model_dir,

@@ -32,9 +32,11 @@ LAUNCH_CHECKS = {
     "rewards/runner.py": "the reward functions and processing classes given to the trainer",
     "run/optimizer.py": "AdamW's and the schedules' keyword arguments (config/checks.py calls it)",
     "run/tracking.py": "the trackers installed (config/checks.py calls it for the names)",
-    "sampling/async_rollout.py": "the processes, a rollout_func or tools, the model's tied head",
+    "sampling/async_rollout.py": "a rollout_func, tools that cannot be pickled, fsdp with a "
+                                 "vLLM server",
     "sampling/tools.py": "the tools, environment_factory or rollout_func given to the trainer",
-    "sampling/vllm.py": "the model's positions, the prompts' lengths, the adapters' kind",
+    "sampling/vllm.py": "the model's positions, the prompts' lengths, the adapters' kind, a tied "
+                        "head reloaded from files",
 }
 
 

@@ -10,6 +10,7 @@ clearly before training.
 """
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -679,6 +680,51 @@ def test_async_rollout_with_two_trainers_trains_on_stale_rounds_within_the_bound
                           "trainer_busy": figures[0]["trainer_busy"]}
     assert figures[0]["staleness_max"] == 2 and figures[0]["dropped_stale"] == 0
     assert max(r["sample/staleness_max"] for r in records(run)) <= 2
+
+
+@pytest.fixture(scope="module")
+def fsdp_async_runs(tiny_model_dir, tmp_path_factory):
+    """{name: (run dir, torchrun log)} under distributed: fsdp: sync, and async_rollout at
+    max_staleness 0 and 1."""
+    root = tmp_path_factory.mktemp("fsdp_async")
+    out = {}
+    for name, extra in (("sync", {}), ("async0", dict(async_rollout=True, max_staleness=0)),
+                        ("async1", dict(async_rollout=True, max_staleness=1))):
+        _, log = torchrun(async_spec(tiny_model_dir, root / name, distributed="fsdp", **extra),
+                          root / f"{name}.json")
+        out[name] = (root / name, log)
+    return out
+
+
+def test_async_rollout_with_two_fsdp_trainers_at_max_staleness_0_is_the_synchronous_run(
+        fsdp_async_runs):
+    """distributed: fsdp, each process holding half of each parameter: every push gathers the
+    parameters one by one into the generator's staging copy, so at max_staleness 0 the run has
+    the losses and weights (float64 round-off, 1e-10) of the synchronous fsdp run."""
+    (sync, _), (run, log) = fsdp_async_runs["sync"], fsdp_async_runs["async0"]
+    assert "2 training processes" in log.read_text()
+    a, b = records(sync), records(run)
+    assert len(a) == len(b) == ASYNC_STEPS // 2
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "kl", "reward"):
+            assert y[key] == pytest.approx(x[key], rel=1e-9, abs=1e-12), key
+    expected, got = weights_at(sync, ASYNC_STEPS), weights_at(run, ASYNC_STEPS)
+    assert expected.keys() == got.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=1e-10, rtol=0, msg=name)
+
+
+def test_async_rollout_with_two_fsdp_trainers_trains_on_stale_rounds(fsdp_async_runs):
+    """max_staleness 1 under fsdp: every step is done, with finite losses, and no trained round
+    is staler than the bound."""
+    run, _ = fsdp_async_runs["async1"]
+    rows = records(run)
+    assert len(rows) == ASYNC_STEPS // 2
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert max(r["sample/staleness_max"] for r in rows) <= 1
+    summary = json.loads((run / "summary-rank0.json").read_text())
+    assert summary["asynchronous"]["staleness_max"] <= 1
+    assert (run / f"checkpoint-{ASYNC_STEPS}" / "model.safetensors").exists()
 
 
 def test_sigterm_under_torchrun_stops_trainers_and_generator_then_resume_is_identical(

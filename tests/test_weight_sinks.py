@@ -198,3 +198,57 @@ def test_the_backends_and_generators_hold_their_transports_sink(tiny_model_dir, 
         assert isinstance(generator.sink, StagedServerNCCL)
     finally:
         generator.close()
+
+
+def _sharded_push_worker(rank: int, init_file: str, out: str) -> None:
+    """One of 2 gloo processes: a 2-layer model sharded by FSDP2 (each process holds half of each
+    parameter), the first process's SharedMemory sink made from its skeleton, then a push after
+    every weight moved by +1; the first process saves what its staging copy holds."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from cppo.parallel.engines import unsharded_skeleton
+    from cppo.sampling.process_share import ProcessShare
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)   # the same model on both processes
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+        model[1].weight.requires_grad_(False)   # frozen: staged once, never pushed
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        skeleton = unsharded_skeleton(model)
+        mesh = init_device_mesh("cpu", (2,))
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert model[0].weight.to_local().shape == (3, 4)   # a shard, not the parameter
+        sink = generator = None
+        if rank == 0:
+            sink = SharedMemory(model, multiprocessing.get_context("spawn"), skeleton)
+            generator = SimpleNamespace(name="fake", push=sink.push)
+        share = ProcessShare(generator, SimpleNamespace(active=True), torch.device("cpu"),
+                             sharded=True)
+        share.join_staging(model)
+        staged = None if sink is None else {k: v.clone() for k, v in sink.staging.state_dict().items()}
+        change_in_place(model, 1.0)
+        share.push(model, 1)
+        if rank == 0:
+            torch.save({"before": before, "staged": staged, "pushed": sink.staging.state_dict(),
+                        "version": sink.version.value, "names": sink.names}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_push_gathers_every_parameter_whole(tmp_path):
+    """fsdp: every process takes part in each parameter's gather, the first one's staging copy
+    receives the full tensors (not its shard): the unsharded weights when the sink is made, and
+    the trainable ones moved by the push (the frozen one as it was)."""
+    out = tmp_path / "staged.pt"
+    torch.multiprocessing.spawn(_sharded_push_worker, args=(str(tmp_path / "init"), str(out)),
+                                nprocs=2)
+    got = torch.load(out)
+    assert got["names"] == ["0.weight", "0.bias", "1.bias"] and got["version"] == 1
+    for name, value in got["before"].items():
+        assert got["staged"][name].shape == value.shape, name
+        torch.testing.assert_close(got["staged"][name], value, rtol=0, atol=0, msg=name)
+        moved = value if name == "1.weight" else value + 1.0
+        torch.testing.assert_close(got["pushed"][name], moved, rtol=0, atol=0, msg=name)

@@ -352,7 +352,7 @@ class CPPOTrainer:
         """async_rollout: the generator on this policy's weights (version: the step), built as
         this trainer's backend is (its settings, chunk size and sampling dtype)."""
         args = self.args
-        check_async_launch(self.dist.world_size, self.engine.strategy, self.rollout_func)
+        check_async_launch(self.rollout_func)
         return start_rollouts(self.tokenizer, AsyncSection.of(args), version=self.run_state.step,
                               steps_per_round=args.steps_per_round,
                               questions_per_round=self.plan.questions_per_step,

@@ -38,7 +38,8 @@ def build_models(args, dist, model=None, processing_class=None, peft_config=None
     dist.broadcast_parameters(policy)
     reference = None if args.beta == 0 or lora else frozen_copy(policy)
     engine = Engine(resolve_strategy(args.distributed), dist, policy, bf16=args.bf16,
-                    block_names=args.fsdp_transformer_layer_cls_to_wrap)
+                    block_names=args.fsdp_transformer_layer_cls_to_wrap,
+                    keep_skeleton=args.async_rollout)
     reference = engine.shard_reference(reference)   # copied before sharding
     torch.manual_seed(args.seed + dist.rank)
     return Models(policy, tokenizer, reference, engine, lora)

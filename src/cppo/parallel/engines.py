@@ -34,6 +34,7 @@ collective: their local tensors stay readable, a sharded forward or a DDP step d
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 
 import torch
@@ -104,6 +105,15 @@ def shard_model(model, *, device: torch.device, bf16: bool, block_names: list[st
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return blocks
+
+
+def unsharded_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model` before sharding whose parameters are on the meta device (shapes, dtypes
+    and ties kept, no memory; buffers copied): what cppo.sampling.weight_sinks.materialised makes
+    an unsharded model of, for async_rollout's generator under fsdp."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo)
 
 
 def fsdp_modules(model) -> list:
@@ -187,13 +197,16 @@ class Engine:
     `gathered` (generation and evaluation), and the checkpoint helpers."""
 
     def __init__(self, strategy: str, dist_info, policy: nn.Module, *, bf16: bool = False,
-                 block_names: list[str] | None = None) -> None:
+                 block_names: list[str] | None = None, keep_skeleton: bool = False) -> None:
+        """keep_skeleton: under fsdp, keep the unsharded policy's skeleton (async_rollout's
+        generator is made from it)."""
         self.world_size = dist_info.world_size
         self.strategy = strategy if self.world_size > 1 else "single"
         self.policy, self.bf16, self.block_names = policy, bf16, block_names
         self.device = dist_info.device
         self.ddp = None
         self.sharded_models: list[nn.Module] = []   # the models fully_shard changed (release)
+        self.skeleton = None   # fsdp: the unsharded policy, parameters on meta (async_rollout)
         if strategy == "fsdp":
             block_classes(policy, block_names)   # a model fsdp cannot shard fails on 1 process too
         if self.strategy == "ddp":
@@ -201,6 +214,7 @@ class Engine:
             # broadcasts rank 0's parameters at construction; buffers (rotary tables) are equal
             self.ddp = DistributedDataParallel(_Logprobs(policy), broadcast_buffers=False)
         elif self.strategy == "fsdp":
+            self.skeleton = unsharded_skeleton(policy) if keep_skeleton else None
             shard_model(policy, device=self.device, bf16=bf16, block_names=block_names,
                         world_size=self.world_size)
             self.sharded_models.append(policy)

@@ -199,6 +199,17 @@ def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_
     process gets a pickled copy (check_picklable_tools), a vLLM server's thread a copy."""
     policy, generator, settings = engine.policy, None, backend.settings
     use_vllm = settings.vllm.use_vllm
+    if use_vllm and engine.sharded:
+        raise ConfigError(f"'async_rollout' with use_vllm sends the policy to the vLLM server "
+                          f"whole, which {dist.world_size} training processes under "
+                          f"distributed: fsdp hold only as shards. Set distributed: ddp, or "
+                          f"use_vllm: false (cppo's generator process takes the fsdp weights "
+                          f"gathered parameter by parameter), or async_rollout: false")
+    if engine.sharded and engine.skeleton is None:
+        raise ConfigError("'async_rollout' under distributed: fsdp makes the generator's copy from "
+                          "the unsharded policy's skeleton: build the Engine with "
+                          "keep_skeleton=True (cppo.assembly.models does when async_rollout is "
+                          "set)")
     round_tools = None if tools is None else RoundTools(tools, steps_per_round)
     if dist.is_main and use_vllm:
         generator = ServerGenerator(backend, tokenizer, weights_dir,
@@ -212,8 +223,10 @@ def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_
         generator = GeneratorProcess(policy, build,
                                      threads=rollout.generator_threads or torch.get_num_threads(),
                                      heartbeat_stale_after_s=rollout.heartbeat_stale_after_s,
-                                     cpus=rollout.generator_cpus, tools=round_tools)
-    share = ProcessShare(generator, dist, dist.device, engine.gathered)
+                                     cpus=rollout.generator_cpus, tools=round_tools,
+                                     skeleton=engine.skeleton)
+    share = ProcessShare(generator, dist, dist.device, sharded=engine.sharded)
+    share.join_staging(policy)   # fsdp: the first process's staging copy is gathered
     questions = questions_per_round * dist.world_size
     waiting = rollout.queue_maxsize // (questions * settings.generation.num_generations)
     in_flight = min(rounds_in_flight(rollout.max_inflight_tasks, rollout.max_staleness, questions),
@@ -231,12 +244,12 @@ def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_
     return scheduler
 
 
-def check_async_launch(world_size: int, strategy: str, rollout_func) -> None:
+def check_async_launch(rollout_func) -> None:
     """What async_rollout cannot run with, known once the launch is: a user rollout_func (TRL's
     rollout_func(prompts, trainer) takes the trainer object, which trains while the generator
-    samples; cppo's tool loop for tools= and environment_factory= runs in the generator) and,
-    under several processes, fsdp (the generator holds a whole copy of the policy, made from
-    the first process's)."""
+    samples; cppo's tool loop for tools= and environment_factory= runs in the generator). Under
+    fsdp the pushes gather each parameter in turn (ProcessShare); a vLLM server under fsdp is
+    refused by start_rollouts."""
     if rollout_func is not None and not isinstance(rollout_func, ToolLoop):
         raise ConfigError("'async_rollout' samples in its generator, so it cannot run a "
                           "rollout_func: TRL's rollout_func(prompts, trainer) takes the trainer, "
@@ -244,11 +257,6 @@ def check_async_launch(world_size: int, strategy: str, rollout_func) -> None:
                           "generator samples, and cppo's generator process cannot hold it. Pass "
                           "tools= or environment_factory= (cppo's tool loop runs in the "
                           "generator), or set async_rollout: false")
-    if world_size > 1 and strategy != "ddp":
-        raise ConfigError(f"'async_rollout' with {world_size} training processes needs "
-                          f"distributed: ddp (the generator copies the first process's whole "
-                          f"policy); got distributed: {strategy}. Set distributed: ddp, or "
-                          f"async_rollout: false")
 
 
 def check_picklable_tools(tools: ToolLoop) -> None:

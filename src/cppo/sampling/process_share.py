@@ -4,13 +4,12 @@ and scatters each sampled round's parts, so every process receives its own."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed
 
 from cppo.errors import GeneratorError
 from cppo.sampling.rollout_messages import Arrival, Failure, RolloutTask
+from cppo.sampling.weight_sinks import drain, full_parameters, trainable_names
 
 
 class ProcessShare:
@@ -18,11 +17,12 @@ class ProcessShare:
     (`generator`; None on the others): it submits the rounds (every process's rows), pushes the
     weights and scatters each sampled round's parts, and each process receives its own on its
     device. A generator error on the first process reaches every process as the same
-    GeneratorError. One process: the round's only part. gathered: the engine's context that
-    holds the full weights (fsdp), entered by every process around a push."""
+    GeneratorError. One process: the round's only part. sharded: the policy is sharded (fsdp),
+    so a push is a collective: every process takes part in each parameter's gather, in turn,
+    and only the first one's sink keeps them (cppo.sampling.weight_sinks.full_parameters)."""
 
-    def __init__(self, generator, dist, device, gathered=contextlib.nullcontext) -> None:
-        self.generator, self.dist, self.device, self.gathered = generator, dist, device, gathered
+    def __init__(self, generator, dist, device, sharded: bool = False) -> None:
+        self.generator, self.dist, self.device, self.sharded = generator, dist, device, sharded
         self.name = generator.name if generator is not None else "generator of the first process"
 
     def submit(self, task: RolloutTask) -> None:
@@ -51,9 +51,19 @@ class ProcessShare:
         return box[0]
 
     def push(self, policy, version: int) -> float:
-        """Every process enters (fsdp gathers); the first one pushes. Its seconds (0 elsewhere)."""
-        with self.gathered():
-            return 0.0 if self.generator is None else self.generator.push(policy, version)
+        """The first process pushes (its seconds; 0 elsewhere); under fsdp the others take part
+        in the gather of each trainable parameter as its sink copies them."""
+        if self.generator is not None:
+            return self.generator.push(policy, version)
+        if self.sharded:
+            drain(full_parameters(policy, trainable_names(policy)))
+        return 0.0
+
+    def join_staging(self, policy) -> None:
+        """(fsdp, the processes without the generator.) Take part in the gathers that fill the
+        first process's staging copy of every parameter when its generator is made."""
+        if self.generator is None and self.sharded:
+            drain(full_parameters(policy, [name for name, _ in policy.named_parameters()]))
 
     def close(self) -> None:
         if self.generator is not None:

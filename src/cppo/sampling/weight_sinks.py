@@ -222,12 +222,46 @@ def trainable_names(model) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
+def full_parameters(model, names: list[str]):
+    """(name, full tensor) of each named parameter of `model`, one at a time: a sharded one's
+    (an FSDP2 DTensor: this process holds a shard) gathered over the processes by full_tensor(),
+    a collective that every process makes, in the same order; a plain one as it is. Hold each
+    only until the next: one parameter's full tensor at a time beyond FSDP's own memory."""
+    params = dict(model.named_parameters())
+    for name in names:
+        param = params[name].detach()
+        yield name, param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+def drain(pairs) -> None:
+    """Take part in full_parameters' gathers and keep nothing (the processes that do not push)."""
+    for _ in pairs:
+        pass
+
+
 def copy_parameters(target, source, names: list[str]) -> None:
-    """Copy the named parameters of `source` into `target`'s, in place."""
-    dst, src = dict(target.named_parameters()), dict(source.named_parameters())
+    """Copy the named parameters of `source` into `target`'s, in place (a sharded source's
+    gathered one at a time: full_parameters)."""
+    dst = dict(target.named_parameters())
     with torch.no_grad():
-        for name in names:
-            dst[name].copy_(src[name].detach())
+        for name, full in full_parameters(source, names):
+            dst[name].copy_(full)
+
+
+def materialised(skeleton, device) -> torch.nn.Module:
+    """`skeleton` (its parameters on the meta device, cppo.parallel.engines.unsharded_skeleton)
+    with uninitialised parameters of the same shapes and dtypes on `device`, tied ones still
+    tied; its buffers as they are."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in skeleton.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(
+                        torch.empty(param.shape, dtype=param.dtype, device=device),
+                        requires_grad=False)
+                module._parameters[name] = made[id(param)]
+    return skeleton
 
 
 class SharedMemory:
@@ -236,10 +270,21 @@ class SharedMemory:
     `ctx`; the sink is handed to the process whole (it is pickled there, the staging copy shared,
     CUDA tensors through CUDA IPC). A push copies the trainable weights into the staging copy as
     `version`; the process makes its private model from it (private_copy) and takes each newer
-    version between two rounds (take)."""
+    version between two rounds (take).
 
-    def __init__(self, policy, ctx) -> None:
-        self.staging = copy.deepcopy(policy).requires_grad_(False).share_memory()
+    A sharded policy (fsdp: each training process holds a shard of each parameter) comes with
+    its `skeleton` (the unsharded module, parameters on the meta device): the staging copy is
+    made from it and filled parameter by parameter as each is gathered (full_parameters), and
+    so is every push; the other processes take part in each gather (drain) at the same time."""
+
+    def __init__(self, policy, ctx, skeleton=None) -> None:
+        if skeleton is None:
+            staging = copy.deepcopy(policy)
+        else:
+            device = next(policy.parameters()).device
+            staging = materialised(copy.deepcopy(skeleton), device)
+            copy_parameters(staging, policy, [name for name, _ in policy.named_parameters()])
+        self.staging = staging.requires_grad_(False).share_memory()
         self.names = trainable_names(policy)
         self.lock, self.version = ctx.Lock(), ctx.Value("q", -1)
         self.taken = -1   # the version the process's model holds (-1: the staging copy's first)
