@@ -32,7 +32,7 @@ class InlineGenerator:
     made: list = []
 
     def __init__(self, policy, build, *, threads, heartbeat_stale_after_s, cpus=None,
-                 tools=None) -> None:
+                 tools=None, skeleton=None) -> None:
         self.model = copy.deepcopy(policy).requires_grad_(False)
         self.names = async_rollout.trainable_names(policy)
         self.generation = build(self.model, async_rollout._WholeModel())

@@ -234,6 +234,7 @@ def _sharded_push_worker(rank: int, init_file: str, out: str) -> None:
         if rank == 0:
             torch.save({"before": before, "staged": staged, "pushed": sink.staging.state_dict(),
                         "version": sink.version.value, "names": sink.names}, out)
+        dist.barrier()   # neither process tears its group down while the other still uses it
     finally:
         dist.destroy_process_group()
 
