@@ -16,10 +16,11 @@ from cppo.config import CPPOConfig
 from cppo.errors import ConfigError
 from cppo.models import load_model, load_tokenizer
 from cppo.sampling.async_rollout import RolloutTask, ServerGenerator
-from cppo.sampling.vllm import VLLMBackend, server_weight_metadata, vllm_weights
+from cppo.sampling.vllm import VLLMBackend, server_weight_metadata
 
 pytest.importorskip("trl")
 from helpers.vllm_client import FakeClient   # noqa: E402  (TRL's real signatures)
+from helpers.weights import change_in_place, weights_of   # noqa: E402
 
 ARGS = dict(use_vllm=True, vllm_mode="server", num_generations=2, max_completion_length=4,
             max_prompt_length=16)
@@ -39,17 +40,6 @@ def server_generator(model_dir, weights_dir, client):
                           client=client, push_weights=False)
     client.calls.clear()
     return ServerGenerator(backend, tok, weights_dir, heartbeat_stale_after_s=60.0)
-
-
-def weights_of(model) -> list[tuple[str, torch.Tensor]]:
-    with vllm_weights(model) as weights:
-        return [(name, t.detach().clone()) for name, t in weights]
-
-
-def change_in_place(model, by: float) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(by)
 
 
 def assert_streamed(client, expected) -> None:

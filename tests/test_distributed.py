@@ -658,12 +658,19 @@ def test_async_rollout_with_two_trainers_at_max_staleness_0_is_the_synchronous_r
     for rank in (0, 1):
         assert json.loads((run / f"questions-rank{rank}.json").read_text()) == \
             json.loads((sync / f"questions-rank{rank}.json").read_text())
+    assert_same_training(sync, run)
+
+
+def assert_same_training(sync: Path, run: Path) -> None:
+    """The run's losses, gradient norms, KL and rewards are the synchronous run's to float64
+    round-off, and its weights at the end to 1e-10 (the same parameters)."""
     a, b = records(sync), records(run)
     assert len(a) == len(b) == ASYNC_STEPS // 2
     for x, y in zip(a, b):
         for key in ("loss", "grad_norm", "kl", "reward"):
             assert y[key] == pytest.approx(x[key], rel=1e-9, abs=1e-12), key
     expected, got = weights_at(sync, ASYNC_STEPS), weights_at(run, ASYNC_STEPS)
+    assert expected.keys() == got.keys()
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=1e-10, rtol=0, msg=name)
 
@@ -703,15 +710,7 @@ def test_async_rollout_with_two_fsdp_trainers_at_max_staleness_0_is_the_synchron
     the losses and weights (float64 round-off, 1e-10) of the synchronous fsdp run."""
     (sync, _), (run, log) = fsdp_async_runs["sync"], fsdp_async_runs["async0"]
     assert "2 training processes" in log.read_text()
-    a, b = records(sync), records(run)
-    assert len(a) == len(b) == ASYNC_STEPS // 2
-    for x, y in zip(a, b):
-        for key in ("loss", "grad_norm", "kl", "reward"):
-            assert y[key] == pytest.approx(x[key], rel=1e-9, abs=1e-12), key
-    expected, got = weights_at(sync, ASYNC_STEPS), weights_at(run, ASYNC_STEPS)
-    assert expected.keys() == got.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, atol=1e-10, rtol=0, msg=name)
+    assert_same_training(sync, run)
 
 
 def test_async_rollout_with_two_fsdp_trainers_trains_on_stale_rounds(fsdp_async_runs):

@@ -16,23 +16,13 @@ import torch
 
 from cppo.models import load_model
 from cppo.sampling import weight_sinks
-from cppo.sampling.vllm import EXPORT, vllm_weights
+from cppo.sampling.vllm import EXPORT
 from cppo.sampling.weight_sinks import (EngineReload, ServerFiles, ServerNCCL, SharedMemory,
                                         StagedServerNCCL, WeightSink)
+from helpers.weights import change_in_place, weights_of
 
 SAMPLING = Path(__file__).resolve().parents[1] / "src" / "cppo" / "sampling"
 SINKS = (EngineReload, ServerNCCL, StagedServerNCCL, ServerFiles, SharedMemory)
-
-
-def weights_of(model) -> list[tuple[str, torch.Tensor]]:
-    with vllm_weights(model) as weights:
-        return [(name, t.detach().clone()) for name, t in weights]
-
-
-def change_in_place(model, by: float) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(by)
 
 
 class Recorder:
