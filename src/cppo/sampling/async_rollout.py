@@ -51,6 +51,7 @@ from cppo.sampling.rollout_generator import sample_round
 from cppo.sampling.rollout_messages import Arrival, RolloutTask, Sampled
 from cppo.sampling.server_generator import ServerGenerator
 from cppo.sampling.tools import ToolLoop
+from cppo.sampling.vllm import check_sharded_push
 from cppo.sampling.weight_sinks import copy_parameters as _copy_parameters
 from cppo.sampling.weight_sinks import trainable_names
 
@@ -199,13 +200,12 @@ def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_
     process gets a pickled copy (check_picklable_tools), a vLLM server's thread a copy."""
     policy, generator, settings = engine.policy, None, backend.settings
     use_vllm = settings.vllm.use_vllm
-    if use_vllm and engine.sharded:
-        raise ConfigError(f"'async_rollout' with use_vllm sends the policy to the vLLM server "
-                          f"whole, which {dist.world_size} training processes under "
-                          f"distributed: fsdp hold only as shards. Set distributed: ddp, or "
-                          f"use_vllm: false (cppo's generator process takes the fsdp weights "
-                          f"gathered parameter by parameter), or async_rollout: false")
-    if engine.sharded and engine.skeleton is None:
+    # fsdp: a vLLM server reloads whole weights (every parameter gathered); cppo's generator
+    # process has a staging copy, gathered once at its start, then its trainable parameters
+    pushed = [name for name, _ in policy.named_parameters()] if use_vllm else None
+    if pushed and engine.sharded:
+        check_sharded_push(pushed)   # on every process, before any generator or gather
+    if engine.sharded and engine.skeleton is None and not use_vllm:
         raise ConfigError("'async_rollout' under distributed: fsdp makes the generator's copy from "
                           "the unsharded policy's skeleton: build the Engine with "
                           "keep_skeleton=True (cppo.assembly.models does when async_rollout is "
@@ -214,7 +214,7 @@ def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_
     if dist.is_main and use_vllm:
         generator = ServerGenerator(backend, tokenizer, weights_dir,
                                     heartbeat_stale_after_s=rollout.heartbeat_stale_after_s,
-                                    tools=round_tools)
+                                    tools=round_tools, sharded=engine.sharded)
     elif dist.is_main:
         if tools is not None:
             check_picklable_tools(tools)
@@ -225,8 +225,9 @@ def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_
                                      heartbeat_stale_after_s=rollout.heartbeat_stale_after_s,
                                      cpus=rollout.generator_cpus, tools=round_tools,
                                      skeleton=engine.skeleton)
-    share = ProcessShare(generator, dist, dist.device, sharded=engine.sharded)
-    share.join_staging(policy)   # fsdp: the first process's staging copy is gathered
+    share = ProcessShare(generator, dist, dist.device, sharded=engine.sharded, pushed=pushed)
+    if not use_vllm:
+        share.join_staging(policy)
     questions = questions_per_round * dist.world_size
     waiting = rollout.queue_maxsize // (questions * settings.generation.num_generations)
     in_flight = min(rounds_in_flight(rollout.max_inflight_tasks, rollout.max_staleness, questions),
