@@ -167,8 +167,8 @@ def test_a_killed_process_is_an_error_naming_it(pool):
       f"generator_processes <= {os.cpu_count() or 1}"]),
     (dict(async_rollout=True, use_vllm=True, vllm_mode="server", generator_processes=2),
      ["generator_processes", "use_vllm", "vllm_server_base_url", "generator_processes: 1"]),
-    (dict(generator_processes=2, generator_cpus=[1]),
-     ["generator_cpus", "[1]", "generator_processes 2", "at least 2 cores"]),
+    (dict(generator_processes=2, generator_cpus=[0]),
+     ["generator_cpus", "[0]", "generator_processes 2", "at least 2 cores"]),
 ])
 def test_bad_generator_process_settings_name_the_field_and_the_fix(values, names):
     assert_config_error_names(values, names)

@@ -366,7 +366,7 @@ class VLLMSection(Section):
 class AsyncSection(Section):
     """Asynchronous rollouts (TRL's AsyncGRPOConfig names)."""
 
-    rules = (checks.check_async,)
+    rules = (checks.check_async, checks.check_generator_processes)
 
     async_rollout: bool = option(
         False, "Generate in a separate process that never waits for training: it samples the "

@@ -126,12 +126,13 @@ class GeneratorPool:
         self.generators, self.sink, self.unit = generators, sink, unit
         self.pad_token_id = pad_token_id
         self.pending: deque = deque()   # (task id, [(process, spans)]), in submission order
-        n = len(generators)
+        n, pids = len(generators), []
         for k, generator in enumerate(generators):
             pid = getattr(getattr(generator, "process", None), "pid", None)
             generator.name = f"generator process {k + 1} of {n}" + \
                 (f" (pid {pid})" if pid is not None else "")
-        self.name = f"{n} generator processes ({', '.join(g.name for g in generators)})"
+            pids.append(str(pid))
+        self.name = f"{n} generator processes (pids {', '.join(pids)})"
         self.closed = False
 
     def submit(self, task: RolloutTask) -> None:
