@@ -5,9 +5,11 @@ run."""
 
 import copy
 import functools
+import inspect
 import json
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,9 +19,10 @@ from cppo.assembly.run import backend_settings
 from cppo.config import CPPOConfig
 from cppo.errors import ConfigError, GeneratorError
 from cppo.models import load_model, load_tokenizer
+from cppo.sampling import generator_pool
 from cppo.sampling.generator_pool import (GeneratorPool, blocks, check_pool_parts, round_parts,
                                           split_round, start_pool)
-from cppo.sampling.generator_process import generator_sampling
+from cppo.sampling.generator_process import GeneratorProcess, generator_sampling
 from cppo.sampling.rollout_generator import WholeModel, roll_out_round
 from cppo.sampling.rollout_messages import RolloutTask, Sampled
 from helpers import ROWS, assert_config_error_names, make_trainer
@@ -49,8 +52,8 @@ class InlineGenerator:
     def submit(self, task: RolloutTask) -> None:
         self.shares.append(task.spans)
         prompts, completions, turns = roll_out_round(self.generation, task, None)
-        self.done.append(Sampled(task.task_id, self.version, prompts, completions, 1.0 + self.version,
-                                 float(self.version), turns))
+        self.done.append(Sampled(task.task_id, self.version, prompts, completions,
+                                 1.0 + self.version, float(self.version), turns))
 
     def receive(self) -> Sampled:
         return self.done.pop(0)
@@ -111,6 +114,30 @@ def test_a_round_needs_a_part_per_process():
     with pytest.raises(ConfigError, match="with tools each training process's rollouts are one"):
         check_pool_parts(2, [4], G, G, tools=True)
     check_pool_parts(2, [4, 4], G, None, tools=True)
+
+
+def test_the_cores_are_dealt_in_blocks_and_the_threads_follow_them(tiny_model_dir, monkeypatch):
+    """generator_cpus dealt in contiguous blocks, the first processes one more ([1, 2, 3] to 2:
+    [1, 2] and [3]; [1, 2]: one core each); threads: generator_threads, else each process's cores'
+    count, else the trainer's threads divided among the processes; one shared staging copy."""
+    made = []
+
+    def recording(*args, **kw):   # GeneratorProcess's signature, enforced
+        inspect.signature(GeneratorProcess).bind(*args, **kw)
+        made.append(kw)
+        return SimpleNamespace(name="", process=SimpleNamespace(pid=len(made)))
+    monkeypatch.setattr(generator_pool, "GeneratorProcess", recording)
+    monkeypatch.setattr(generator_pool.torch, "get_num_threads", lambda: 5)
+    policy = load_model(tiny_model_dir)
+    for cpus, threads, expected in (([1, 2, 3], None, [([1, 2], 2), ([3], 1)]),
+                                    ([1, 2], 3, [([1], 3), ([2], 3)]),
+                                    (None, None, [(None, 2), (None, 2)])):
+        made.clear()
+        pool = start_pool(policy, None, processes=2, unit=1, pad_token_id=0, cpus=cpus,
+                          threads=threads, heartbeat_stale_after_s=1.0)
+        assert [(kw["cpus"], kw["threads"]) for kw in made] == expected
+        assert all(kw["sink"] is pool.sink for kw in made)
+    assert pool.name == "2 generator processes (pids 1, 2)"
 
 
 @pytest.fixture

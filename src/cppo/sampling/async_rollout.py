@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     from cppo.config.sections import AsyncSection
 
 # the parts' names as callers (the trainer, tests, benchmarks) import them from here
-__all__ = ["Arrival", "GeneratorPool", "GeneratorProcess", "ProcessShare", "RolloutScheduler", "RolloutTask",
+__all__ = ["Arrival", "GeneratorPool", "GeneratorProcess", "ProcessShare", "RolloutScheduler",
+           "RolloutTask",
            "RoundTools", "Sampled", "ServerGenerator", "check_async_launch",
            "check_picklable_tools", "generator_main",
            "generator_sampling", "sample_round", "start_rollouts", "trainable_names",
@@ -192,8 +193,9 @@ def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_
                    questions_per_round: int, backend, weights_dir: Path, dist,
                    engine, tools: ToolLoop | None = None) -> RolloutScheduler:
     """The generator (cppo's sampler in its own process, built as the trainer's `backend` is:
-    its settings, chunk size and sampling dtype; with use_vllm, the vLLM server that `backend`
-    talks to), held by the first training process, on the policy's weights as `version`, and
+    its settings, chunk size and sampling dtype, or generator_processes of them as one
+    GeneratorPool; with use_vllm, the vLLM server that `backend` talks to), held by the first
+    training process, on the policy's weights as `version`, and
     this process's scheduler: rounds ahead as max_staleness, max_inflight_tasks and
     queue_maxsize allow (rollout: the config's async section; steps_per_round: optimizer steps
     per generation round; questions_per_round: each process's). engine: the policy's
