@@ -146,7 +146,7 @@ def pool(tiny_model_dir):
     build, tokenizer = _build(tiny_model_dir, chunk_size=G)
     policy = load_model(tiny_model_dir)
     pool = start_pool(policy, build, processes=2, unit=1, pad_token_id=tokenizer.pad_token_id,
-                      cpus=None, threads=1, heartbeat_stale_after_s=60.0)
+                      cpus=None, threads=1, heartbeat_stale_after_s=5.0)
     yield pool, policy, build
     pool.close()
 
@@ -171,18 +171,20 @@ def test_every_process_samples_with_every_push(pool):
         _assert_same_round(got, whole.receive())
 
 
-def test_a_killed_process_is_an_error_naming_it(pool):
-    """SIGKILL to the second of two processes: the next round is a GeneratorError naming it
-    (process 2 of 2, its pid, the signal), not a hang; both processes are stopped."""
+@pytest.mark.parametrize("k, how", [(1, "killed"), (0, "hung")])
+def test_a_killed_or_hung_process_is_an_error_naming_it(pool, k, how):
+    """SIGKILL to the second of two processes, or SIGSTOP to the first (no heartbeat for
+    heartbeat_stale_after_s, 5 s): the next round is a GeneratorError naming it (process k of 2,
+    its pid, the signal or the silence), not a hang; both processes are stopped."""
     pool, _, _ = pool
     pool.submit(_task(0, 1, 4))
     pool.receive()
-    victim = pool.generators[1].process
-    os.kill(victim.pid, signal.SIGKILL)
-    victim.join(10)
+    victim = pool.generators[k].process
+    os.kill(victim.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     pool.submit(_task(1, 1, 4))
-    with pytest.raises(GeneratorError, match=rf"generator process 2 of 2 \(pid {victim.pid}\) "
-                       rf"ended with signal 9"):
+    what = "ended with signal 9" if how == "killed" else "sent no heartbeat"
+    with pytest.raises(GeneratorError, match=rf"generator process {k + 1} of 2 "
+                       rf"\(pid {victim.pid}\) {what}"):
         pool.receive()
     assert all(g.process.exitcode is not None for g in pool.generators)
 
