@@ -636,10 +636,13 @@ def generator_pid(log: Path) -> int:
 
 @pytest.fixture(scope="module")
 def async_runs(tiny_model_dir, tmp_path_factory):
-    """{name: (run dir, torchrun log)}: sync, and async_rollout at max_staleness 0 and 2."""
+    """{name: (run dir, torchrun log)}: sync, and async_rollout at max_staleness 0 (one generator
+    process, and two) and 2."""
     root = tmp_path_factory.mktemp("async")
     out = {}
     for name, extra in (("sync", {}), ("async0", dict(async_rollout=True, max_staleness=0)),
+                        ("async0_pool", dict(async_rollout=True, max_staleness=0,
+                                             generator_processes=2, generator_cpus=[0, 1])),
                         ("async2", dict(async_rollout=True, max_staleness=2,
                                         pruning_rate="auto", pruning_rate_start=0.5,
                                         pruning_rate_min=0.25))):
@@ -658,6 +661,16 @@ def test_async_rollout_with_two_trainers_at_max_staleness_0_is_the_synchronous_r
     for rank in (0, 1):
         assert json.loads((run / f"questions-rank{rank}.json").read_text()) == \
             json.loads((sync / f"questions-rank{rank}.json").read_text())
+    assert_same_training(sync, run)
+
+
+def test_two_trainers_with_two_generator_processes_at_max_staleness_0_are_the_synchronous_run(
+        async_runs):
+    """generator_processes 2 under torchrun: each round's parts (a training process's generation
+    chunks, whole) are shared between the two processes and merged back in order, and every push
+    reaches both: the synchronous 2-process run's losses and weights (float64 round-off)."""
+    (sync, _), (run, log) = async_runs["sync"], async_runs["async0_pool"]
+    assert "2 generator processes" in log.read_text() and "2 training processes" in log.read_text()
     assert_same_training(sync, run)
 
 
