@@ -96,10 +96,10 @@ def test_the_nccl_sink_streams_now_and_the_staged_one_at_take(tiny_model_dir):
     up once."""
     policy = load_model(tiny_model_dir)
     now = Recorder()
-    ServerNCCL(now, torch.device("cpu"), EXPORT).push(policy, 0)
+    ServerNCCL([(now, "http://server:8000")], torch.device("cpu"), EXPORT).push(policy, 0)
     assert now.calls == ["init_communicator", "update_named_params", "reset_prefix_cache"]
     client = Recorder()
-    staged = StagedServerNCCL(client, torch.device("cpu"), EXPORT)
+    staged = StagedServerNCCL([(client, "http://server:8000")], torch.device("cpu"), EXPORT)
     assert staged.take() == -1 and client.calls == []   # nothing pushed: the server's own
     staged.push(policy, 1)
     change_in_place(policy, 0.5)
@@ -128,7 +128,8 @@ def test_the_file_sink_writes_then_has_the_server_reload(untied_model_dir, tmp_p
         return SimpleNamespace(status_code=200 if len(posted) < 3 else 404, text="no route")
     monkeypatch.setattr(requests, "post", post)
     policy, client = load_model(untied_model_dir), Recorder()
-    sink = ServerFiles(client, "http://server:8000", tmp_path / "weights", EXPORT, timeout=7.0)
+    sink = ServerFiles([(client, "http://server:8000")], tmp_path / "weights", EXPORT,
+                       timeout=7.0)
     sink.push(policy, 1)
     sink.push(policy, 2)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["version-1", "version-2"]
