@@ -133,16 +133,16 @@ def test_async_rollout_trains_with_both_servers_and_pushes_reach_both(servers, t
                       learning_rate=1e-2, progress_bar=False, output_dir=str(tmp_path / "run"))
     try:
         with CPPOTrainer(args=args, reward_funcs=[odd_length_reward]) as trainer:
-            assert trainer.rollouts.generator.generator.name == \
-                f"vLLM server generator ({urls[0]}, {urls[1]})"
             trainer.train()
+            generator = trainer.rollouts.generator.generator
+            assert generator.name == f"vLLM server generator ({urls[0]}, {urls[1]})"
             rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))
                     if "loss" in r]
             assert [r["step"] for r in rows] == [1, 2, 3]
             assert {url for url, _ in asked} == set(urls)
             # the same questions to each server in every round: contiguous halves
             assert [count for _, count in asked] == [2] * len(asked)
-            trainer.rollouts.generator.generator._reload()   # the last push, to both servers
+            generator._reload()   # the last push (after step 3), to both servers
             monkeypatch.setattr(VLLMClient, "generate", generate)
             for url in urls:
                 probe = VLLMBackend(load_model(path), load_tokenizer(path), backend_settings(

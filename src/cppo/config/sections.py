@@ -363,7 +363,8 @@ class VLLMSection(Section):
         "died).", above=0, note="seconds")
     vllm_group_port: int = option(51216, "server: the port of the NCCL group through which the "
                                   "weights are pushed (TRL name); with several servers, the "
-                                  "i-th (from 0) uses vllm_group_port + i.", at_least=1, at_most=65535)
+                                  "i-th (from 0) uses vllm_group_port + i.",
+                                  at_least=1, at_most=65535)
     vllm_max_model_length: Optional[int] = option(
         None, "colocate: vLLM's max_model_len, prompt + completion tokens (TRL name). None: "
         "max_prompt_length + max_completion_length, capped at the model's "

@@ -48,8 +48,9 @@ __all__ = ["EXPECTED_VLLM_LOGS", "EXPORT", "LAUNCHER_ENV", "PROCESS_ENV", "VLLMB
            "completions_with_logprobs", "connect_server", "cpu_kv_cache_bytes", "eos_token_ids",
            "import_vllm", "lora_delta", "model_max_positions", "one_process_launcher",
            "process_state_kept", "quiet_vllm_logs", "refresh_tied_head", "sampled_logprobs",
-           "sampling_kwargs", "server_url", "server_urls", "server_weight_metadata", "vllm_backend_class",
-           "vllm_engine_bytes", "vllm_max_model_len", "vllm_weight_name", "vllm_weights"]
+           "sampling_kwargs", "server_url", "server_urls", "server_weight_metadata",
+           "vllm_backend_class", "vllm_engine_bytes", "vllm_max_model_len", "vllm_weight_name",
+           "vllm_weights"]
 
 
 def vllm_weight_name(name: str) -> str | None:
@@ -580,7 +581,8 @@ class VLLMServerBackend(VLLMBackend):
         outputs, logprobs = [], []
         for (_, block), result in zip(blocks, results):
             budgets = [max_tokens[c] for c in block for _ in range(num_generations)]
-            outputs += [list(ids[:budget]) for ids, budget in zip(result["completion_ids"], budgets)]
+            outputs += [list(ids[:budget])
+                        for ids, budget in zip(result["completion_ids"], budgets)]
             # (N, T, 1) with logprobs=0: the sampled token's; None where vLLM had a NaN
             logprobs += [[float("nan") if step[0] is None else step[0] for step in seq[:budget]]
                          for seq, budget in zip(result["logprobs"], budgets)]
