@@ -10,6 +10,7 @@ mid-run, and the config's checks of the list."""
 import importlib.util
 import re
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -157,7 +158,8 @@ def test_async_rollout_trains_with_both_servers_and_pushes_reach_both(servers, t
                     trained = completion_logprobs(trainer.policy, ids, mask, out.ids, out.mask)
                     served = completion_logprobs(probe.model, ids, mask, out.ids, out.mask)
                 theirs = out.logprobs.double()
-                assert float((trained.double() - theirs)[valid].abs().max()) <= LOGPROB_TOLERANCE
+                assert float((trained.double() - theirs)[valid].abs().max()) <= \
+                    LOGPROB_TOLERANCE, url
                 assert float((served.double() - theirs)[valid].abs().max()) > \
                     100 * LOGPROB_TOLERANCE, url
     finally:
@@ -220,18 +222,29 @@ def test_spread_groups_is_contiguous_and_balanced():
 
 def test_a_dead_server_mid_run_is_named(tiny_model_dir):
     """A server whose requests fail (its client raises ConnectionError: it died) is a
-    VLLMServerError naming its URL and the field."""
+    VLLMServerError naming its URL and the field, at once, while the other server still
+    samples."""
     clients = [TaggingClient(A, 0), TaggingClient(B, 1)]
-    backend = fake_backend(tiny_model_dir, clients)
+    backend = fake_backend(tiny_model_dir, clients, vllm_server_request_timeout=30.0)
+    release = threading.Event()
+
+    def slow(prompts, **kw):
+        release.wait(60)
+        return {}
 
     def dead(prompts, **kw):
         raise ConnectionError("Connection refused")
-    clients[1].generate = dead
-    with pytest.raises(VLLMServerError, match=f"the vLLM server at {B} failed a round's sampling "
-                                              r"\(ConnectionError: Connection refused\).*"
-                                              "vllm_server_base_url"):
-        backend.sample_contexts([[1], [2]], num_generations=2, max_tokens=[4, 4], seeds=[0, 1],
-                                round_index=0)
+    clients[0].generate, clients[1].generate = slow, dead
+    start = time.monotonic()
+    try:
+        with pytest.raises(VLLMServerError, match=f"the vLLM server at {B} failed a round's "
+                                                  r"sampling \(ConnectionError: Connection "
+                                                  r"refused\).*vllm_server_base_url"):
+            backend.sample_contexts([[1], [2]], num_generations=2, max_tokens=[4, 4],
+                                    seeds=[0, 1], round_index=0)
+        assert time.monotonic() - start < 10.0   # not after the other server's request
+    finally:
+        release.set()
 
 
 def test_a_hung_server_is_named_after_the_request_timeout(tiny_model_dir):

@@ -291,9 +291,9 @@ class VLLMBackend:
         each (vLLM's per-request budget; 0: empty completions, vLLM sampling at least one), seeded
         by seeds[c] (vLLM gives completion g seed + g): their token ids and vLLM's log-prob of each
         token, rows context-major (c * n + g). The policy's weights are pushed first unless this
-        round's already are. Server mode: TRL's client takes one max_tokens a call, so all sample
-        the largest budget and each is cut to its own (as TRL's tool loop does); the server seeds
-        its own sampling."""
+        round's already are. Server mode: TRL's client takes one max_tokens a call, so each
+        server's request samples the largest budget of its contexts and each is cut to its own
+        (as TRL's tool loop does); the servers seed their own sampling."""
         n = num_generations
         ids, logprobs = [[] for _ in range(n * len(contexts))], [[] for _ in range(n * len(contexts))]
         live = [c for c, budget in enumerate(max_tokens) if budget > 0]
