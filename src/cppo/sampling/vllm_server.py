@@ -5,6 +5,7 @@ time limit and any failure naming its server."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -107,37 +108,42 @@ def spread_groups(count: int, servers: int) -> list[range]:
 
 def call_servers(calls: list[tuple[str, Callable[[], object]]], timeout: float | None,
                  what: str = "a request") -> list:
-    """Run each (url, call) at once, one thread each, and return their results in order. A call
-    that raises is a VLLMServerError naming its server; one still running after `timeout`
-    seconds (None: no limit) likewise (its thread, a daemon, is left to end with the process:
-    never a hang)."""
+    """Run each (url, call) at once, one thread each, and return their results in order. The
+    first call to raise is a VLLMServerError naming its server, as soon as it does; calls still
+    running after `timeout` seconds (None: no limit) likewise (their threads, daemons, are left to
+    end with the process: never a hang)."""
     results: list = [None] * len(calls)
-    errors: list = [None] * len(calls)
+    done: queue.Queue = queue.Queue()
 
     def run(i: int, call: Callable[[], object]) -> None:
         try:
             results[i] = call()
+            done.put((i, None))
         except BaseException as err:   # handed to the caller's thread
-            errors[i] = err
+            done.put((i, err))
 
-    threads = [threading.Thread(target=run, args=(i, call), daemon=True,
-                                name=f"cppo-vllm-server-{i}") for i, (_, call) in enumerate(calls)]
-    for thread in threads:
-        thread.start()
+    for i, (_, call) in enumerate(calls):
+        threading.Thread(target=run, args=(i, call), daemon=True,
+                         name=f"cppo-vllm-server-{i}").start()
     deadline = None if timeout is None else time.monotonic() + timeout
-    for (url, _), thread, i in zip(calls, threads, range(len(calls))):
-        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
+    waiting = set(range(len(calls)))
+    while waiting:
+        try:
+            i, err = done.get(timeout=None if deadline is None
+                              else max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            url = ", ".join(calls[j][0] for j in sorted(waiting))
             raise VLLMServerError(
                 f"the vLLM server at {url} did not answer {what} within "
                 f"vllm_server_request_timeout = {timeout:g} s: it hangs or is overloaded; "
-                f"restart it, raise vllm_server_request_timeout, or remove it from {FIELD}")
-        if errors[i] is not None:
-            err = errors[i]
-            if isinstance(err, (VLLMServerError, TypeError, AttributeError, NameError)):
-                raise err   # a server's own message, or a fault on this side
-            raise VLLMServerError(
-                f"the vLLM server at {url} failed {what} ({type(err).__name__}: {err}); check "
-                f"that it still runs (its log), restart it, or remove it from {FIELD}") from err
+                f"restart it, raise vllm_server_request_timeout, or remove it from {FIELD}"
+            ) from None
+        waiting.discard(i)
+        if err is None:
+            continue
+        if isinstance(err, (VLLMServerError, TypeError, AttributeError, NameError)):
+            raise err   # a server's own message, or a fault on this side
+        raise VLLMServerError(
+            f"the vLLM server at {calls[i][0]} failed {what} ({type(err).__name__}: {err}); "
+            f"check that it still runs (its log), restart it, or remove it from {FIELD}") from err
     return results
-
