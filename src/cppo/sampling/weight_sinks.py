@@ -169,26 +169,30 @@ class _Staged:
 
 
 class StagedServerNCCL(_Staged):
-    """ServerNCCL from a snapshot: a push keeps (metadata, tensors) on the policy's device, which
-    the trainer's next steps leave as they are (a clone of each weight, in the order of the
-    metadata), and take streams the newest."""
+    """ServerNCCL from a snapshot: a push keeps (metadata, tensors), a clone of each weight in the
+    order of the metadata, which the trainer's next steps leave as they are, and take streams the
+    newest. The snapshot is on the policy's device, or with offload (fsdp: the weights gathered
+    one at a time) in host memory, each tensor moved to the device as it is sent."""
 
     def __init__(self, servers: list[tuple[object, str]], device: torch.device,
-                 export: VLLMExport) -> None:
+                 export: VLLMExport, *, offload: bool = False) -> None:
         super().__init__()
-        self.nccl = ServerNCCL(servers, device, export)
+        self.nccl, self.offload = ServerNCCL(servers, device, export), offload
 
     def stage(self, policy, version: int):
         export = self.nccl.export
         with export.weights(policy) as weights:
-            tensors = [(name, t.detach().clone()) for name, t in weights]
+            tensors = [(name, t.detach().to("cpu", copy=True) if self.offload
+                        else t.detach().clone()) for name, t in weights]
         if tensors and tensors[0][1].is_cuda:   # the sender packs on streams of its own
             torch.cuda.current_stream(tensors[0][1].device).synchronize()
         return export.metadata(policy), tensors
 
     def load(self, version: int, staged) -> None:
         metadata, tensors = staged
-        self.nccl.send(metadata, lambda: contextlib.nullcontext(iter(tensors)))
+        device = self.nccl.device
+        self.nccl.send(metadata, lambda: contextlib.nullcontext(
+            ((name, t.to(device)) for name, t in tensors) if self.offload else iter(tensors)))
 
     def close(self) -> None:
         self.nccl.close()
