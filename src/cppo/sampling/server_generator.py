@@ -63,8 +63,8 @@ class ServerGenerator(Generator):
             self.sink = StagedServerNCCL(backend.servers, device, export, offload=sharded)
         else:
             check_file_reload(backend.model.config)
-            self.sink = ServerFiles(backend.servers, weights_dir, export,
-                                    timeout=heartbeat_stale_after_s)
+            self.sink = ServerFiles(backend.servers, weights_dir, export, timeout=min(
+                heartbeat_stale_after_s, backend.request_timeout))
         # the heartbeat: when the round being sampled started (0: idle); no start-up to allow for
         self.heartbeat, self.started = ThreadBeat(), float("inf")
         self.stale_after = heartbeat_stale_after_s
