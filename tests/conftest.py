@@ -8,7 +8,8 @@ torch.set_num_threads(1)  # 2 threads on a busy 2-core machine spin badly (OpenM
 # those two start at once on different workers and the short files fill in around the long ones,
 # instead of a long one starting last.
 LONGEST_FIRST = ("test_distributed.py", "test_cpu_paths.py", "test_vllm_engine.py",
-                 "test_reliability_crash.py", "test_vllm_server.py", "test_trl_differential.py")
+                 "test_reliability_crash.py", "test_vllm_server.py", "test_vllm_servers.py",
+                 "test_trl_differential.py")
 
 
 # The files that also run in the README's plain install (no extras, the newest dependencies pip

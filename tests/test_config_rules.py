@@ -57,6 +57,7 @@ DECLARED = {
     ("CPPOConfig", "vllm_max_model_length"): "must be >= 1 or None",
     ("CPPOConfig", "vllm_server_port"): "allowed: 1 <= vllm_server_port <= 65535",
     ("CPPOConfig", "vllm_server_timeout"): "must be >= 0 (seconds)",
+    ("CPPOConfig", "vllm_server_request_timeout"): "must be > 0 (seconds)",
     ("CPPOConfig", "vllm_group_port"): "allowed: 1 <= vllm_group_port <= 65535",
     ("CPPOConfig", "max_staleness"): "must be >= 0",
     ("CPPOConfig", "weight_sync_steps"): "must be >= 1",
@@ -320,7 +321,8 @@ REFUSED = [
     ({"use_vllm": True, "temperature": 2.5}, "'temperature' is 2.5; vLLM samples with temperatures up to 2.0: lower temperature, or set use_vllm: false"),
     ({"use_vllm": True, "vllm_max_model_length": 516}, "'vllm_max_model_length' is 516, below max_prompt_length + max_completion_length = 517: raise it to >= 517, lower max_prompt_length, or set it to None (derived)"),
     ({"use_vllm": True, "max_prompt_length": None, "vllm_max_model_length": 5}, "'vllm_max_model_length' is 5, below max_prompt_length + max_completion_length = 6: raise it to >= 6, lower max_prompt_length, or set it to None (derived)"),
-    ({"vllm_server_base_url": "localhost:8000"}, "'vllm_server_base_url' is 'localhost:8000'; expected a URL such as http://host:8000"),
+    ({"vllm_server_base_url": "localhost:8000"}, "'vllm_server_base_url' is 'localhost:8000'; expected a URL such as http://host:8000: 'localhost:8000' is not a URL such as http://host:8000"),
+    ({"vllm_server_base_url": "http://a:8000,http://a:8000/"}, "'vllm_server_base_url' is 'http://a:8000,http://a:8000/': 'http://a:8000/' names the same server as 'http://a:8000' (a:8000); list each server once (remove the duplicate, or give the second server its own port)"),
     ({"pruning_rate": 0, "per_device_train_batch_size": 20}, "no step plan for per_device_train_batch_size x gradient_accumulation_steps = 20 x 1 = 20 completions, num_generations = 8, pruning_rate = 0.0, allocation = True, selection_scope = 'step': "),
     ({'top_k': 20, 'use_liger_kernel': True}, "'use_liger_kernel' computes the log-probs in chunks without the full logits that 'replay_sampling' (on because a truncating transform is set) needs; set replay_sampling: false (TRL's behaviour) or use_liger_kernel: false"),
     ({'top_k': 20, 'use_liger_kernel': True, 'replay_sampling': True}, "'use_liger_kernel' computes the log-probs in chunks without the full logits that 'replay_sampling' (set by you) needs; set replay_sampling: false (TRL's behaviour) or use_liger_kernel: false"),
@@ -392,6 +394,7 @@ ALLOWED = [   # each rule's edge: the value next to a refused one
     {"use_vllm": True, "temperature": 2.0}, {"temperature": 2.5},
     {"use_vllm": True, "vllm_max_model_length": 517},
     {"vllm_server_base_url": "http://localhost:8000"},
+    {"vllm_server_base_url": "http://localhost:8000,http://localhost:8001"},
 ]
 
 

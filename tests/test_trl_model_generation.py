@@ -258,8 +258,9 @@ def test_the_regex_reaches_vllms_sampling_params_and_the_server_client():
     seen = {}
     backend.settings = backend_settings(CPPOConfig(use_vllm=True,
                                                    vllm_structured_outputs_regex="a+"))
-    backend.client = type("Client", (), {"generate": lambda self, **kw: seen.update(kw) or
-                                         {"completion_ids": [], "logprobs": []}})()
+    backend.servers = [(type("Client", (), {"generate": lambda self, **kw: seen.update(kw) or
+                                            {"completion_ids": [], "logprobs": []}})(),
+                        "http://server:8000")]
     backend._server_sample([[1, 2]], 4, [5])
     assert seen["structured_outputs_regex"] == "a+"
 

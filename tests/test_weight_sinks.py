@@ -97,10 +97,11 @@ def test_the_nccl_sink_streams_now_and_the_staged_one_at_take(tiny_model_dir, of
     up once. offload (fsdp): the snapshot is kept in host memory, a copy all the same."""
     policy = load_model(tiny_model_dir)
     now = Recorder()
-    ServerNCCL(now, torch.device("cpu"), EXPORT).push(policy, 0)
+    ServerNCCL([(now, "http://server:8000")], torch.device("cpu"), EXPORT).push(policy, 0)
     assert now.calls == ["init_communicator", "update_named_params", "reset_prefix_cache"]
     client = Recorder()
-    staged = StagedServerNCCL(client, torch.device("cpu"), EXPORT, offload=offload)
+    staged = StagedServerNCCL([(client, "http://server:8000")], torch.device("cpu"), EXPORT,
+                              offload=offload)
     assert staged.take() == -1 and client.calls == []   # nothing pushed: the server's own
     staged.push(policy, 1)
     change_in_place(policy, 0.5)
@@ -129,7 +130,8 @@ def test_the_file_sink_writes_then_has_the_server_reload(untied_model_dir, tmp_p
         return SimpleNamespace(status_code=200 if len(posted) < 3 else 404, text="no route")
     monkeypatch.setattr(requests, "post", post)
     policy, client = load_model(untied_model_dir), Recorder()
-    sink = ServerFiles(client, "http://server:8000", tmp_path / "weights", EXPORT, timeout=7.0)
+    sink = ServerFiles([(client, "http://server:8000")], tmp_path / "weights", EXPORT,
+                       timeout=7.0)
     sink.push(policy, 1)
     sink.push(policy, 2)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["version-1", "version-2"]
@@ -267,7 +269,7 @@ def _sharded_server_push_worker(rank: int, init_file: str, folder: str) -> None:
         change_in_place(model, 1.0)
         generator = None
         if rank == 0:
-            sink = ServerFiles(None, "http://unused", folder, GATHERED_EXPORT, timeout=1.0)
+            sink = ServerFiles([(None, "http://unused")], folder, GATHERED_EXPORT, timeout=1.0)
             generator = SimpleNamespace(name="fake", push=sink.push)
         share = ProcessShare(generator, SimpleNamespace(active=True), torch.device("cpu"),
                              sharded=True, pushed=[name for name, _ in model.named_parameters()])

@@ -11,10 +11,10 @@ class FakeClient:
     weight push (announced metadata, then the streamed tensors) and answers generate with fixed
     completions in the client's return format (logprobs (N, T, 1))."""
 
-    def __init__(self, logprobs_mode="processed_logprobs"):
+    def __init__(self, logprobs_mode="processed_logprobs", base_url="http://fake:8000"):
         from trl.generation.vllm_client import VLLMClient
         self.real, self.calls, self.streamed, self.asked = VLLMClient, [], [], {}
-        self.logprobs_mode = logprobs_mode
+        self.logprobs_mode, self.base_url = logprobs_mode, base_url
 
     def _bind(self, method, *args, **kwargs):
         inspect.signature(getattr(self.real, method)).bind(self, *args, **kwargs)

@@ -184,9 +184,8 @@ def check_vllm(cfg) -> None:
     (a regex, with use_vllm)."""
     if cfg.use_vllm:
         validate_vllm(cfg)
-    check(cfg.vllm_server_base_url is None or "://" in cfg.vllm_server_base_url,
-          f"'vllm_server_base_url' is {cfg.vllm_server_base_url!r}; expected a URL such as "
-          f"http://host:8000")
+    if cfg.vllm_server_base_url is not None:
+        check_server_urls(cfg.vllm_server_base_url)
     regex = cfg.vllm_structured_outputs_regex
     if regex is not None:
         check(cfg.use_vllm, "'vllm_structured_outputs_regex' is set but 'use_vllm' is false: "
@@ -198,6 +197,28 @@ def check_vllm(cfg) -> None:
         except re.error as err:
             raise ConfigError(f"'vllm_structured_outputs_regex' is {regex!r}, not a regular "
                               f"expression: {err}") from None
+
+
+def check_server_urls(text: str) -> None:
+    """vllm_server_base_url: one URL, or several separated by commas, each a URL such as
+    http://host:8000 and no two at the same host:port."""
+    from cppo.sampling.vllm_server import server_address, split_urls, url_problem
+    entries = split_urls(text)
+    several = len(entries) > 1
+    for entry in entries:
+        problem = url_problem(entry)
+        check(problem is None,
+              f"'vllm_server_base_url' is {text!r}; expected a URL such as http://host:8000"
+              + (", or several separated by commas (http://host1:8000,http://host2:8000)"
+                 if several else "") + f": {problem}")
+    seen: dict = {}
+    for entry in entries:
+        address = server_address(entry)
+        check(address not in seen,
+              f"'vllm_server_base_url' is {text!r}: {entry!r} names the same server as "
+              f"{seen.get(address)!r} ({address[0]}:{address[1]}); list each server once "
+              f"(remove the duplicate, or give the second server its own port)")
+        seen[address] = entry
 
 
 def check_replay(cfg) -> None:

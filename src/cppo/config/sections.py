@@ -346,7 +346,10 @@ class VLLMSection(Section):
         "vllm-serve --tensor-parallel-size N` and use vllm_mode: server.", at_least=1)
     vllm_server_base_url: Optional[str] = option(
         None, "server: the URL of a running `trl vllm-serve` (vLLM's server with TRL's flags), e.g. "
-        "http://10.0.0.2:8000 (TRL name). None: http://vllm_server_host:vllm_server_port.")
+        "http://10.0.0.2:8000 (TRL name); several servers: their URLs separated by commas "
+        "(http://10.0.0.2:8000,http://10.0.0.3:8000), each round's questions spread over them, "
+        "each question's G completions from one server. None: "
+        "http://vllm_server_host:vllm_server_port.")
     vllm_server_host: str = option("0.0.0.0", "server: its host when vllm_server_base_url is None "
                                    "(TRL name).")
     vllm_server_port: int = option(8000, "server: its port when vllm_server_base_url is None (TRL "
@@ -354,8 +357,14 @@ class VLLMSection(Section):
     vllm_server_timeout: float = option(
         240.0, "server: seconds to wait for the server to answer at start-up before the run stops "
         "with an error naming the address (TRL name).", at_least=0, note="seconds")
+    vllm_server_request_timeout: float = option(
+        1800.0, "server: seconds one request to a server (a round's sampling, a weight reload) may "
+        "take before the run stops with an error naming that server (a server that hangs or "
+        "died).", above=0, note="seconds")
     vllm_group_port: int = option(51216, "server: the port of the NCCL group through which the "
-                                  "weights are pushed (TRL name).", at_least=1, at_most=65535)
+                                  "weights are pushed (TRL name); with several servers, the "
+                                  "i-th (from 0) uses vllm_group_port + i.",
+                                  at_least=1, at_most=65535)
     vllm_max_model_length: Optional[int] = option(
         None, "colocate: vLLM's max_model_len, prompt + completion tokens (TRL name). None: "
         "max_prompt_length + max_completion_length, capped at the model's "

@@ -1,7 +1,7 @@
-"""async_rollout with a vLLM server (`use_vllm`, `vllm_mode: server`): a thread of the trainer
-process sends each round to the server, which generates while the trainer trains, and has the
-server take the newest pushed weights before each round (cppo.sampling.weight_sinks: over NCCL
-on CUDA, from files elsewhere)."""
+"""async_rollout with vLLM servers (`use_vllm`, `vllm_mode: server`; one or several): a thread
+of the trainer process sends each round to the servers, which generate while the trainer trains,
+and has every server take the newest pushed weights before each round
+(cppo.sampling.weight_sinks: over NCCL on CUDA, from files elsewhere)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from cppo.sampling.rollout_generator import (Generator, IdleClock, RoundTools, W
                                              roll_out_round)
 from cppo.sampling.rollout_messages import Failure, RolloutTask, Sampled
 from cppo.sampling.vllm import EXPORT, GATHERED_EXPORT, check_file_reload
-from cppo.sampling.vllm_server import server_url
 from cppo.sampling.weight_sinks import ServerFiles, StagedServerNCCL
 
 
@@ -30,11 +29,12 @@ class ThreadBeat:
 
 
 class ServerGenerator(Generator):
-    """async_rollout with a vLLM server: a thread of the trainer process sends each round to the
-    server (cppo.sampling.vllm's server backend) and the server generates while the trainer
-    trains. A push hands the policy's weights (LoRA merged, vLLM's names) to the weight sink,
-    from which the thread has the server take the newest before its next round (never
-    mid-round) and reset its prefix cache. On CUDA they go over NCCL, TRL's `trl vllm-serve`
+    """async_rollout with vLLM servers: a thread of the trainer process sends each round to the
+    servers (cppo.sampling.vllm's server backend: the questions spread over them, each one's G
+    completions from one server) and they generate while the trainer trains. A push hands the
+    policy's weights (LoRA merged, vLLM's names) to the weight sink, from which the thread has
+    every server take the newest before its next round (never mid-round) and reset its prefix
+    cache. On CUDA they go over NCCL, TRL's `trl vllm-serve`
     protocol (StagedServerNCCL: a snapshot, streamed by the thread); elsewhere as safetensors in a
     new folder under `weights_dir`, which the server reloads in place (ServerFiles).
 
@@ -57,19 +57,19 @@ class ServerGenerator(Generator):
         self.generation = Generation(backend, tokenizer, WholeModel(), torch.device("cpu"), 0,
                                      settings.generation.num_generations,
                                      settings.generation.max_prompt_length, settings.seed)
-        self.url = server_url(settings.vllm)
+        self.urls = [url for _, url in backend.servers]
         device, export = backend.push_device(), GATHERED_EXPORT if sharded else EXPORT
         if device.type == "cuda":
-            self.sink = StagedServerNCCL(backend.client, device, export, offload=sharded)
+            self.sink = StagedServerNCCL(backend.servers, device, export, offload=sharded)
         else:
             check_file_reload(backend.model.config)
-            self.sink = ServerFiles(backend.client, self.url, weights_dir, export,
-                                    timeout=heartbeat_stale_after_s)
+            self.sink = ServerFiles(backend.servers, weights_dir, export, timeout=min(
+                heartbeat_stale_after_s, backend.request_timeout))
         # the heartbeat: when the round being sampled started (0: idle); no start-up to allow for
         self.heartbeat, self.started = ThreadBeat(), float("inf")
         self.stale_after = heartbeat_stale_after_s
         self.tasks, self.results = queue.Queue(), queue.Queue()
-        self.name = f"vLLM server generator ({self.url})"
+        self.name = f"vLLM server generator ({', '.join(self.urls)})"
         self.thread = threading.Thread(target=self._run, daemon=True, name="cppo-server-generator")
         self.thread.start()
         atexit.register(self.close)   # a script that never calls close() leaves no weights behind

@@ -35,7 +35,8 @@ from cppo.sampling.vllm_process import (EXPECTED_VLLM_LOGS, LAUNCHER_ENV, PROCES
                                         process_state_kept, quiet_vllm_logs)
 from cppo.sampling.vllm_sampling import (completions_with_logprobs, eos_token_ids,
                                          sampled_logprobs, sampling_kwargs)
-from cppo.sampling.vllm_server import connect_server, server_url
+from cppo.sampling.vllm_server import (call_servers, client_url, connect_server, connect_servers,
+                                       server_url, server_urls, spread_groups)
 from cppo.sampling.weight_sinks import (EngineReload, ServerNCCL, VLLMExport, full_parameters,
                                         refresh_tied_head)
 
@@ -49,8 +50,8 @@ __all__ = ["EXPECTED_VLLM_LOGS", "EXPORT", "GATHERED_EXPORT", "LAUNCHER_ENV", "P
            "cpu_kv_cache_bytes", "eos_token_ids", "gathered_vllm_weights", "import_vllm",
            "lora_delta", "model_max_positions", "one_process_launcher", "process_state_kept",
            "quiet_vllm_logs", "refresh_tied_head", "sampled_logprobs", "sampling_kwargs",
-           "server_url", "server_weight_metadata", "vllm_backend_class", "vllm_engine_bytes",
-           "vllm_max_model_len", "vllm_weight_name", "vllm_weights"]
+           "server_url", "server_urls", "server_weight_metadata", "vllm_backend_class",
+           "vllm_engine_bytes", "vllm_max_model_len", "vllm_weight_name", "vllm_weights"]
 
 
 def vllm_weight_name(name: str) -> str | None:
@@ -322,9 +323,9 @@ class VLLMBackend:
         each (vLLM's per-request budget; 0: empty completions, vLLM sampling at least one), seeded
         by seeds[c] (vLLM gives completion g seed + g): their token ids and vLLM's log-prob of each
         token, rows context-major (c * n + g). The policy's weights are pushed first unless this
-        round's already are. Server mode: TRL's client takes one max_tokens a call, so all sample
-        the largest budget and each is cut to its own (as TRL's tool loop does); the server seeds
-        its own sampling."""
+        round's already are. Server mode: TRL's client takes one max_tokens a call, so each
+        server's request samples the largest budget of its contexts and each is cut to its own
+        (as TRL's tool loop does); the servers seed their own sampling."""
         n = num_generations
         ids, logprobs = [[] for _ in range(n * len(contexts))], [[] for _ in range(n * len(contexts))]
         live = [c for c, budget in enumerate(max_tokens) if budget > 0]
@@ -524,17 +525,23 @@ class VLLMEngineBackend(VLLMBackend):
 
 
 class VLLMServerBackend(VLLMBackend):
-    """server: a `trl vllm-serve --model <same model>` server at vllm_server_base_url (or
-    vllm_server_host:vllm_server_port), reached through TRL's VLLMClient (`pip install trl`);
-    each process sends its own prompts, and the first process pushes the weights (the
-    ServerNCCL sink, CUDA only) before each round while the others wait. push_weights=False
-    leaves the server's weights as they are (a frozen sampler; async_rollout's server generator
-    pushes them itself)."""
+    """server: `trl vllm-serve --model <same model>` servers at vllm_server_base_url (one URL,
+    or several separated by commas; else vllm_server_host:vllm_server_port), each reached
+    through a TRL VLLMClient of its own (`pip install trl`); each process sends its own prompts,
+    spread over the servers by group (every question's G completions from one server), and
+    the first process pushes the weights to every server (the ServerNCCL sink, CUDA only) before
+    each round while the others wait. push_weights=False leaves the servers' weights as they are
+    (a frozen sampler; async_rollout's server generator pushes them itself). Every request has
+    vllm_server_request_timeout seconds; a server that fails or hangs is a VLLMServerError naming
+    its URL."""
 
     def __init__(self, model, tokenizer, settings: BackendSettings, vllm=None, client=None,
                  push_weights: bool = True, sampling: SamplingSettings | None = None) -> None:
+        """client: a server's client, or a list of them (None: connect to the settings'
+        servers)."""
         super().__init__(model, tokenizer, settings, vllm, client, push_weights, sampling)
-        self.client = client if client is not None else connect_server(settings.vllm)
+        self.servers = self.connect(client)
+        self.request_timeout = settings.vllm.vllm_server_request_timeout
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.sink = None   # the first process's, when it pushes
         if push_weights and self.rank == 0:   # one process pushes, as in TRL
@@ -544,26 +551,41 @@ class VLLMServerBackend(VLLMBackend):
                     f"vllm_mode: server pushes the policy's weights to the server through vLLM's "
                     f"NCCL weight-transfer engine (TRL's VLLMClient), which needs a CUDA "
                     f"device; this run trains on {device.type}: use vllm_mode: colocate here")
-            self.sink = ServerNCCL(self.client, device, EXPORT)
+            self.sink = ServerNCCL(self.servers, device, EXPORT)
             self.sink.connect()
         self._check_server_logprobs()
+
+    def connect(self, client) -> list[tuple[object, str]]:
+        """(client, url) of each server: the given client(s), else one per URL of the settings."""
+        if client is None:
+            return connect_servers(self.settings.vllm)
+        clients = client if isinstance(client, (list, tuple)) else [client]
+        urls = server_urls(self.settings.vllm)
+        return [(c, client_url(c, urls[i] if i < len(urls) else f"server {i}"))
+                for i, c in enumerate(clients)]
+
+    @property
+    def client(self):
+        """The first server's client."""
+        return self.servers[0][0]
 
     def _check_server_logprobs(self) -> None:
         """TRL's check: the importance-sampling correction needs processed log-probs."""
         if not (self.settings.importance_sampling_correction and self.rank == 0):
             return
-        try:
-            mode = self.client.get_server_info()["model_config"]["logprobs_mode"]
-        except Exception:   # an older server without /server_info: nothing to check
-            return
-        if mode != "processed_logprobs":
-            print(f"vllm_mode: server: the server runs with --logprobs-mode {mode}, which biases "
-                  f"importance_sampling_correction; restart it with --logprobs-mode "
-                  f"processed_logprobs (trl vllm-serve does), or set "
-                  f"importance_sampling_correction: false", flush=True)
+        for client, url in self.servers:
+            try:
+                mode = client.get_server_info()["model_config"]["logprobs_mode"]
+            except Exception:   # an older server without /server_info: nothing to check
+                continue
+            if mode != "processed_logprobs":
+                print(f"vllm_mode: server: the server at {url} runs with --logprobs-mode {mode}, "
+                      f"which biases importance_sampling_correction; restart it with "
+                      f"--logprobs-mode processed_logprobs (trl vllm-serve does), or set "
+                      f"importance_sampling_correction: false", flush=True)
 
     def _push(self, round_index: int, probe: list[int]) -> None:
-        """The first process streams the policy's weights to the server (push_weights); no
+        """The first process streams the policy's weights to every server (push_weights); no
         process samples before the push is done."""
         if not self.push_weights:
             return
@@ -574,17 +596,28 @@ class VLLMServerBackend(VLLMBackend):
 
     def _sample(self, contexts: list[list[int]], num_generations: int,
                 max_tokens: list[int], seeds=None) -> tuple[list[list[int]], list[list[float]]]:
-        """sample_contexts through the server (each process asks for its own contexts; the
-        server seeds its own sampling)."""
+        """sample_contexts through the servers (each process asks for its own contexts; a server
+        seeds its own sampling): the contexts in contiguous blocks, one per server
+        (spread_groups: a context's num_generations completions all from one server), sent at
+        once, the rows put back in the contexts' order."""
         kwargs = {**sampling_kwargs(self.settings.generation, self.sampling), "n": num_generations,
-                  "max_tokens": max(max_tokens)}
-        result = self.client.generate(prompts=contexts, **kwargs, structured_outputs_regex=
-                                      self.settings.vllm.vllm_structured_outputs_regex)
-        budgets = [budget for budget in max_tokens for _ in range(num_generations)]
-        outputs = [list(ids[:budget]) for ids, budget in zip(result["completion_ids"], budgets)]
-        # (N, T, 1) with logprobs=0: the sampled token's; None where vLLM had a NaN
-        logprobs = [[float("nan") if step[0] is None else step[0] for step in seq[:budget]]
-                    for seq, budget in zip(result["logprobs"], budgets)]
+                  "structured_outputs_regex": self.settings.vllm.vllm_structured_outputs_regex}
+        blocks = [(server, block) for server, block
+                  in zip(self.servers, spread_groups(len(contexts), len(self.servers))) if block]
+
+        def ask(client, block):
+            return lambda: client.generate(prompts=[contexts[c] for c in block], **{
+                **kwargs, "max_tokens": max(max_tokens[c] for c in block)})
+        results = call_servers([(url, ask(client, block)) for (client, url), block in blocks],
+                               getattr(self, "request_timeout", None), "a round's sampling")
+        outputs, logprobs = [], []
+        for (_, block), result in zip(blocks, results):
+            budgets = [max_tokens[c] for c in block for _ in range(num_generations)]
+            outputs += [list(ids[:budget])
+                        for ids, budget in zip(result["completion_ids"], budgets)]
+            # (N, T, 1) with logprobs=0: the sampled token's; None where vLLM had a NaN
+            logprobs += [[float("nan") if step[0] is None else step[0] for step in seq[:budget]]
+                         for seq, budget in zip(result["logprobs"], budgets)]
         return outputs, logprobs
 
 

@@ -1,38 +1,149 @@
-"""The vLLM server's address and connection (`vllm_mode: server`): TRL's VLLMClient on a `trl
-vllm-serve` server (or vLLM's server with TRL's flags), as the config's vLLM section names it."""
+"""The vLLM servers' addresses and connections (`vllm_mode: server`): TRL's VLLMClient on each
+`trl vllm-serve` server (or vLLM's server with TRL's flags) the config's vLLM section names --
+one URL, or several separated by commas -- and the requests sent to them together, each with a
+time limit and any failure naming its server."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Callable
+from urllib.parse import urlparse
 
 from cppo.errors import VLLMServerError, VLLMUnavailableError
 
 if TYPE_CHECKING:
     from cppo.config.sections import VLLMSection
 
+FIELD = "vllm_server_base_url"
+
+
+def split_urls(text: str) -> list[str]:
+    """A vllm_server_base_url value -> its entries, stripped ("http://a:8000, http://b:8001" ->
+    two); an empty entry (",," or a trailing comma) is kept as "" for the check to name."""
+    return [part.strip() for part in text.split(",")]
+
+
+def url_problem(entry: str) -> str | None:
+    """What is wrong with one entry of vllm_server_base_url (None: a URL such as
+    http://host:8000, which the client can reach)."""
+    if not entry:
+        return "an empty entry (two commas, or one at an end)"
+    parsed = urlparse(entry)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        return f"{entry!r} is not a URL such as http://host:8000"
+    try:
+        parsed.port
+    except ValueError:
+        return f"{entry!r} has a port that is not a number in 1..65535"
+    if not parsed.hostname:
+        return f"{entry!r} names no host"
+    return None
+
+
+def server_address(url: str) -> tuple[str, int]:
+    """(host, port) of a server's URL, normalised: the host lower-cased, the scheme's port (80,
+    443) where none is written; two entries with the same address are the same server."""
+    parsed = urlparse(url)
+    return parsed.hostname.lower(), parsed.port or (443 if parsed.scheme == "https" else 80)
+
+
+def server_urls(vllm: VLLMSection) -> list[str]:
+    """The servers' addresses from the config's vLLM section: each entry of
+    vllm_server_base_url (comma-separated), else http://vllm_server_host:vllm_server_port."""
+    if vllm.vllm_server_base_url:
+        return split_urls(vllm.vllm_server_base_url)
+    return [f"http://{vllm.vllm_server_host}:{vllm.vllm_server_port}"]
+
 
 def server_url(vllm: VLLMSection) -> str:
-    """The server's address from the config's vLLM section."""
-    return vllm.vllm_server_base_url or f"http://{vllm.vllm_server_host}:{vllm.vllm_server_port}"
+    """The servers' addresses as one string (one URL with a single server)."""
+    return ",".join(server_urls(vllm))
 
 
-def connect_server(vllm: VLLMSection):
-    """TRL's VLLMClient on the server the vLLM section names (`trl vllm-serve`, or
-    vLLM's server with TRL's flags); a server that does not answer within vllm_server_timeout
-    seconds is a VLLMServerError naming the address and the fields that set it."""
+def connect_server(vllm: VLLMSection, url: str | None = None, index: int = 0):
+    """TRL's VLLMClient on one server of the vLLM section (`url`; None: the first), its NCCL
+    weight group on port vllm_group_port + index (each server its own); a server that does not
+    answer within vllm_server_timeout seconds is a VLLMServerError naming the address and the
+    fields that set it."""
     try:
         from trl.generation.vllm_client import VLLMClient
     except ImportError as err:
         raise VLLMUnavailableError("vllm_mode: server talks to `trl vllm-serve` through TRL's "
                                    f"VLLMClient: pip install trl (import failed: {err})") from err
-    url = server_url(vllm)
+    url = url or server_urls(vllm)[0]
     try:
-        return VLLMClient(base_url=url, group_port=vllm.vllm_group_port,
+        return VLLMClient(base_url=url, group_port=vllm.vllm_group_port + index,
                           connection_timeout=vllm.vllm_server_timeout)
     except (ConnectionError, OSError) as err:
         raise VLLMServerError(
             f"vllm_mode: server: no vLLM server answered at {url} within vllm_server_timeout = "
             f"{vllm.vllm_server_timeout} s: start one (`trl vllm-serve --model <the model>`), or "
-            f"point vllm_server_base_url (or vllm_server_host / vllm_server_port) at it "
-            f"({type(err).__name__}: {err})") from err
+            f"point {FIELD} (or vllm_server_host / vllm_server_port) at it; {FIELD} is "
+            f"{vllm.vllm_server_base_url!r} ({type(err).__name__}: {err})") from err
 
+
+def connect_servers(vllm: VLLMSection) -> list[tuple[object, str]]:
+    """(client, url) of every server the vLLM section names, in its order (connect_server)."""
+    return [(connect_server(vllm, url, index), url)
+            for index, url in enumerate(server_urls(vllm))]
+
+
+def client_url(client, default: str) -> str:
+    """A client's server address (TRL's VLLMClient.base_url; `default` for one without)."""
+    return getattr(client, "base_url", None) or default
+
+
+def spread_groups(count: int, servers: int) -> list[range]:
+    """The contexts each server samples: `count` contexts (each one question's G completions, a
+    group) in contiguous blocks, one per server, of sizes that differ by at most one (the first
+    servers get the extra ones; a block may be empty). A group never straddles two servers."""
+    size, extra = divmod(count, servers)
+    bounds = [0]
+    for s in range(servers):
+        bounds.append(bounds[-1] + size + (s < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def call_servers(calls: list[tuple[str, Callable[[], object]]], timeout: float | None,
+                 what: str = "a request") -> list:
+    """Run each (url, call) at once, one thread each, and return their results in order. The
+    first call to raise is a VLLMServerError naming its server, as soon as it does; calls still
+    running after `timeout` seconds (None: no limit) likewise (their threads, daemons, are left to
+    end with the process: never a hang)."""
+    results: list = [None] * len(calls)
+    done: queue.Queue = queue.Queue()
+
+    def run(i: int, call: Callable[[], object]) -> None:
+        try:
+            results[i] = call()
+            done.put((i, None))
+        except BaseException as err:   # handed to the caller's thread
+            done.put((i, err))
+
+    for i, (_, call) in enumerate(calls):
+        threading.Thread(target=run, args=(i, call), daemon=True,
+                         name=f"cppo-vllm-server-{i}").start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    waiting = set(range(len(calls)))
+    while waiting:
+        try:
+            i, err = done.get(timeout=None if deadline is None
+                              else max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            url = ", ".join(calls[j][0] for j in sorted(waiting))
+            raise VLLMServerError(
+                f"the vLLM server at {url} did not answer {what} within "
+                f"vllm_server_request_timeout = {timeout:g} s: it hangs or is overloaded; "
+                f"restart it, raise vllm_server_request_timeout, or remove it from {FIELD}"
+            ) from None
+        waiting.discard(i)
+        if err is None:
+            continue
+        if isinstance(err, (VLLMServerError, TypeError, AttributeError, NameError)):
+            raise err   # a server's own message, or a fault on this side
+        raise VLLMServerError(
+            f"the vLLM server at {calls[i][0]} failed {what} ({type(err).__name__}: {err}); "
+            f"check that it still runs (its log), restart it, or remove it from {FIELD}") from err
+    return results

@@ -2,13 +2,13 @@
 
 * `EngineReload`: a colocated vLLM engine (`vllm.LLM` in this process; cppo.sampling.vllm's
   engine backend), reloaded in place.
-* `ServerNCCL`: a `trl vllm-serve` server over NCCL (TRL's VLLMClient protocol: init_communicator
+* `ServerNCCL`: `trl vllm-serve` servers over NCCL (TRL's VLLMClient protocol: init_communicator
   once, then update_named_params per push), streaming the live weights (the server backend's
   first process). `StagedServerNCCL`: the same stream from a snapshot, sent by async_rollout's
   server thread before its next round (cppo.sampling.server_generator).
-* `ServerFiles`: a vLLM server reloading from files (the policy off CUDA): safetensors in a new
-  folder that the server reloads in place (vLLM's `reload_weights` with a `weights_path`, through
-  its `/collective_rpc` route: the server runs with VLLM_SERVER_DEV_MODE=1).
+* `ServerFiles`: vLLM servers reloading from files (the policy off CUDA): safetensors in a new
+  folder that each server reloads in place (vLLM's `reload_weights` with a `weights_path`,
+  through its `/collective_rpc` route: the server runs with VLLM_SERVER_DEV_MODE=1).
 * `SharedMemory`: cppo's own generator process (cppo.sampling.generator_process): a staging copy
   of the policy in shared memory, copied into the process's private model between two rounds.
 
@@ -17,10 +17,13 @@ Every sink is a `WeightSink`: `push(policy, version)` makes the policy's weights
 samples with them or newer. A staged sink (`StagedServerNCCL`, `ServerFiles`, `SharedMemory`)
 keeps the newest push until the sampler's side takes it (`take`, between two rounds); a push
 not yet taken is replaced, never sent. The vLLM sinks send what a `VLLMExport` makes of the
-policy (cppo.sampling.vllm's: vLLM's names, LoRA merged)."""
+policy (cppo.sampling.vllm's: vLLM's names, LoRA merged). A server sink takes `servers`, one
+(client, url) per server (several: vllm_server_base_url lists them), and a push reaches every
+server before any samples with it."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
 import threading
@@ -94,36 +97,47 @@ class EngineReload:
 
 
 class ServerNCCL:
-    """A vLLM server over NCCL, TRL's `trl vllm-serve` protocol through its VLLMClient: the
-    communicator set up once (connect, from `device`), then per push the tensors announced
-    (metadata) and streamed (update_named_params), and the server's prefix cache reset. push
-    streams the policy's live weights now."""
+    """vLLM servers over NCCL, TRL's `trl vllm-serve` protocol through its VLLMClient, one
+    (client, url) per server in `servers`: each server's communicator set up once (connect, from
+    `device`), then per push, server after server, the tensors announced (metadata) and streamed
+    (update_named_params) and the server's prefix cache reset: every server holds the push when
+    it returns. push streams the policy's live weights now."""
 
-    def __init__(self, client, device: torch.device, export: VLLMExport) -> None:
-        self.client, self.device, self.export = client, device, export
+    def __init__(self, servers: list[tuple[object, str]], device: torch.device,
+                 export: VLLMExport) -> None:
+        self.servers, self.device, self.export = list(servers), device, export
         self.communicating = False
 
     def connect(self) -> None:
-        """Set up the NCCL communicator with the server (once)."""
+        """Set up the NCCL communicator with each server (once)."""
         if not self.communicating:
-            self.client.init_communicator(device=self.device)
+            for client, _ in self.servers:
+                client.init_communicator(device=self.device)
             self.communicating = True
 
-    def send(self, metadata, tensors) -> None:
-        """Announce and stream (vLLM name, tensor) pairs, then reset the server's prefix cache."""
+    def send(self, metadata, tensors: Callable) -> None:
+        """Announce and stream (vLLM name, tensor) pairs to each server (tensors(): a context
+        giving them, opened once per server), then reset its prefix cache."""
         self.connect()
-        self.client.update_named_params(metadata, tensors)
-        self.client.reset_prefix_cache()
+        for client, url in self.servers:
+            try:
+                with tensors() as pairs:
+                    client.update_named_params(metadata, pairs)
+                client.reset_prefix_cache()
+            except VLLMServerError:
+                raise
+            except Exception as err:
+                raise VLLMServerError(f"the weight push to the vLLM server at {url} failed "
+                                      f"({type(err).__name__}: {err}); check that it still runs, "
+                                      f"or remove it from vllm_server_base_url") from err
 
     def push(self, policy, version: int) -> float:
         start = time.perf_counter()
-        metadata = self.export.metadata(policy)
-        with self.export.weights(policy) as weights:
-            self.send(metadata, weights)
+        self.send(self.export.metadata(policy), lambda: self.export.weights(policy))
         return time.perf_counter() - start
 
     def close(self) -> None:
-        """The communicator lives as long as the client."""
+        """The communicators live as long as the clients."""
 
 
 class _Staged:
@@ -160,10 +174,10 @@ class StagedServerNCCL(_Staged):
     newest. The snapshot is on the policy's device, or with offload (fsdp: the weights gathered
     one at a time) in host memory, each tensor moved to the device as it is sent."""
 
-    def __init__(self, client, device: torch.device, export: VLLMExport, *,
-                 offload: bool = False) -> None:
+    def __init__(self, servers: list[tuple[object, str]], device: torch.device,
+                 export: VLLMExport, *, offload: bool = False) -> None:
         super().__init__()
-        self.nccl, self.offload = ServerNCCL(client, device, export), offload
+        self.nccl, self.offload = ServerNCCL(servers, device, export), offload
 
     def stage(self, policy, version: int):
         export = self.nccl.export
@@ -177,23 +191,24 @@ class StagedServerNCCL(_Staged):
     def load(self, version: int, staged) -> None:
         metadata, tensors = staged
         device = self.nccl.device
-        self.nccl.send(metadata, ((name, t.to(device)) for name, t in tensors) if self.offload
-                       else iter(tensors))
+        self.nccl.send(metadata, lambda: contextlib.nullcontext(
+            ((name, t.to(device)) for name, t in tensors) if self.offload else iter(tensors)))
 
     def close(self) -> None:
         self.nccl.close()
 
 
 class ServerFiles(_Staged):
-    """A vLLM server reloading from files: a push writes weights_dir/version-<version>/
-    model.safetensors; take has the server reload it in place (`reload_weights` through
-    `/collective_rpc` at `url`, waiting at most `timeout` s), removes the older folders (loaded or
-    skipped) and resets the server's prefix cache. close removes weights_dir."""
+    """vLLM servers reloading from files, one (client, url) per server in `servers`: a push writes
+    weights_dir/version-<version>/model.safetensors; take has each server reload it in place
+    (`reload_weights` through `/collective_rpc` at its url, waiting at most `timeout` s) and reset
+    its prefix cache -- every server before it returns -- then removes the older folders (loaded
+    or skipped). close removes weights_dir."""
 
-    def __init__(self, client, url: str, weights_dir, export: VLLMExport, *,
+    def __init__(self, servers: list[tuple[object, str]], weights_dir, export: VLLMExport, *,
                  timeout: float) -> None:
         super().__init__()
-        self.client, self.url, self.export, self.timeout = client, url, export, timeout
+        self.servers, self.export, self.timeout = list(servers), export, timeout
         self.weights_dir = Path(weights_dir)
 
     def stage(self, policy, version: int) -> Path:
@@ -205,18 +220,28 @@ class ServerFiles(_Staged):
         return folder
 
     def load(self, version: int, folder: Path) -> None:
-        import requests   # with trl, which the server's client needs (cppo.sampling.vllm_server)
-        reply = requests.post(f"{self.url}/collective_rpc", timeout=self.timeout, json={
-            "method": "reload_weights",
-            "kwargs": {"weights_path": str(folder), "is_checkpoint_format": True}})
-        if reply.status_code != 200:
-            raise VLLMServerError(f"the vLLM server at {self.url} refused the weights "
-                                  f"({reply.status_code}: {reply.text[:300]}); start it with "
-                                  f"VLLM_SERVER_DEV_MODE=1 so that /collective_rpc exists")
+        for client, url in self.servers:
+            self.reload(client, url, folder)
         for older in self.weights_dir.glob("version-*"):   # older pushes, loaded or skipped
             if int(older.name.removeprefix("version-")) < version:
                 shutil.rmtree(older, ignore_errors=True)
-        self.client.reset_prefix_cache()
+
+    def reload(self, client, url: str, folder: Path) -> None:
+        """One server reloads the weights in `folder` and resets its prefix cache."""
+        import requests   # with trl, which the server's client needs (cppo.sampling.vllm_server)
+        try:
+            reply = requests.post(f"{url}/collective_rpc", timeout=self.timeout, json={
+                "method": "reload_weights",
+                "kwargs": {"weights_path": str(folder), "is_checkpoint_format": True}})
+        except requests.RequestException as err:
+            raise VLLMServerError(f"the vLLM server at {url} did not reload the weights "
+                                  f"({type(err).__name__}: {err}); check that it still runs, or "
+                                  f"remove it from vllm_server_base_url") from err
+        if reply.status_code != 200:
+            raise VLLMServerError(f"the vLLM server at {url} refused the weights "
+                                  f"({reply.status_code}: {reply.text[:300]}); start it with "
+                                  f"VLLM_SERVER_DEV_MODE=1 so that /collective_rpc exists")
+        client.reset_prefix_cache()
 
     def close(self) -> None:
         shutil.rmtree(self.weights_dir, ignore_errors=True)
