@@ -52,7 +52,8 @@ def build_model(arch: str, tok, **sizes):
     common.update(sizes)
     if arch == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
-        return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common))
+        return Qwen2ForCausalLM(Qwen2Config(**{"num_key_value_heads": 2,
+                                               "tie_word_embeddings": True, **common}))
     from transformers import LlamaConfig, LlamaForCausalLM
     return LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, tie_word_embeddings=False, **common))
 

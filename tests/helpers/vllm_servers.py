@@ -22,11 +22,12 @@ from cppo.parallel.processes import free_port
 EXTRA_EOS = 7   # the served model's generation_config names a second EOS id
 
 
-def server_command(model_dir: str, port: int) -> list[str]:
+def server_command(model_dir: str, port: int, max_model_len: int = 256) -> list[str]:
     """TRL's `trl vllm-serve` command line, with `vllm serve` swapped for the module it runs."""
     from trl.scripts.vllm_serve import ScriptArguments, build_command
     command = build_command(ScriptArguments(model=model_dir, host="127.0.0.1", port=port,
-                                            dtype="float32", enforce_eager=True, max_model_len=256))
+                                            dtype="float32", enforce_eager=True,
+                                            max_model_len=max_model_len))
     at = command.index("serve")
     assert command[at - 1] == "vllm.entrypoints.cli.main" and command[at + 1] == model_dir
     return [*command[:at - 1], "vllm.entrypoints.openai.api_server", "--model", model_dir,
@@ -42,9 +43,10 @@ def save_served_model(folder: Path) -> str:
 
 
 @contextlib.contextmanager
-def vllm_servers(model_dir: str, log_dir: Path, count: int = 1, timeout: float = 300.0):
+def vllm_servers(model_dir: str, log_dir: Path, count: int = 1, timeout: float = 300.0,
+                 max_model_len: int = 256):
     """`count` servers of `model_dir`, started at once, each on a free port with its log in
-    log_dir/server-<i>.log; yields their URLs once every one answers /health, and stops them
+    log_dir/server-<i>.log (prompt + completion tokens at most max_model_len); yields their URLs once every one answers /health, and stops them
     (with their engine processes) at the end."""
     import requests
     # what `trl vllm-serve` sets, plus a KV cache of 1 GiB (vLLM's CPU build otherwise wants 90 %
@@ -55,7 +57,7 @@ def vllm_servers(model_dir: str, log_dir: Path, count: int = 1, timeout: float =
         for i in range(count):
             port = free_port()
             log = open(Path(log_dir) / f"server-{i}.log", "w")
-            process = subprocess.Popen(server_command(model_dir, port), env=env, stdout=log,
+            process = subprocess.Popen(server_command(model_dir, port, max_model_len), env=env, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True)
             started.append((process, log, f"http://127.0.0.1:{port}"))
         deadline = time.time() + timeout
