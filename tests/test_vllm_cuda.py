@@ -49,8 +49,8 @@ def test_colocate_with_sleep_mode_trains_three_steps(tmp_path):
 def test_server_push_over_nccl_gives_the_updated_policy(tmp_path):
     cuda_vllm()
     pytest.importorskip("trl", reason="TRL is not installed (its `trl vllm-serve` runs the server)")
-    import requests
     from trl.scripts.vllm_serve import ScriptArguments, build_command
+    from helpers.vllm_servers import healthy
     from cppo.assembly.run import backend_settings
     from cppo.config import CPPOConfig
     from cppo.parallel.processes import free_port
@@ -69,14 +69,7 @@ def test_server_push_over_nccl_gives_the_updated_policy(tmp_path):
     server = subprocess.Popen(command, env=env, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 600
-        while time.time() < deadline and server.poll() is None:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(2)
+        healthy(f"http://127.0.0.1:{port}", server, time.time() + 600)
         model, tok = load_model(path).to("cuda:0"), load_tokenizer(path)
         args = CPPOConfig(use_vllm=True, vllm_mode="server",
                           vllm_server_base_url=f"http://127.0.0.1:{port}", vllm_group_port=free_port(),

@@ -46,9 +46,9 @@ def save_served_model(folder: Path) -> str:
 def vllm_servers(model_dir: str, log_dir: Path, count: int = 1, timeout: float = 300.0,
                  max_model_len: int = 256):
     """`count` servers of `model_dir`, started at once, each on a free port with its log in
-    log_dir/server-<i>.log (prompt + completion tokens at most max_model_len); yields their URLs once every one answers /health, and stops them
-    (with their engine processes) at the end."""
-    import requests
+    log_dir/server-<i>.log (prompt + completion tokens at most max_model_len); yields their
+    URLs once every one answers /health, and stops them (with their engine processes) at the
+    end."""
     # what `trl vllm-serve` sets, plus a KV cache of 1 GiB (vLLM's CPU build otherwise wants 90 %
     # of the RAM free; on a GPU that is --gpu-memory-utilization)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
@@ -62,14 +62,7 @@ def vllm_servers(model_dir: str, log_dir: Path, count: int = 1, timeout: float =
             started.append((process, log, f"http://127.0.0.1:{port}"))
         deadline = time.time() + timeout
         for process, log, url in started:
-            while time.time() < deadline and process.poll() is None:
-                try:
-                    if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                time.sleep(1)
-            else:
+            if not healthy(url, process, deadline):
                 log.flush()
                 pytest.fail(f"the vLLM server at {url} did not start: "
                             f"{open(log.name).read()[-3000:]}")
@@ -79,6 +72,20 @@ def vllm_servers(model_dir: str, log_dir: Path, count: int = 1, timeout: float =
             stop(process)
         for _, log, _ in started:
             log.close()
+
+
+def healthy(url: str, process: subprocess.Popen, deadline: float) -> bool:
+    """Wait until the server at `url` answers /health (True), or it ended or `deadline` (a
+    time.time()) passed (False)."""
+    import requests
+    while time.time() < deadline and process.poll() is None:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    return False
 
 
 def stop(process: subprocess.Popen) -> None:
