@@ -95,6 +95,8 @@ class EngineReload:
     copy rebuilt from the reloaded embedding (refresh_tied_head), then the prefix cache reset. The
     engine must be awake (its weights held)."""
 
+    pushed_bytes = 0   # the last push's (WeightSink)
+
     def __init__(self, llm, export: VLLMExport) -> None:
         self.llm, self.export, self.pushed_bytes = llm, export, 0
 
@@ -118,6 +120,8 @@ class ServerNCCL:
     communicator set up once (connect, from `device`), then per push the tensors announced
     (metadata) and streamed (update_named_params), and the server's prefix cache reset. push
     streams the policy's live weights now."""
+
+    pushed_bytes = 0   # the last push's (WeightSink)
 
     def __init__(self, client, device: torch.device, export: VLLMExport) -> None:
         self.client, self.device, self.export = client, device, export
@@ -149,6 +153,8 @@ class ServerNCCL:
 class _Staged:
     """A sink whose push stages the weights (stage(policy, version) -> what to load) for the
     sampler's side to load (load(version, staged)) when it takes them; the newest push only."""
+
+    pushed_bytes = 0   # the last push's (WeightSink)
 
     def __init__(self) -> None:
         # latest: (version, staged) pushed and not yet taken; loaded: the sampler's version (-1:
@@ -366,6 +372,8 @@ class SharedMemory:
     its `skeleton` (the unsharded module, parameters on the meta device): the staging copy is
     made from it and filled parameter by parameter as each is gathered (full_parameters), and
     so is every push; the other processes take part in each gather (drain) at the same time."""
+
+    pushed_bytes = 0   # the last push's (WeightSink)
 
     def __init__(self, policy, ctx, skeleton=None) -> None:
         if skeleton is None:
