@@ -167,6 +167,29 @@ def test_a_synchronous_run_pushes_the_adapter_and_the_server_samples_with_it(lor
     assert backend.client.model == path   # the client names the base model again
 
 
+def test_a_synchronous_lora_run_trains_on_this_cpu_against_the_server(lora_server, tmp_path):
+    """A synchronous LoRA run with a vLLM server, on this CPU (merged pushes need CUDA): two steps
+    train, each round's push reported (perf/weight_sync_s, cppo/weight_sync_bytes: the adapter's
+    bytes, a small part of a merged push's), and the adapter files go with the run."""
+    from cppo.trainer import CPPOTrainer
+    from helpers import odd_length_reward
+    path, url = lora_server
+    args = CPPOConfig(model=path, **SERVER, vllm_server_base_url=url, vllm_server_timeout=30,
+                      max_steps=2, num_generations=G, per_device_train_batch_size=8,
+                      max_completion_length=8, max_prompt_length=64, eval_steps=0, save_steps=0,
+                      eval_num_questions=4, learning_rate=5e-2, progress_bar=False,
+                      output_dir=str(tmp_path / "run"))
+    with CPPOTrainer(args=args, reward_funcs=[odd_length_reward]) as trainer:
+        trainer.train()
+        full = merged_bytes(trainer.policy)
+        folder = trainer.backend.sink.weights_dir
+    rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0 < r["cppo/weight_sync_bytes"] < full / 10 for r in rows)
+    assert all(r["perf/weight_sync_s"] > 0 for r in rows)
+    assert not folder.exists()
+
+
 def test_an_adapter_of_a_rank_above_the_servers_is_refused_at_launch(lora_server, tmp_path):
     """The server's /server_info says its --max-lora-rank: a LoRA of a larger rank is refused
     before any push, naming lora_r and the server's flag."""
