@@ -23,7 +23,9 @@ rounds (summary train_seconds, which leaves out the evaluations and checkpoints)
 round (the generator's start-up); a run gets an equal budget through its max_steps, from the
 seconds per step a run of the same config measured (so its learning-rate schedule ends where
 its budget does).
-A projection feeds the measured phase times to a simulator of 1+1 and 4+4 device splits.
+A projection feeds the measured phase times to a simulator of 1+1, 4+4 and 8+8 device splits
+(`--project` recomputes it from the committed rows). `--scale` runs 2 training processes
+(torchrun) with one generator process and with two (generator_processes: 2).
 
     python benchmarks/async_rollout.py                       # embedded default and real shape
     python benchmarks/async_rollout.py --accuracy              # + held-out accuracy, 3 seeds
@@ -32,6 +34,8 @@ A projection feeds the measured phase times to a simulator of 1+1 and 4+4 device
     python benchmarks/async_rollout.py --models embedded real --real quick --repeats 3
     python benchmarks/async_rollout.py --models real --real full --staleness 2   # rows added
     python benchmarks/async_rollout.py --accuracy --staleness 8 16             # rows added
+    python benchmarks/async_rollout.py --scale --repeats 3     # 2 trainers x 1 or 2 generators
+    python benchmarks/async_rollout.py --project               # the projection, no runs
 
 Writes benchmarks/results/async_rollout/results.md and results.json (--out: elsewhere); each
 mode replaces its own sections and keeps the others; speed rows replace those of the models run
@@ -107,11 +111,18 @@ def worker(values: dict) -> None:
     train(CPPOConfig(**values))
 
 
-def measure(values: dict, warm: int) -> dict:
-    """Run one row in its own process; its steady seconds per step and phase means."""
+def measure(values: dict, warm: int, trainers: int = 1) -> dict:
+    """Run one row in its own process (trainers > 1: that many under torchrun, each on core 0);
+    its steady seconds per step and phase means."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(HERE), str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(values)], env=env,
+    launch = [sys.executable]
+    if trainers > 1:
+        from cppo.parallel.processes import free_port
+        env["OMP_NUM_THREADS"] = "1"
+        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(trainers),
+                   "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    done = subprocess.run([*launch, __file__, "--worker", json.dumps(values)], env=env,
                           capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"row failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -256,6 +267,25 @@ def simulate(generate_s: float, train_s: float, sync_s: float, devices: int, sta
     return trained[-1] / steps
 
 
+SPLITS = (1, 4, 8)   # the projection's generation + training device splits (n + n)
+
+
+def projection_rows(speed: list[dict], splits=SPLITS) -> list[dict]:
+    """The simulator fed with each sync row's phase times (its generator's sampling seconds per
+    round, its trainer's step less its wait and push, the push): seconds per step of an n + n
+    split, synchronous and at max_staleness 2, and the split's overlap bound (sync over the
+    longer side)."""
+    rows = []
+    for r in (r for r in speed if r["mode"] == "sync"):
+        gen, trn, push = r["generate_s"], r["train_s"] - r["weight_sync_s"], r["weight_sync_s"]
+        for n in splits:
+            sync = simulate(gen, trn, push, n, 0)
+            rows.append({"model": r["model"], "algorithm": r["algorithm"], "split": f"{n}+{n}",
+                         "sync": sync, "async": simulate(gen, trn, push, n, 2),
+                         "bound": sync / max(gen / n, trn / n + push)})
+    return rows
+
+
 def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda m: m["seconds_per_step"])[len(runs) // 2]
 
@@ -293,6 +323,60 @@ def speed_rows(models: list[str], reals: list[str], repeats: int = 1,
                              "speedup_range": [speedups["min"], speedups["max"]],
                              "of_bound_range": [shares["min"], shares["max"]]})
     return rows
+
+
+SCALE_MODES = {"sync": (1, 0), "async S=2": (1, 2), "async S=2, 2 generators": (2, 2)}
+
+
+def scale_rows(repeats: int = 1) -> list[dict]:
+    """2 training processes (torchrun, ddp, both on core 0) with one generator process or two
+    (generator_processes, both on core 1), embedded default: each mode run `repeats` times,
+    interleaved; the median run and the range of its speed-up over the same repeat's sync run."""
+    steps, warm = STEPS["embedded"]
+    rows = []
+    for algorithm in ALGORITHMS:
+        runs = {mode: [] for mode in SCALE_MODES}
+        for _ in range(repeats):
+            for mode, (generators, staleness) in SCALE_MODES.items():
+                out = Path(tempfile.mkdtemp(prefix="cppo_async_scale_"))
+                values = {**run_config("embedded", "", algorithm, staleness, 42, steps, out),
+                          "generator_processes": generators}
+                runs[mode].append(measure(values, warm, trainers=2))
+                print(f"2 trainers {algorithm} {mode}: "
+                      f"{runs[mode][-1]['seconds_per_step']:.3f} s/step", flush=True)
+        for mode, measured in runs.items():
+            speedups = spread([sync["seconds_per_step"] / m["seconds_per_step"]
+                               for sync, m in zip(runs["sync"], measured)])
+            m = median_run(measured)
+            rows.append({"algorithm": algorithm, "mode": mode, "trainers": 2,
+                         "generators": SCALE_MODES[mode][0], **m,
+                         "seconds_per_question": m["seconds_per_step"] / m["questions_per_step"],
+                         "speedup": speedups["median"], "repeats": repeats,
+                         "speedup_range": [speedups["min"], speedups["max"]]})
+    return rows
+
+
+def scale_section(result: dict) -> list[str]:
+    if not result.get("scale"):
+        return []
+    sc = result["scale"]
+    lines = ["", f"## Two trainers x one or two generators (embedded default; `{sc['command']}`; "
+             f"{sc['date']})", "",
+             "2 training processes under torchrun (ddp, one thread each, both on core 0) and the "
+             "generator processes (generator_processes, one thread each, all on core 1): this "
+             "machine has 2 cores, so the two trainers share one and the two generators the "
+             "other; s/question is per training question of both processes. On hardware with "
+             "a device per process the generators split each round's groups between them.", "",
+             "| algorithm | trainers x generators | mode | s/step | s/question | speed-up over "
+             "sync | staleness | dropped |", "|---|---|---|---|---|---|---|---|"]
+    for r in sc["rows"]:
+        ranged = r.get("repeats", 1) > 1 and r["mode"] != "sync"
+        up = f" ({r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f})" if ranged else ""
+        lines.append(f"| {r['algorithm']} | {r['trainers']} x {r['generators']} | {r['mode']} | "
+                     f"{r['seconds_per_step']:.3f} | {r['seconds_per_question']:.4f} | "
+                     f"{r['speedup']:.2f}x{up} | {r['staleness_mean']:.2f} | "
+                     f"{r['dropped_stale']:.0f} |")
+    return lines
 
 
 def staleness_of(mode: str) -> int:
@@ -350,12 +434,20 @@ def write(result: dict, out: Path = OUT) -> None:
                   f"others ran once." if repeats > 1 else ""), ""]
     if result.get("projection"):
         lines += ["## Projection (simulator fed with the sync rows' phase times)", "",
-                  "| model | algorithm | split | sync s/step | async S=2 s/step | speed-up |",
-                  "|---|---|---|---|---|---|"]
+                  "| model | algorithm | split | sync s/step | async S=2 s/step | speed-up | "
+                  "bound |", "|---|---|---|---|---|---|---|"]
         for p in result["projection"]:
+            bound_text = f"{p['bound']:.2f}x" if "bound" in p else "n/a"
             lines.append(f"| {p['model']} | {p['algorithm']} | {p['split']} | {p['sync']:.3f} | "
-                         f"{p['async']:.3f} | {p['sync'] / p['async']:.2f}x |")
-        lines.append("")
+                         f"{p['async']:.3f} | {p['sync'] / p['async']:.2f}x | {bound_text} |")
+        lines += ["", "split n+n: n generation and n training devices, each side's measured "
+                  "seconds divided by n (the same global batch spread over them), the push not; "
+                  "bound: the split's synchronous step over its longer side. The real full rows "
+                  "are the paper's GSM8K setting in shape (G = 16, P = 0.875: 8 questions and 16 "
+                  "kept completions per step and training device; real_shape.py's 0.12B model, "
+                  "timed on this CPU): its 8+8 row is the projection for 8 generation + 8 "
+                  "training GPUs. A projection, not a measurement: on GPUs the two sides' shares "
+                  "differ from this CPU's.", ""]
     if result.get("accuracy"):
         commands = ", ".join(f"`{c}`" for c in result.get("accuracy_commands")
                              or [result.get("accuracy_command")])
@@ -374,7 +466,7 @@ def write(result: dict, out: Path = OUT) -> None:
             lines.append(f"| {algorithm} | {mode} | {100 * statistics.fmean(accs):.1f} % | "
                          f"{', '.join(f'{100 * a:.1f}' for a in accs)} | "
                          f"{statistics.fmean(r['wall_s'] for r in rs):.0f} |")
-    lines += equal_wall_section(result) + auto_section(result)
+    lines += equal_wall_section(result) + auto_section(result) + scale_section(result)
     write_results(out, result, lines, indent=1, echo=False)
 
 
@@ -469,6 +561,10 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=None, help="--auto: the target accuracy "
                         f"(default: {TARGET_SHARE} x the fixed-P runs' mean final accuracy)")
     parser.add_argument("--out", type=Path, default=OUT, help="where results.json/.md go")
+    parser.add_argument("--scale", action="store_true",
+                        help="2 training processes (torchrun) with one or two generator processes")
+    parser.add_argument("--project", action="store_true",
+                        help="recompute the projection from the committed sync rows (no runs)")
     parser.add_argument("--render", action="store_true", help="rewrite results.md from results.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -477,9 +573,18 @@ def main() -> None:
     result = read_results(args.out)   # kept, section by section
     if args.render:
         return write(result, args.out)
+    if args.project:
+        result["projection"] = projection_rows(result.get("speed", []))
+        write(result, args.out)
+        return print((args.out / "results.md").read_text())
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs 2 cores (trainer on core 0, generator on core 1)")
     command = "python benchmarks/async_rollout.py " + " ".join(sys.argv[1:])
+    if args.scale:   # added to the committed rows
+        result["scale"] = {"rows": scale_rows(args.repeats), "command": command,
+                           "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+        write(result, args.out)
+        return print((args.out / "results.md").read_text())
     if args.accuracy or args.equal_wall or args.auto:   # added to the committed speed rows
         seeds, cache, today = [int(s) for s in args.seeds.split(",")], {}, time.strftime("%Y-%m-%d")
         if args.accuracy:   # the modes run now replace their rows; the others' stay
@@ -515,11 +620,8 @@ def main() -> None:
                    "date": time.strftime("%Y-%m-%d"), "speed": earlier + speed})
     for old in ("command", "cpu", "capability"):   # the machine record's earlier shape
         result.pop(old, None)
-    result["projection"] = [p for p in result.get("projection", []) if p["model"] not in labels] + [
-        {"model": r["model"], "algorithm": r["algorithm"], "split": f"{n}+{n}",
-         "sync": simulate(r["generate_s"], r["train_s"] - r["weight_sync_s"], r["weight_sync_s"], n, 0),
-         "async": simulate(r["generate_s"], r["train_s"] - r["weight_sync_s"], r["weight_sync_s"], n, 2)}
-        for r in speed if r["mode"] == "sync" for n in (1, 4)]
+    result["projection"] = [p for p in result.get("projection", []) if p["model"] not in labels] \
+        + projection_rows(speed)
     write(result, args.out)
     print((args.out / "results.md").read_text())
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cppo.config import CPPOConfig
 from cppo.errors import ConfigError, GeneratorError
 from cppo.sampling import async_rollout
 from cppo.sampling.async_rollout import Arrival, RolloutScheduler, RolloutTask
@@ -231,15 +230,17 @@ def test_async_launches_it_cannot_run_name_the_fix():
     async_rollout.check_async_launch(None)
 
 
-def test_a_vllm_server_under_fsdp_names_the_fix():
-    """The vLLM server takes the policy whole, which fsdp processes hold as shards: an error
-    naming distributed and use_vllm, before any generator starts."""
+def test_a_lora_policy_under_fsdp_with_a_vllm_server_names_the_fix():
+    """A vLLM server under fsdp takes each parameter gathered whole, in turn, which cannot merge a
+    LoRA layer: an error naming distributed: ddp, on every process, before any generator starts."""
     backend = SimpleNamespace(settings=SimpleNamespace(vllm=SimpleNamespace(use_vllm=True)))
-    engine = SimpleNamespace(policy=None, sharded=True)
-    with pytest.raises(ConfigError, match="distributed: fsdp.*distributed: ddp.*use_vllm: false"):
+    policy = torch.nn.Module()
+    policy.lora_A = torch.nn.Linear(2, 2)
+    engine = SimpleNamespace(policy=policy, sharded=True, skeleton=None)
+    with pytest.raises(ConfigError, match="LoRA factors.*distributed: ddp"):
         async_rollout.start_rollouts(None, None, version=0, steps_per_round=1,
                                      questions_per_round=1, backend=backend, weights_dir=None,
-                                     dist=SimpleNamespace(world_size=2), engine=engine)
+                                     dist=SimpleNamespace(world_size=2, is_main=True), engine=engine)
 
 
 @pytest.mark.parametrize("stop", ["ctrl_c", "sigterm"])

@@ -35,6 +35,8 @@ LAUNCH_CHECKS = {
     "run/tracking.py": "the trackers installed (config/checks.py calls it for the names)",
     "sampling/async_rollout.py": "a rollout_func, tools that cannot be pickled, fsdp with a "
                                  "vLLM server",
+    "sampling/generator_pool.py": "generator_processes more than a round's parts (its generation "
+                                  "chunks)",
     "sampling/tools.py": "the tools, environment_factory or rollout_func given to the trainer",
     "sampling/vllm.py": "the model's positions, the prompts' lengths, the adapters' kind, a tied "
                         "head reloaded from files",

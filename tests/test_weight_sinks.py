@@ -90,16 +90,17 @@ def test_engine_reload_pushes_in_place_and_refreshes_a_tied_head(tiny_model_dir,
         assert [n for n, _ in llm.streamed] == [n for n, _ in weights_of(policy)]
 
 
-def test_the_nccl_sink_streams_now_and_the_staged_one_at_take(tiny_model_dir):
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_nccl_sink_streams_now_and_the_staged_one_at_take(tiny_model_dir, offload):
     """ServerNCCL streams the live weights on push; StagedServerNCCL keeps a snapshot that take
     streams (the policy changed since), the newest of two pushes only; the communicator is set
-    up once."""
+    up once. offload (fsdp): the snapshot is kept in host memory, a copy all the same."""
     policy = load_model(tiny_model_dir)
     now = Recorder()
     ServerNCCL(now, torch.device("cpu"), EXPORT).push(policy, 0)
     assert now.calls == ["init_communicator", "update_named_params", "reset_prefix_cache"]
     client = Recorder()
-    staged = StagedServerNCCL(client, torch.device("cpu"), EXPORT)
+    staged = StagedServerNCCL(client, torch.device("cpu"), EXPORT, offload=offload)
     assert staged.take() == -1 and client.calls == []   # nothing pushed: the server's own
     staged.push(policy, 1)
     change_in_place(policy, 0.5)
@@ -243,3 +244,58 @@ def test_a_sharded_push_gathers_every_parameter_whole(tmp_path):
         torch.testing.assert_close(got["staged"][name], value, rtol=0, atol=0, msg=name)
         moved = value if name == "1.weight" else value + 1.0
         torch.testing.assert_close(got["pushed"][name], moved, rtol=0, atol=0, msg=name)
+
+
+def _sharded_server_push_worker(rank: int, init_file: str, folder: str) -> None:
+    """One of 2 gloo processes: a 2-layer model sharded by FSDP2, every weight moved by +1 after
+    sharding; the first process's file sink (a vLLM server's, GATHERED_EXPORT) stages a push
+    while the other takes part in each gather (ProcessShare with every parameter's name)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from cppo.sampling.process_share import ProcessShare
+    from cppo.sampling.vllm import GATHERED_EXPORT
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+        model[1].weight.requires_grad_(False)   # frozen: a server reloads it all the same
+        mesh = init_device_mesh("cpu", (2,))
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        change_in_place(model, 1.0)
+        generator = None
+        if rank == 0:
+            sink = ServerFiles(None, "http://unused", folder, GATHERED_EXPORT, timeout=1.0)
+            generator = SimpleNamespace(name="fake", push=sink.push)
+        share = ProcessShare(generator, SimpleNamespace(active=True), torch.device("cpu"),
+                             sharded=True, pushed=[name for name, _ in model.named_parameters()])
+        share.push(model, 3)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_push_to_a_vllm_server_writes_every_weight_whole(tmp_path):
+    """fsdp with a vLLM server: the file the server reloads holds every weight whole (not the
+    first process's shard), the frozen one too, as trained."""
+    from safetensors.torch import load_file
+    torch.multiprocessing.spawn(_sharded_server_push_worker,
+                                args=(str(tmp_path / "init"), str(tmp_path / "weights")), nprocs=2)
+    torch.manual_seed(0)
+    expected = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    change_in_place(expected, 1.0)
+    got = load_file(tmp_path / "weights" / "version-3" / "model.safetensors")
+    assert sorted(got) == sorted(expected.state_dict())
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_sharded_push_refuses_lora_factors_naming_the_fix():
+    """The gathered push sends parameters one at a time, so it cannot merge a LoRA layer."""
+    from cppo.errors import ConfigError
+    from cppo.sampling.vllm import check_sharded_push
+    check_sharded_push(["model.layers.0.q_proj.weight"])
+    with pytest.raises(ConfigError, match="lora_A.*distributed: ddp"):
+        check_sharded_push(["model.layers.0.q_proj.lora_A.default.weight"])

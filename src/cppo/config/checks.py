@@ -464,6 +464,23 @@ def check_async(cfg) -> None:
               f"{why}; set {name} off or async_rollout: false")
 
 
+def check_generator_processes(cfg) -> None:
+    """generator_processes: at most the machine's cores (os.cpu_count(); the trainer may share
+    them), at least one listed generator_cpus core each, and cppo's own generator only."""
+    n, cores = cfg.generator_processes, os.cpu_count() or 1
+    check(n == 1 or not cfg.use_vllm,
+          f"'generator_processes' is {n} with use_vllm: it counts cppo's own generator "
+          f"processes, and with use_vllm the vLLM server generates: list several servers in "
+          f"vllm_server_base_url instead, and set generator_processes: 1 (or use_vllm: false)")
+    check(not cfg.generator_cpus or len(cfg.generator_cpus) >= n,
+          f"'generator_cpus' is {cfg.generator_cpus}, fewer cores than generator_processes "
+          f"{n}, which each get a block of them: list at least {n} cores, or set "
+          f"generator_processes <= {len(cfg.generator_cpus or [])}")
+    check(n <= cores,
+          f"'generator_processes' is {n}; this machine has {cores} cores, and each generator "
+          f"process samples on at least one: set generator_processes <= {cores}")
+
+
 def check_generation_round(cfg) -> None:
     """TRL's generation round: steps_per_generation fills whole optimizer steps, and
     generation_batch_size counts whole questions."""

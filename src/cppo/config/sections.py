@@ -374,7 +374,7 @@ class VLLMSection(Section):
 class AsyncSection(Section):
     """Asynchronous rollouts (TRL's AsyncGRPOConfig names)."""
 
-    rules = (checks.check_async,)
+    rules = (checks.check_async, checks.check_generator_processes)
 
     async_rollout: bool = option(
         False, "Generate in a separate process that never waits for training: it samples the "
@@ -398,13 +398,21 @@ class AsyncSection(Section):
     heartbeat_stale_after_s: float = option(
         300.0, "async_rollout: seconds without a heartbeat from the generator process after "
         "which the run stops with an error naming it (TRL name).", above=0)
+    generator_processes: int = option(
+        1, "async_rollout without use_vllm: cppo's generator processes; each round is cut into "
+        "whole generation chunks (whole groups) in contiguous blocks, one block per process, "
+        "each sampled as the synchronous run samples it. At most the machine's cores; vLLM "
+        "servers are listed in vllm_server_base_url instead.", at_least=1)
     generator_threads: Optional[int] = option(
-        None, "async_rollout: torch threads of the generator process (None: the trainer's).",
-        at_least=1)
+        None, "async_rollout: torch threads of each generator process (None: the trainer's; "
+        "with generator_processes > 1, its cores' count with generator_cpus, else the "
+        "trainer's divided among the processes).", at_least=1)
     generator_cpus: Optional[list[int]] = option(
-        None, "async_rollout: the CPU cores the generator process runs on, e.g. "
-        "`--generator_cpus 1` or `--generator_cpus 2 3` (YAML: [1]; None: the trainer's); with "
-        "the trainer pinned to the others (taskset), the two sides do not compete for cores.")
+        None, "async_rollout: the CPU cores the generator processes run on, e.g. "
+        "`--generator_cpus 1` or `--generator_cpus 2 3` (YAML: [1]; None: the trainer's), dealt "
+        "to the generator_processes in contiguous blocks (the first ones one more when they do "
+        "not divide); with the trainer pinned to the others (taskset), the two sides do not "
+        "compete for cores.")
 
 
 @dataclass

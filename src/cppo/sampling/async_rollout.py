@@ -22,7 +22,8 @@ and drops), so their schedulers stay in step without further messages.
 
 The parts, one job each: the messages (cppo.sampling.rollout_messages), what both generators
 share (cppo.sampling.rollout_generator), cppo's generator process
-(cppo.sampling.generator_process), the vLLM server's thread (cppo.sampling.server_generator),
+(cppo.sampling.generator_process) and several of them as one (generator_processes:
+cppo.sampling.generator_pool), the vLLM server's thread (cppo.sampling.server_generator),
 the torchrun scatter (cppo.sampling.process_share) and the weight pushes, one sink per transport
 (cppo.sampling.weight_sinks). This module holds the scheduler and the factory, and names every
 part for its callers.
@@ -40,9 +41,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cppo.algorithm.allocation import questions_per_chunk
 from cppo.algorithm.staleness import (is_stale, lookahead_rounds, push_due, rounds_in_flight,
                                       staleness)
 from cppo.errors import ConfigError
+from cppo.sampling.generator_pool import GeneratorPool, blocks, check_pool_parts, start_pool
 from cppo.sampling.generator_process import GeneratorProcess, generator_main, generator_sampling
 from cppo.sampling.process_share import ProcessShare
 from cppo.sampling.rollout_generator import RoundTools
@@ -51,6 +54,7 @@ from cppo.sampling.rollout_generator import sample_round
 from cppo.sampling.rollout_messages import Arrival, RolloutTask, Sampled
 from cppo.sampling.server_generator import ServerGenerator
 from cppo.sampling.tools import ToolLoop
+from cppo.sampling.vllm import check_sharded_push
 from cppo.sampling.weight_sinks import copy_parameters as _copy_parameters
 from cppo.sampling.weight_sinks import trainable_names
 
@@ -58,7 +62,8 @@ if TYPE_CHECKING:
     from cppo.config.sections import AsyncSection
 
 # the parts' names as callers (the trainer, tests, benchmarks) import them from here
-__all__ = ["Arrival", "GeneratorProcess", "ProcessShare", "RolloutScheduler", "RolloutTask",
+__all__ = ["Arrival", "GeneratorPool", "GeneratorProcess", "ProcessShare", "RolloutScheduler",
+           "RolloutTask",
            "RoundTools", "Sampled", "ServerGenerator", "check_async_launch",
            "check_picklable_tools", "generator_main",
            "generator_sampling", "sample_round", "start_rollouts", "trainable_names",
@@ -189,8 +194,9 @@ def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_
                    questions_per_round: int, backend, weights_dir: Path, dist,
                    engine, tools: ToolLoop | None = None) -> RolloutScheduler:
     """The generator (cppo's sampler in its own process, built as the trainer's `backend` is:
-    its settings, chunk size and sampling dtype; with use_vllm, the vLLM server that `backend`
-    talks to), held by the first training process, on the policy's weights as `version`, and
+    its settings, chunk size and sampling dtype, or generator_processes of them as one
+    GeneratorPool; with use_vllm, the vLLM server that `backend` talks to), held by the first
+    training process, on the policy's weights as `version`, and
     this process's scheduler: rounds ahead as max_staleness, max_inflight_tasks and
     queue_maxsize allow (rollout: the config's async section; steps_per_round: optimizer steps
     per generation round; questions_per_round: each process's). engine: the policy's
@@ -199,13 +205,12 @@ def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_
     process gets a pickled copy (check_picklable_tools), a vLLM server's thread a copy."""
     policy, generator, settings = engine.policy, None, backend.settings
     use_vllm = settings.vllm.use_vllm
-    if use_vllm and engine.sharded:
-        raise ConfigError(f"'async_rollout' with use_vllm sends the policy to the vLLM server "
-                          f"whole, which {dist.world_size} training processes under "
-                          f"distributed: fsdp hold only as shards. Set distributed: ddp, or "
-                          f"use_vllm: false (cppo's generator process takes the fsdp weights "
-                          f"gathered parameter by parameter), or async_rollout: false")
-    if engine.sharded and engine.skeleton is None:
+    # fsdp: a vLLM server reloads whole weights (every parameter gathered); cppo's generator
+    # process has a staging copy, gathered once at its start, then its trainable parameters
+    pushed = [name for name, _ in policy.named_parameters()] if use_vllm else None
+    if pushed and engine.sharded:
+        check_sharded_push(pushed)   # on every process, before any generator or gather
+    if engine.sharded and engine.skeleton is None and not use_vllm:
         raise ConfigError("'async_rollout' under distributed: fsdp makes the generator's copy from "
                           "the unsharded policy's skeleton: build the Engine with "
                           "keep_skeleton=True (cppo.assembly.models does when async_rollout is "
@@ -214,19 +219,18 @@ def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_
     if dist.is_main and use_vllm:
         generator = ServerGenerator(backend, tokenizer, weights_dir,
                                     heartbeat_stale_after_s=rollout.heartbeat_stale_after_s,
-                                    tools=round_tools)
+                                    tools=round_tools, sharded=engine.sharded)
     elif dist.is_main:
         if tools is not None:
             check_picklable_tools(tools)
         build = functools.partial(generator_sampling, tokenizer, settings, backend.chunk_size,
                                   backend.generation_dtype, rollout.max_staleness > 0)
-        generator = GeneratorProcess(policy, build,
-                                     threads=rollout.generator_threads or torch.get_num_threads(),
-                                     heartbeat_stale_after_s=rollout.heartbeat_stale_after_s,
-                                     cpus=rollout.generator_cpus, tools=round_tools,
-                                     skeleton=engine.skeleton)
-    share = ProcessShare(generator, dist, dist.device, sharded=engine.sharded)
-    share.join_staging(policy)   # fsdp: the first process's staging copy is gathered
+        generator = _own_generator(policy, build, rollout, engine, round_tools, tokenizer,
+                                   (backend.chunk_size, settings.generation.num_generations,
+                                    [questions_per_round] * dist.world_size))
+    share = ProcessShare(generator, dist, dist.device, sharded=engine.sharded, pushed=pushed)
+    if not use_vllm:
+        share.join_staging(policy)
     questions = questions_per_round * dist.world_size
     waiting = rollout.queue_maxsize // (questions * settings.generation.num_generations)
     in_flight = min(rounds_in_flight(rollout.max_inflight_tasks, rollout.max_staleness, questions),
@@ -236,12 +240,41 @@ def start_rollouts(tokenizer, rollout: AsyncSection, *, version: int, steps_per_
                                  rollout.max_staleness, rank=dist.rank)
     scheduler.sync(policy, version, rollout.weight_sync_steps)
     if dist.is_main:
-        where = "" if use_vllm else f" (cores {rollout.generator_cpus or 'shared'})"
+        where = "" if use_vllm else f" (cores {_cores_text(rollout)})"
         trainers = f", {dist.world_size} training processes" if dist.active else ""
         print(f"async_rollout: {share.name}{where}{trainers}, {scheduler.lookahead} round(s) "
               f"sampled ahead, max_staleness {rollout.max_staleness}, weights pushed every "
               f"{rollout.weight_sync_steps} step(s)", flush=True)
     return scheduler
+
+
+def _own_generator(policy, build, rollout: AsyncSection, engine, tools: RoundTools | None,
+                   tokenizer, shape: tuple):
+    """cppo's generator: one GeneratorProcess, or with generator_processes > 1 a GeneratorPool
+    of them (shape: the sampler's chunk size, G and each training process's questions a
+    round)."""
+    n = rollout.generator_processes
+    if n == 1:
+        return GeneratorProcess(policy, build,
+                                threads=rollout.generator_threads or torch.get_num_threads(),
+                                heartbeat_stale_after_s=rollout.heartbeat_stale_after_s,
+                                cpus=rollout.generator_cpus, tools=tools, skeleton=engine.skeleton)
+    chunk_size, group, questions = shape
+    check_pool_parts(n, questions, group, chunk_size, tools is not None)
+    unit = None if tools is not None else questions_per_chunk(chunk_size, group, max(questions))
+    return start_pool(policy, build, processes=n, unit=unit, pad_token_id=tokenizer.pad_token_id,
+                      cpus=rollout.generator_cpus, threads=rollout.generator_threads,
+                      heartbeat_stale_after_s=rollout.heartbeat_stale_after_s, tools=tools,
+                      skeleton=engine.skeleton)
+
+
+def _cores_text(rollout: AsyncSection) -> str:
+    """The generator processes' cores, as the start-up line names them."""
+    if not rollout.generator_cpus:
+        return "shared"
+    if rollout.generator_processes == 1:
+        return str(rollout.generator_cpus)
+    return ", ".join(map(str, blocks(list(rollout.generator_cpus), rollout.generator_processes)))
 
 
 def check_async_launch(rollout_func) -> None:

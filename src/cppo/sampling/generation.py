@@ -35,12 +35,17 @@ class Generation:
         return encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
                               self.max_prompt_length).to(self.device)
 
-    def sample(self, rows: list[dict], round_index: int) -> tuple[PromptBatch, Completions]:
-        """G completions per row, seeded by (seed, round, the rows' place in the global batch)."""
+    def sample(self, rows: list[dict], round_index: int, start: int = 0,
+               stop: int | None = None) -> tuple[PromptBatch, Completions]:
+        """G completions per row, seeded by (seed, round, the rows' place in the global batch).
+        start:stop: only those rows (a generator process's share: whole generation chunks), as
+        the whole batch samples them: padded as all `rows`, seeded by their own place."""
         prompts = self.prompts(rows)
+        if (start, stop) != (0, None):
+            prompts = prompts.select(slice(start, stop))
         with self.engine.gathered():      # fsdp: full weights once per round, not per token
             completions = self.backend.generate(prompts, round_index=round_index,
-                                                question_offset=self.rank * len(rows))
+                                                question_offset=self.rank * len(rows) + start)
         return prompts, completions
 
     def rollout(self, rollout_func, rows: list[dict], round_index: int,

@@ -88,15 +88,16 @@ class GeneratorProcess(Generator):
 
     def __init__(self, policy, build, *, threads: int, heartbeat_stale_after_s: float,
                  cpus: list[int] | None = None, tools: RoundTools | None = None,
-                 skeleton=None) -> None:
+                 skeleton=None, sink: SharedMemory | None = None) -> None:
         """build(model, engine) -> a cppo.sampling.generation.Generation sampling with `model`;
         it is pickled to the process (a functools.partial of module-level functions). cpus: the
         cores the process runs on (None: the trainer's). tools: the tool loop the process runs
         each round in (pickled to it: check_picklable_tools first), None to sample single turns.
         skeleton: a sharded policy's unsharded module (fsdp; SharedMemory: the staging copy is
-        gathered into it, a collective)."""
+        gathered into it, a collective). sink: a staging copy the process shares with others
+        (cppo.sampling.generator_pool; each process keeps its own `taken`); None: its own."""
         ctx = mp.get_context("spawn")
-        self.sink = SharedMemory(policy, ctx, skeleton)
+        self.sink = sink if sink is not None else SharedMemory(policy, ctx, skeleton)
         self.heartbeat = ctx.Value("d", 0.0)   # 0: not started yet
         self.started = time.time()
         self.tasks, self.results = ctx.Queue(), ctx.Queue()

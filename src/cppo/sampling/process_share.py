@@ -19,10 +19,15 @@ class ProcessShare:
     device. A generator error on the first process reaches every process as the same
     GeneratorError. One process: the round's only part. sharded: the policy is sharded (fsdp),
     so a push is a collective: every process takes part in each parameter's gather, in turn,
-    and only the first one's sink keeps them (cppo.sampling.weight_sinks.full_parameters)."""
+    and only the first one's sink keeps them (cppo.sampling.weight_sinks.full_parameters), in
+    the order of `pushed` (the parameter names the first one's sink gathers, every process the
+    same: the trainable ones for cppo's generator process, None; all of them for a vLLM
+    server, which reloads whole weights)."""
 
-    def __init__(self, generator, dist, device, sharded: bool = False) -> None:
+    def __init__(self, generator, dist, device, sharded: bool = False,
+                 pushed: list[str] | None = None) -> None:
         self.generator, self.dist, self.device, self.sharded = generator, dist, device, sharded
+        self.pushed = pushed
         self.name = generator.name if generator is not None else "generator of the first process"
 
     def submit(self, task: RolloutTask) -> None:
@@ -56,7 +61,7 @@ class ProcessShare:
         if self.generator is not None:
             return self.generator.push(policy, version)
         if self.sharded:
-            drain(full_parameters(policy, trainable_names(policy)))
+            drain(full_parameters(policy, self.pushed or trainable_names(policy)))
         return 0.0
 
     @property

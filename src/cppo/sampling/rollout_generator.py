@@ -34,10 +34,12 @@ class WholeModel:
 
 def sample_round(generation: Generation, task: RolloutTask
                  ) -> tuple[list[PromptBatch], list[Completions]]:
-    """Each process's prompts and completions of the task's round, sampled as that process would
-    sample them in a synchronous run (its rank's seeds, its own padding)."""
-    parts = [dataclasses.replace(generation, rank=rank).sample(rows, task.round_index)
-             for rank, rows in enumerate(task.rows)]
+    """Each process's prompts and completions of the task's round (with spans: each span's),
+    sampled as that process would sample them in a synchronous run (its rank's seeds, its own
+    padding)."""
+    parts = [dataclasses.replace(generation, rank=rank).sample(task.rows[rank], task.round_index,
+                                                               start, stop)
+             for rank, start, stop in task.parts()]
     return [p for p, _ in parts], [c for _, c in parts]
 
 
@@ -79,11 +81,16 @@ class RoundTools:
 def roll_out_round(generation: Generation, task: RolloutTask, tools: RoundTools | None
                    ) -> tuple[list[PromptBatch], list[Completions], list[dict] | None]:
     """A generator's round: sample_round's, or with tools each process's multi-turn rollouts
-    (RoundTools) and their turns, in rank order."""
+    (RoundTools) and their turns, in rank order (spans: whole processes' rows only, the tool
+    loop seeding a process's rollouts together)."""
     if tools is None:
         return (*sample_round(generation, task), None)
-    parts = [tools.rollout(dataclasses.replace(generation, rank=rank), rows, task.round_index)
-             for rank, rows in enumerate(task.rows)]
+    if any((start, stop) != (0, len(task.rows[rank])) for rank, start, stop in task.parts()):
+        raise ValueError(f"with tools a generator samples whole processes' rows; got the spans "
+                         f"{task.spans}")
+    parts = [tools.rollout(dataclasses.replace(generation, rank=rank), task.rows[rank],
+                           task.round_index)
+             for rank, _, _ in task.parts()]
     return [p for p, _, _ in parts], [c for _, c, _ in parts], [t for _, _, t in parts]
 
 

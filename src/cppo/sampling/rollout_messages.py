@@ -13,19 +13,28 @@ from cppo.sampling.batches import Completions, PromptBatch
 @dataclass
 class RolloutTask:
     """One round to sample: each training process's rows (its questions, in rank order) and the
-    round index that seeds it."""
+    round index that seeds it. spans: the parts to sample, (rank, start, stop) each, rows
+    start:stop of that process's (one generator process's share of the round:
+    cppo.sampling.generator_pool); None: every process's rows whole."""
 
     task_id: int
     round_index: int
     rows: list[list[dict]]
+    spans: list[tuple[int, int, int]] | None = None
+
+    def parts(self) -> list[tuple[int, int, int]]:
+        """(rank, start, stop) of each part to sample, in order."""
+        if self.spans is not None:
+            return self.spans
+        return [(rank, 0, len(rows)) for rank, rows in enumerate(self.rows)]
 
 
 @dataclass
 class Sampled:
     """A round as the generator sampled it: the policy version that sampled it, each process's
-    prompts (Q rows) and completions (Q x G rows), in rank order, the seconds it took, the
-    seconds the generator waited for the task and, with tools, each process's tool-loop turns
-    (Arrival)."""
+    prompts (Q rows) and completions (Q x G rows), in rank order (a task with spans: one per
+    span, in its order), the seconds it took, the seconds the generator waited for the task and,
+    with tools, each process's tool-loop turns (Arrival)."""
 
     task_id: int
     version: int

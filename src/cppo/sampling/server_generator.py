@@ -18,7 +18,7 @@ from cppo.sampling.generation import Generation
 from cppo.sampling.rollout_generator import (Generator, IdleClock, RoundTools, WholeModel,
                                              roll_out_round)
 from cppo.sampling.rollout_messages import Failure, RolloutTask, Sampled
-from cppo.sampling.vllm import EXPORT, check_file_reload
+from cppo.sampling.vllm import EXPORT, GATHERED_EXPORT, check_file_reload
 from cppo.sampling.vllm_server import adapter_sink, server_url
 from cppo.sampling.weight_sinks import ServerFiles, StagedServerNCCL
 
@@ -44,10 +44,13 @@ class ServerGenerator(Generator):
     backend: a VLLMBackend in server mode built with push_weights=False (make_backend's under
     async_rollout): the pushes, and the NCCL communicator, are this generator's; the server,
     G, the prompt length and the seed are its settings'. tools: the tool loop the thread runs
-    each round in (a copy of it: the trainer's is left alone), None to sample single turns."""
+    each round in (a copy of it: the trainer's is left alone), None to sample single turns.
+    sharded: the policy is sharded (fsdp): a push gathers each parameter in turn (GATHERED_EXPORT;
+    the other training processes join each gather, ProcessShare), into files, or over NCCL from
+    a snapshot in host memory."""
 
     def __init__(self, backend, tokenizer, weights_dir, *, heartbeat_stale_after_s: float,
-                 tools: RoundTools | None = None) -> None:
+                 tools: RoundTools | None = None, sharded: bool = False) -> None:
         if backend.push_weights:
             raise ValueError("ServerGenerator pushes the weights itself: build its backend with "
                              "push_weights=False")
@@ -58,15 +61,15 @@ class ServerGenerator(Generator):
                                      settings.generation.num_generations,
                                      settings.generation.max_prompt_length, settings.seed)
         self.url = server_url(settings.vllm)
-        device = backend.push_device()
+        device, export = backend.push_device(), GATHERED_EXPORT if sharded else EXPORT
         if settings.vllm.vllm_push == "adapter":   # the LoRA alone, from files (any device)
             self.sink = adapter_sink(backend.model, [(backend.client, self.url)], weights_dir,
                                      timeout=heartbeat_stale_after_s)
         elif device.type == "cuda":
-            self.sink = StagedServerNCCL(backend.client, device, EXPORT)
+            self.sink = StagedServerNCCL(backend.client, device, export, offload=sharded)
         else:
             check_file_reload(backend.model.config)
-            self.sink = ServerFiles(backend.client, self.url, weights_dir, EXPORT,
+            self.sink = ServerFiles(backend.client, self.url, weights_dir, export,
                                     timeout=heartbeat_stale_after_s)
         # the heartbeat: when the round being sampled started (0: idle); no start-up to allow for
         self.heartbeat, self.started = ThreadBeat(), float("inf")

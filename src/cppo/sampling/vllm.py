@@ -37,19 +37,21 @@ from cppo.sampling.vllm_process import (EXPECTED_VLLM_LOGS, LAUNCHER_ENV, PROCES
 from cppo.sampling.vllm_sampling import (completions_with_logprobs, eos_token_ids,
                                          sampled_logprobs, sampling_kwargs)
 from cppo.sampling.vllm_server import adapter_sink, connect_server, server_url
-from cppo.sampling.weight_sinks import EngineReload, ServerNCCL, VLLMExport, refresh_tied_head
+from cppo.sampling.weight_sinks import (EngineReload, ServerNCCL, VLLMExport, full_parameters,
+                                        refresh_tied_head)
 
 if TYPE_CHECKING:
     from cppo.config.sections import SamplingSection, VLLMSection
 
 # what callers (tests, async_rollout, the memory plan) import from here, wherever it lives
-__all__ = ["EXPECTED_VLLM_LOGS", "EXPORT", "LAUNCHER_ENV", "PROCESS_ENV", "VLLMBackend",
-           "VLLMEngineBackend", "VLLMServerBackend", "VLLM_LOGGERS", "check_file_reload",
-           "completions_with_logprobs", "connect_server", "cpu_kv_cache_bytes", "eos_token_ids",
-           "import_vllm", "lora_delta", "model_max_positions", "one_process_launcher",
-           "process_state_kept", "quiet_vllm_logs", "refresh_tied_head", "sampled_logprobs",
-           "sampling_kwargs", "server_url", "server_weight_metadata", "vllm_backend_class",
-           "vllm_engine_bytes", "vllm_max_model_len", "vllm_weight_name", "vllm_weights"]
+__all__ = ["EXPECTED_VLLM_LOGS", "EXPORT", "GATHERED_EXPORT", "LAUNCHER_ENV", "PROCESS_ENV",
+           "VLLMBackend", "VLLMEngineBackend", "VLLMServerBackend", "VLLM_LOGGERS",
+           "check_file_reload", "completions_with_logprobs", "connect_server",
+           "cpu_kv_cache_bytes", "eos_token_ids", "gathered_vllm_weights", "import_vllm",
+           "lora_delta", "model_max_positions", "one_process_launcher", "process_state_kept",
+           "quiet_vllm_logs", "refresh_tied_head", "sampled_logprobs", "sampling_kwargs",
+           "server_url", "server_weight_metadata", "vllm_backend_class", "vllm_engine_bytes",
+           "vllm_max_model_len", "vllm_weight_name", "vllm_weights"]
 
 
 def vllm_weight_name(name: str) -> str | None:
@@ -113,8 +115,39 @@ def _owner(model, name: str):
     return model.get_submodule(name.rpartition(".")[0])
 
 
-# what the weight sinks send of a policy (cppo.sampling.weight_sinks)
+@contextlib.contextmanager
+def gathered_vllm_weights(model):
+    """(vLLM name, full tensor) of every weight of a policy sharded by FSDP2, one at a time: each
+    parameter gathered over the training processes in named_parameters' order
+    (cppo.sampling.weight_sinks.full_parameters, a collective: the other processes take part in
+    the same gathers, ProcessShare.push), so a process holds one full parameter at a time beyond
+    FSDP's own. A LoRA policy is refused: its merge needs each layer's factors together."""
+    names = [name for name, _ in model.named_parameters()]
+    check_sharded_push(names)
+    def weights():
+        with torch.no_grad():
+            for name, full in full_parameters(model, names):
+                target = vllm_weight_name(name)
+                if target is not None:
+                    yield target, full
+    yield weights()
+
+
+def check_sharded_push(names: list[str]) -> None:
+    """A vLLM server under fsdp takes the gathered full weights; a LoRA policy's merged weights
+    would need each layer's factors gathered together, which the push does not do."""
+    lora = [name for name in names if "lora_" in name]
+    if lora:
+        raise ConfigError(f"'async_rollout' with a vLLM server under distributed: fsdp pushes the "
+                          f"gathered weights one parameter at a time, and this policy has LoRA "
+                          f"factors ({lora[0]}, ...) that would have to be merged first: use "
+                          f"distributed: ddp with LoRA, or cppo's generator process (use_vllm: "
+                          f"false)")
+
+
+# what the weight sinks send of a policy (cppo.sampling.weight_sinks): whole, or (fsdp) gathered
 EXPORT = VLLMExport(weights=vllm_weights, metadata=server_weight_metadata)
+GATHERED_EXPORT = VLLMExport(weights=gathered_vllm_weights, metadata=server_weight_metadata)
 
 
 def model_max_positions(model_config) -> int | None:

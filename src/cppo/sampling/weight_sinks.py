@@ -16,12 +16,12 @@
   of the policy in shared memory, copied into the process's private model between two rounds.
 
 Every sink is a `WeightSink`: `push(policy, version)` makes the policy's weights the sampler's as
-`version` (the seconds it took on the trainer's side): its next round, never one under way,
-samples with them or newer; `pushed_bytes` is what the last push sent (the tensors' bytes). A staged sink (`StagedServerNCCL`, `ServerFiles`, `SharedMemory`)
-keeps the newest push until the sampler's side takes it (`take`, between two rounds); a push
-not yet taken is replaced, never sent. The vLLM sinks send what a `VLLMExport` makes of the
-policy (cppo.sampling.vllm's: vLLM's names, LoRA merged), but ServerAdapterFiles, which sends the
-LoRA's factors (cppo.models.lora.save_adapter)."""
+`version` (the seconds it took on the trainer's side): its next round, never one under way, samples
+with them or newer; `pushed_bytes` is what the last push sent (the tensors' bytes). A staged sink
+(`StagedServerNCCL`, `ServerFiles`, `SharedMemory`) keeps the newest push until the sampler's side
+takes it (`take`, between two rounds); a push not yet taken is replaced, never sent. The vLLM sinks
+send what a `VLLMExport` makes of the policy (cppo.sampling.vllm's: vLLM's names, LoRA merged), but
+ServerAdapterFiles, which sends the LoRA's factors (cppo.models.lora.save_adapter)."""
 
 from __future__ import annotations
 
@@ -182,25 +182,30 @@ class _Staged:
 
 
 class StagedServerNCCL(_Staged):
-    """ServerNCCL from a snapshot: a push keeps (metadata, tensors) on the policy's device, which
-    the trainer's next steps leave as they are (a clone of each weight, in the order of the
-    metadata), and take streams the newest."""
+    """ServerNCCL from a snapshot: a push keeps (metadata, tensors), a clone of each weight in the
+    order of the metadata, which the trainer's next steps leave as they are, and take streams the
+    newest. The snapshot is on the policy's device, or with offload (fsdp: the weights gathered
+    one at a time) in host memory, each tensor moved to the device as it is sent."""
 
-    def __init__(self, client, device: torch.device, export: VLLMExport) -> None:
+    def __init__(self, client, device: torch.device, export: VLLMExport, *,
+                 offload: bool = False) -> None:
         super().__init__()
-        self.nccl = ServerNCCL(client, device, export)
+        self.nccl, self.offload = ServerNCCL(client, device, export), offload
 
     def stage(self, policy, version: int):
         export = self.nccl.export
         with export.weights(policy) as weights:
-            tensors = [(name, t.detach().clone()) for name, t in counted(weights, self)]
+            tensors = [(name, t.detach().to("cpu", copy=True) if self.offload
+                        else t.detach().clone()) for name, t in counted(weights, self)]
         if tensors and tensors[0][1].is_cuda:   # the sender packs on streams of its own
             torch.cuda.current_stream(tensors[0][1].device).synchronize()
         return export.metadata(policy), tensors
 
     def load(self, version: int, staged) -> None:
         metadata, tensors = staged
-        self.nccl.send(metadata, iter(tensors))
+        device = self.nccl.device
+        self.nccl.send(metadata, ((name, t.to(device)) for name, t in tensors) if self.offload
+                       else iter(tensors))
 
     def close(self) -> None:
         self.nccl.close()
