@@ -42,7 +42,8 @@ MAX_LORA_RANK = 8
 # adapter moves them by ~1e-1 (asserted), so a stale or missing adapter is far outside it
 LOGPROB_TOLERANCE = 1e-4
 SERVER = dict(use_vllm=True, vllm_mode="server", vllm_push="adapter", use_peft=True,
-              lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"])
+              lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"],
+              lora_dropout=0.0)   # the trainer scores in train mode: no dropout noise in the gaps
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +188,30 @@ def test_a_synchronous_lora_run_trains_on_this_cpu_against_the_server(lora_serve
     assert [r["step"] for r in rows] == [1, 2]
     assert all(0 < r["cppo/weight_sync_bytes"] < full / 10 for r in rows)
     assert all(r["perf/weight_sync_s"] > 0 for r in rows)
+    # the server sampled with the adapter of the policy that scored the round (step 2's: trained)
+    assert all(r["sampling/sampling_logp_difference/max"] <= LOGPROB_TOLERANCE for r in rows)
     assert not folder.exists()
+
+
+def test_two_synchronous_trainers_sample_with_the_first_ones_adapter(lora_server, tmp_path):
+    """torchrun, 2 training processes, a synchronous LoRA run against the server on this CPU: the
+    first process pushes the adapter each round and both processes' requests name it (the second
+    one's client is told its name): the sampler's log-probs are the policy's on every process
+    (TRL's sampling/sampling_logp_difference/max, over both processes' rows) in every step, the
+    adapter trained by then (a request naming the base model would be ~1e-1 off)."""
+    from test_distributed import spec, torchrun
+    path, url = lora_server
+    run = tmp_path / "run"
+    config = spec(path, run, batch=2, scope="global", max_steps=4, max_prompt_length=64,
+                  post_run=False, learning_rate=5e-2, vllm_server_base_url=url,
+                  vllm_server_timeout=30, **SERVER)
+    torchrun(config, tmp_path / "adapters.json")
+    rows = [r for r in map(json.loads, open(run / "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in rows] == [2, 4]   # a row a round (num_iterations 2)
+    print("sampler - policy log-prob gaps:",
+          [r["sampling/sampling_logp_difference/max"] for r in rows])
+    assert all(r["sampling/sampling_logp_difference/max"] <= LOGPROB_TOLERANCE for r in rows)
+    assert any("cppo/weight_sync_bytes" in r for r in rows)
 
 
 def test_an_adapter_of_a_rank_above_the_servers_is_refused_at_launch(lora_server, tmp_path):
