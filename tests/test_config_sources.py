@@ -23,7 +23,8 @@ LAUNCH_CHECKS = {
     "features/fp16_scaling.py": "the loaded weights' dtype",
     "learning/update.py": "whether the model has a router",
     "models/loading.py": "the loaded model and the quantisation libraries installed",
-    "models/lora.py": "peft's own refusal of the adapter settings",
+    "models/lora.py": "peft's own refusal of the adapter settings; a peft_config given to the "
+                      "trainer that vLLM cannot serve as an adapter (vllm_push: adapter)",
     "models/tokenizer.py": "the tokenizer's chat template",
     "parallel/engines.py": "the number of processes",
     "parallel/hardware.py": "whether the lean forward runs this model",
@@ -39,6 +40,8 @@ LAUNCH_CHECKS = {
     "sampling/tools.py": "the tools, environment_factory or rollout_func given to the trainer",
     "sampling/vllm.py": "the model's positions, the prompts' lengths, the adapters' kind, a tied "
                         "head reloaded from files",
+    "sampling/vllm_server.py": "the server's --max-lora-rank (its /server_info) against the "
+                               "adapter's rank",
 }
 
 

@@ -17,12 +17,12 @@ import torch
 from cppo.models import load_model
 from cppo.sampling import weight_sinks
 from cppo.sampling.vllm import EXPORT
-from cppo.sampling.weight_sinks import (EngineReload, ServerFiles, ServerNCCL, SharedMemory,
-                                        StagedServerNCCL, WeightSink)
+from cppo.sampling.weight_sinks import (EngineReload, ServerAdapterFiles, ServerFiles, ServerNCCL,
+                                        SharedMemory, StagedServerNCCL, WeightSink)
 from helpers.weights import change_in_place, weights_of
 
 SAMPLING = Path(__file__).resolve().parents[1] / "src" / "cppo" / "sampling"
-SINKS = (EngineReload, ServerNCCL, StagedServerNCCL, ServerFiles, SharedMemory)
+SINKS = (EngineReload, ServerNCCL, StagedServerNCCL, ServerFiles, ServerAdapterFiles, SharedMemory)
 
 
 class Recorder:

@@ -39,6 +39,7 @@ from cppo.run.callbacks import Callbacks
 from cppo.run.completions_log import CompletionsLog
 from cppo.run.optimizer import advance_schedule, make_adamw
 from cppo.run.loop import record_evaluation, run_rounds
+from cppo.run.metrics import push_metrics
 from cppo.run.signals import EXIT_CODES, stop_handlers, stop_request
 from cppo.run.saving import save_pretrained_folder
 from cppo.run.summary import run_summary, write_summary
@@ -139,7 +140,11 @@ class CPPOTrainer:
         metrics.update(self.learn(batch), **rollout.metrics)
         if self.rollouts is not None:   # the new weights to the generator process
             pushed = self.rollouts.sync(self.policy, self.run_state.step, args.weight_sync_steps)
-            metrics.update({} if pushed is None else {"perf/weight_sync_s": pushed})
+            if pushed is not None:
+                metrics.update(push_metrics(pushed, self.rollouts.generator.pushed_bytes))
+        elif getattr(self.backend, "last_push", None) is not None:   # this round's vLLM push
+            metrics.update(push_metrics(*self.backend.last_push))
+            self.backend.last_push = None
         return metrics
 
     def rollout_round(self) -> Rollout:

@@ -14,7 +14,7 @@ from cppo.algorithm import (SEQUENCE_LEVEL_LOSSES, TOKEN_SUM_LOSSES, check_pruni
 from cppo.algorithm.balance import AUTO
 from cppo.config.options import field_types, unwrap_optional
 from cppo.errors import ConfigError, VLLMUnavailableError
-from cppo.models.lora import check_dora_push, check_lm_head_cast
+from cppo.models.lora import check_adapter_push, check_dora_push, check_lm_head_cast
 
 
 def check(ok: bool, message: str) -> None:
@@ -219,6 +219,22 @@ def check_server_urls(text: str) -> None:
               f"{seen.get(address)!r} ({address[0]}:{address[1]}); list each server once "
               f"(remove the duplicate, or give the second server its own port)")
         seen[address] = entry
+
+
+def check_vllm_push(cfg) -> None:
+    """vllm_push: adapter: a LoRA run (use_peft) against a vLLM server, with a LoRA vLLM serves
+    (check_adapter_push); the server's own limits (--max-lora-rank) are checked at launch."""
+    if cfg.vllm_push != "adapter":
+        return
+    check(cfg.use_peft, "'vllm_push' is 'adapter' but 'use_peft' is false: there is no adapter "
+                        "to push; set use_peft: true (a LoRA run), or vllm_push: merged")
+    check(cfg.use_vllm and cfg.vllm_mode == "server",
+          f"'vllm_push' is 'adapter' with use_vllm {cfg.use_vllm}, vllm_mode {cfg.vllm_mode!r}: "
+          f"adapters are pushed to a vLLM server; set use_vllm: true and vllm_mode: server, or "
+          f"vllm_push: merged")
+    check_adapter_push(dora=cfg.use_dora, modules_to_save=cfg.lora_modules_to_save,
+                       target_modules=cfg.lora_target_modules,
+                       target_parameters=cfg.lora_target_parameters)
 
 
 def check_replay(cfg) -> None:

@@ -321,7 +321,7 @@ class SamplerCorrectionSection(Section):
 class VLLMSection(Section):
     """vLLM: colocated or a server, and its engine's settings."""
 
-    rules = (checks.check_vllm,)
+    rules = (checks.check_vllm, checks.check_vllm_push)
 
     vllm_structured_outputs_regex: Optional[str] = option(
         None, "vLLM: every completion must match this regular expression (vLLM's structured "
@@ -365,6 +365,14 @@ class VLLMSection(Section):
                                   "weights are pushed (TRL name); with several servers, the "
                                   "i-th (from 0) uses vllm_group_port + i.",
                                   at_least=1, at_most=65535)
+    vllm_push: str = option(
+        "merged", "server: what a LoRA run (use_peft) pushes to the vLLM server: the adapters "
+        "merged into the weights, the whole model each push (merged), or the adapter alone "
+        "(adapter: peft's adapter files, which the server loads as a LoRA adapter and samples "
+        "with; start it with --enable-lora --max-lora-rank >= lora_r and "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, on a filesystem it shares with the trainer). "
+        "TRL's AsyncGRPOTrainer sends the adapter whenever the server has --enable-lora.",
+        ("merged", "adapter"))
     vllm_max_model_length: Optional[int] = option(
         None, "colocate: vLLM's max_model_len, prompt + completion tokens (TRL name). None: "
         "max_prompt_length + max_completion_length, capped at the model's "

@@ -28,11 +28,70 @@ def check_lm_head_cast(cast_lm_head_to_fp32: bool, lora_on_head: bool) -> None:
 
 
 def check_dora_push(dora: bool, vllm: bool) -> None:
-    """A DoRA adapter has no weight delta to push to vLLM: checked on the config (use_dora) and
-    on the adapters pushed (a DoRA peft_config given to the trainer; cppo.sampling.vllm)."""
+    """A DoRA adapter has no weight delta to push to vLLM, nor a place in the LoRA adapters vLLM
+    serves (vllm_push: adapter): checked on the config (use_dora) and on the adapters pushed (a
+    DoRA peft_config given to the trainer; cppo.sampling.vllm, check_adapter_push)."""
     if dora and vllm:
         raise ConfigError("'use_dora' is true with use_vllm: a DoRA adapter cannot be pushed to "
-                          "vLLM as a weight delta; set use_dora: false, or use_vllm: false")
+                          "vLLM, neither as a weight delta (vllm_push: merged) nor as an adapter "
+                          "(vllm_push: adapter: vLLM serves LoRA, not DoRA, whose magnitude has no "
+                          "place in its adapters); set use_dora: false, or use_vllm: false")
+
+
+# what vLLM's LoRA loader cannot serve as an adapter: the modules it restricts or drops deltas of
+UNSERVED_LORA_MODULES = ("lm_head", "embed_tokens")
+
+
+def check_adapter_push(*, dora: bool, modules_to_save, target_modules, target_parameters,
+                       bias: str = "none") -> None:
+    """vllm_push: adapter sends vLLM the LoRA factors alone, which it serves as a LoRA adapter:
+    only a plain LoRA on its linear layers (the rules TRL's AsyncGRPOTrainer applies before its
+    adapter sync). Checked on the config (the lora_* fields) and at launch on the policy's peft
+    config (one given to the trainer); a ConfigError naming the field and the fix."""
+    check_dora_push(dora, vllm=True)
+    fix = "or set vllm_push: merged (the LoRA merged into the weights, any adapter)"
+    if modules_to_save:
+        raise ConfigError(f"'lora_modules_to_save' is {list(modules_to_save)} with vllm_push: "
+                          f"adapter: those modules train whole, which no LoRA adapter carries (the "
+                          f"server would keep its own copy); set lora_modules_to_save: null, {fix}")
+    if target_parameters:
+        raise ConfigError(f"'lora_target_parameters' is {list(target_parameters)} with vllm_push: "
+                          f"adapter: vLLM serves LoRA on modules, not on parameters; set "
+                          f"lora_target_parameters: null, {fix}")
+    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules or [])
+    unserved = [t for t in targets if any(m in t for m in UNSERVED_LORA_MODULES)]
+    if unserved:
+        raise ConfigError(f"'lora_target_modules' is {targets} with vllm_push: adapter: vLLM does "
+                          f"not serve a LoRA on {unserved} (it restricts LoRA on the head and the "
+                          f"embeddings); remove them from lora_target_modules, {fix}")
+    if bias != "none":
+        raise ConfigError(f"the LoRA's bias is {bias!r} with vllm_push: adapter: trained biases "
+                          f"are no part of a LoRA adapter; use bias 'none', {fix}")
+
+
+def adapter_rank(peft_config) -> int:
+    """The largest rank of a peft LoraConfig's adapters (r, or a larger one in rank_pattern)."""
+    return max([peft_config.r, *(getattr(peft_config, "rank_pattern", None) or {}).values()])
+
+
+def check_adapter_model(policy) -> None:
+    """At launch, vllm_push: adapter on the policy itself: a peft model with one active LoRA
+    adapter that vLLM serves (check_adapter_push on its config)."""
+    if not is_peft_model(policy):
+        raise ConfigError("'vllm_push' is 'adapter' but the policy has no LoRA adapter: set "
+                          "use_peft: true (or give the trainer a peft_config), or vllm_push: merged")
+    if len(policy.active_adapters) != 1:
+        raise ConfigError(f"'vllm_push' is 'adapter' with {len(policy.active_adapters)} active "
+                          f"adapters ({policy.active_adapters}): vLLM serves one; activate one, or "
+                          f"set vllm_push: merged")
+    config = policy.peft_config[policy.active_adapters[0]]
+    if type(config).__name__ != "LoraConfig":
+        raise ConfigError(f"'vllm_push' is 'adapter' with a {type(config).__name__} adapter: vLLM "
+                          f"serves LoRA adapters only; set vllm_push: merged")
+    check_adapter_push(dora=bool(config.use_dora), modules_to_save=config.modules_to_save,
+                       target_modules=config.target_modules,
+                       target_parameters=getattr(config, "target_parameters", None),
+                       bias=config.bias)
 
 
 def _peft():
@@ -105,3 +164,20 @@ def load_adapter_weights(model, checkpoint: Path) -> None:
     if unexpected:
         raise RuntimeError(f"checkpoint {checkpoint} adapters do not match the model: unexpected "
                            f"{unexpected[:5]}")
+
+
+def save_adapter(policy, folder: Path) -> int:
+    """Write the policy's active LoRA adapter to `folder` in peft's format, which vLLM's LoRA
+    loader reads: adapter_model.safetensors (peft's names, e.g. base_model.model.model.layers.0.
+    self_attn.q_proj.lora_A.weight; A: (r, in), B: (out, r)) and adapter_config.json. The bytes of
+    its tensors."""
+    peft = _peft()
+    from safetensors.torch import save_file
+    name = policy.active_adapters[0]
+    state = {key: t.detach().contiguous().cpu()
+             for key, t in peft.get_peft_model_state_dict(policy, adapter_name=name).items()}
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / "adapter_model.safetensors"))
+    policy.peft_config[name].save_pretrained(str(folder))   # adapter_config.json
+    return sum(t.numel() * t.element_size() for t in state.values())

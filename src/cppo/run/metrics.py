@@ -19,3 +19,10 @@ def crossed(step: int, every: int, num_iterations: int) -> bool:
     crossed a multiple of `every` steps."""
     before = (step - 1) // num_iterations * num_iterations   # the round's start
     return step // every > before // every
+
+
+def push_metrics(seconds: float, pushed_bytes: int) -> dict:
+    """A weight push's metrics: its seconds on the trainer's side (TRL's perf/weight_sync_s) and
+    the bytes of the tensors it sent (cppo/weight_sync_bytes: the whole model, LoRA merged, or
+    the adapter alone with vllm_push: adapter)."""
+    return {"perf/weight_sync_s": seconds, "cppo/weight_sync_bytes": float(pushed_bytes)}

@@ -64,6 +64,11 @@ class ProcessShare:
             drain(full_parameters(policy, self.pushed or trainable_names(policy)))
         return 0.0
 
+    @property
+    def pushed_bytes(self) -> int:
+        """The bytes of the first process's last push (its sink's; 0 elsewhere)."""
+        return self.generator.sink.pushed_bytes if self.generator is not None else 0
+
     def join_staging(self, policy) -> None:
         """(fsdp, the processes without the generator.) Take part in the gathers that fill the
         first process's staging copy of every parameter when its generator is made."""

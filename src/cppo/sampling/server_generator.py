@@ -19,6 +19,7 @@ from cppo.sampling.rollout_generator import (Generator, IdleClock, RoundTools, W
                                              roll_out_round)
 from cppo.sampling.rollout_messages import Failure, RolloutTask, Sampled
 from cppo.sampling.vllm import EXPORT, GATHERED_EXPORT, check_file_reload
+from cppo.sampling.vllm_server import adapter_sink
 from cppo.sampling.weight_sinks import ServerFiles, StagedServerNCCL
 
 
@@ -36,7 +37,10 @@ class ServerGenerator(Generator):
     every server take the newest before its next round (never mid-round) and reset its prefix
     cache. On CUDA they go over NCCL, TRL's `trl vllm-serve`
     protocol (StagedServerNCCL: a snapshot, streamed by the thread); elsewhere as safetensors in a
-    new folder under `weights_dir`, which the server reloads in place (ServerFiles).
+    new folder under `weights_dir`, which the server reloads in place (ServerFiles). A LoRA run
+    with vllm_push: adapter pushes the adapter alone, on any device: peft's adapter files in a new
+    folder under `weights_dir`, which the server loads as a LoRA adapter that the thread's
+    requests then name (ServerAdapterFiles).
 
     backend: a VLLMBackend in server mode built with push_weights=False (make_backend's under
     async_rollout): the pushes, and the NCCL communicator, are this generator's; the server,
@@ -59,7 +63,10 @@ class ServerGenerator(Generator):
                                      settings.generation.max_prompt_length, settings.seed)
         self.urls = [url for _, url in backend.servers]
         device, export = backend.push_device(), GATHERED_EXPORT if sharded else EXPORT
-        if device.type == "cuda":
+        if settings.vllm.vllm_push == "adapter":   # the LoRA alone, from files (any device)
+            self.sink = adapter_sink(backend.model, backend.servers, weights_dir,
+                                     timeout=heartbeat_stale_after_s)
+        elif device.type == "cuda":
             self.sink = StagedServerNCCL(backend.servers, device, export, offload=sharded)
         else:
             check_file_reload(backend.model.config)
@@ -76,8 +83,8 @@ class ServerGenerator(Generator):
 
     def push(self, policy, version: int) -> float:
         """Hand the policy's weights to the sink as `version` (a snapshot on the policy's device,
-        or weights_dir/version-<version>/model.safetensors); the seconds it took. The thread
-        sends the newest before its next round."""
+        weights_dir/version-<version>/model.safetensors, or weights_dir/adapter-<version>/); the
+        seconds it took. The thread sends the newest before its next round."""
         return self.sink.push(policy, version)
 
     def submit(self, task: RolloutTask) -> None:

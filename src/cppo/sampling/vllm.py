@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,8 +36,8 @@ from cppo.sampling.vllm_process import (EXPECTED_VLLM_LOGS, LAUNCHER_ENV, PROCES
                                         process_state_kept, quiet_vllm_logs)
 from cppo.sampling.vllm_sampling import (completions_with_logprobs, eos_token_ids,
                                          sampled_logprobs, sampling_kwargs)
-from cppo.sampling.vllm_server import (call_servers, client_url, connect_server, connect_servers,
-                                       server_url, server_urls, spread_groups)
+from cppo.sampling.vllm_server import (adapter_sink, call_servers, client_url, connect_server,
+                                       connect_servers, server_url, server_urls, spread_groups)
 from cppo.sampling.weight_sinks import (EngineReload, ServerNCCL, VLLMExport, full_parameters,
                                         refresh_tied_head)
 
@@ -255,6 +256,7 @@ class VLLMBackend:
         self.sampling = sampling or SamplingSettings.of(settings.generation)
         self.synced_round: int | None = None
         self.push_weights = push_weights
+        self.last_push: tuple[float, int] | None = None   # (seconds, bytes) of the latest push
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.max_model_len = vllm_max_model_len(settings.vllm, settings.generation, model.config)
 
@@ -461,7 +463,7 @@ class VLLMEngineBackend(VLLMBackend):
         with process_state_kept():
             if self.sleeping:
                 self.llm.wake_up(tags=["weights"])
-            self.sink.push(self.model, round_index)
+            self.last_push = (self.sink.push(self.model, round_index), self.sink.pushed_bytes)
             if self.sleeping:
                 self.llm.wake_up(tags=["kv_cache"])
                 self.sleeping = False
@@ -529,11 +531,12 @@ class VLLMServerBackend(VLLMBackend):
     or several separated by commas; else vllm_server_host:vllm_server_port), each reached
     through a TRL VLLMClient of its own (`pip install trl`); each process sends its own prompts,
     spread over the servers by group (every question's G completions from one server), and
-    the first process pushes the weights to every server (the ServerNCCL sink, CUDA only) before
-    each round while the others wait. push_weights=False leaves the servers' weights as they are
-    (a frozen sampler; async_rollout's server generator pushes them itself). Every request has
-    vllm_server_request_timeout seconds; a server that fails or hangs is a VLLMServerError naming
-    its URL."""
+    the first process pushes the weights to every server (the ServerNCCL sink, CUDA only; with
+    vllm_push: adapter a LoRA run's adapter alone, from files on any device:
+    ServerAdapterFiles) before each round while the others wait. push_weights=False leaves the
+    servers' weights as they are (a frozen sampler; async_rollout's server generator pushes them
+    itself). Every request has vllm_server_request_timeout seconds; a server that fails or hangs
+    is a VLLMServerError naming its URL."""
 
     def __init__(self, model, tokenizer, settings: BackendSettings, vllm=None, client=None,
                  push_weights: bool = True, sampling: SamplingSettings | None = None) -> None:
@@ -544,13 +547,19 @@ class VLLMServerBackend(VLLMBackend):
         self.request_timeout = settings.vllm.vllm_server_request_timeout
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.sink = None   # the first process's, when it pushes
-        if push_weights and self.rank == 0:   # one process pushes, as in TRL
+        self.adapters = settings.vllm.vllm_push == "adapter"
+        if push_weights and self.rank == 0 and self.adapters:   # the LoRA alone, any device
+            self.sink = adapter_sink(model, self.servers,
+                                     tempfile.mkdtemp(prefix="cppo-vllm-adapters-"),
+                                     timeout=settings.vllm.vllm_server_timeout)
+        elif push_weights and self.rank == 0:   # one process pushes, as in TRL
             device = self.push_device()
             if device.type != "cuda":
                 raise VLLMServerError(
                     f"vllm_mode: server pushes the policy's weights to the server through vLLM's "
                     f"NCCL weight-transfer engine (TRL's VLLMClient), which needs a CUDA "
-                    f"device; this run trains on {device.type}: use vllm_mode: colocate here")
+                    f"device; this run trains on {device.type}: use vllm_mode: colocate here "
+                    f"(or, for a LoRA run, vllm_push: adapter: the adapter alone, from files)")
             self.sink = ServerNCCL(self.servers, device, EXPORT)
             self.sink.connect()
         self._check_server_logprobs()
@@ -585,14 +594,28 @@ class VLLMServerBackend(VLLMBackend):
                       f"importance_sampling_correction: false", flush=True)
 
     def _push(self, round_index: int, probe: list[int]) -> None:
-        """The first process streams the policy's weights to every server (push_weights); no
-        process samples before the push is done."""
+        """The first process streams the policy's weights to every server (push_weights), or,
+        with vllm_push: adapter, has each load the adapter, which every process's requests then
+        name; no process samples before the push is done."""
         if not self.push_weights:
             return
         if self.sink is not None:
-            self.sink.push(self.model, round_index)
+            self.last_push = (self.sink.push(self.model, round_index), self.sink.pushed_bytes)
+            if self.adapters:
+                self.sink.take()   # loaded now, and this process's client names it
         if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+            if self.adapters:   # the others' clients name the first process's adapter
+                name = [self.client.model]
+                torch.distributed.broadcast_object_list(name, src=0)
+                for client, _ in self.servers:
+                    client.model = name[0]
+            else:
+                torch.distributed.barrier()
+
+    def close(self) -> None:
+        """Release the sink's files and adapters (vllm_push: adapter)."""
+        if self.sink is not None:
+            self.sink.close()
 
     def _sample(self, contexts: list[list[int]], num_generations: int,
                 max_tokens: list[int], seeds=None) -> tuple[list[list[int]], list[list[float]]]:

@@ -1,7 +1,8 @@
 """The vLLM servers' addresses and connections (`vllm_mode: server`): TRL's VLLMClient on each
 `trl vllm-serve` server (or vLLM's server with TRL's flags) the config's vLLM section names --
 one URL, or several separated by commas -- and the requests sent to them together, each with a
-time limit and any failure naming its server."""
+time limit and any failure naming its server; for adapter pushes (vllm_push: adapter) each
+server's LoRA limits checked and the sink built."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 from urllib.parse import urlparse
 
-from cppo.errors import VLLMServerError, VLLMUnavailableError
+from cppo.errors import ConfigError, VLLMServerError, VLLMUnavailableError
 
 if TYPE_CHECKING:
     from cppo.config.sections import VLLMSection
@@ -147,3 +148,46 @@ def call_servers(calls: list[tuple[str, Callable[[], object]]], timeout: float |
             f"the vLLM server at {calls[i][0]} failed {what} ({type(err).__name__}: {err}); "
             f"check that it still runs (its log), restart it, or remove it from {FIELD}") from err
     return results
+
+
+
+def check_serves_adapter(client, url: str, rank: int) -> None:
+    """vllm_push: adapter, at launch: the server serves LoRA adapters (--enable-lora) of this
+    rank (its --max-lora-rank), on one data-parallel replica (an adapter loaded through one
+    reaches only it), as its /server_info says (VLLM_SERVER_DEV_MODE=1; a server without it is
+    not checked here: its first adapter load says what is missing)."""
+    try:
+        info = client.get_server_info()
+    except Exception:
+        return
+    lora = info.get("lora_config")
+    if lora is None:
+        raise VLLMServerError(
+            f"vllm_push is 'adapter' but the vLLM server at {url} serves no LoRA adapters: "
+            f"restart it with --enable-lora --max-lora-rank {rank} (or larger) and "
+            f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment, or set vllm_push: merged")
+    if lora.get("max_lora_rank", rank) < rank:
+        raise ConfigError(
+            f"'lora_r' is {rank} (the adapter's largest rank) but the vLLM server at {url} runs "
+            f"with --max-lora-rank {lora['max_lora_rank']}: restart it with --max-lora-rank >= "
+            f"{rank}, lower lora_r to <= {lora['max_lora_rank']}, or set vllm_push: merged")
+    replicas = (info.get("parallel_config") or {}).get("data_parallel_size", 1)
+    if replicas > 1:
+        raise VLLMServerError(
+            f"vllm_push is 'adapter' but the vLLM server at {url} runs {replicas} data-parallel "
+            f"replicas, and an adapter loaded through it reaches only one: serve it with "
+            f"--data-parallel-size 1, or set vllm_push: merged")
+
+
+def adapter_sink(policy, servers: list, weights_dir, *, timeout: float):
+    """The ServerAdapterFiles sink for vllm_push: adapter on `servers` ((VLLMClient, url)
+    pairs), after the launch checks: the policy's adapter is one vLLM serves
+    (cppo.models.lora.check_adapter_model), and each server serves its rank
+    (check_serves_adapter)."""
+    from cppo.models.lora import adapter_rank, check_adapter_model
+    from cppo.sampling.weight_sinks import ServerAdapterFiles
+    check_adapter_model(policy)
+    rank = adapter_rank(policy.peft_config[policy.active_adapters[0]])
+    for client, url in servers:
+        check_serves_adapter(client, url, rank)
+    return ServerAdapterFiles(servers, weights_dir, timeout=timeout)

@@ -9,22 +9,28 @@
 * `ServerFiles`: vLLM servers reloading from files (the policy off CUDA): safetensors in a new
   folder that each server reloads in place (vLLM's `reload_weights` with a `weights_path`,
   through its `/collective_rpc` route: the server runs with VLLM_SERVER_DEV_MODE=1).
+* `ServerAdapterFiles`: vLLM servers serving a LoRA run's adapter alone (`vllm_push: adapter`):
+  peft's adapter files in a new folder, loaded as a new LoRA adapter through vLLM's runtime LoRA
+  routes (`/v1/load_lora_adapter`), which the sampling requests then name as their model.
 * `SharedMemory`: cppo's own generator process (cppo.sampling.generator_process): a staging copy
   of the policy in shared memory, copied into the process's private model between two rounds.
 
 Every sink is a `WeightSink`: `push(policy, version)` makes the policy's weights the sampler's as
 `version` (the seconds it took on the trainer's side): its next round, never one under way,
-samples with them or newer. A staged sink (`StagedServerNCCL`, `ServerFiles`, `SharedMemory`)
-keeps the newest push until the sampler's side takes it (`take`, between two rounds); a push
-not yet taken is replaced, never sent. The vLLM sinks send what a `VLLMExport` makes of the
-policy (cppo.sampling.vllm's: vLLM's names, LoRA merged). A server sink takes `servers`, one
-(client, url) per server (several: vllm_server_base_url lists them), and a push reaches every
-server before any samples with it."""
+samples with them or newer; `pushed_bytes` is what the last push sent (the tensors' bytes, to
+one server). A staged sink (`StagedServerNCCL`, `ServerFiles`, `SharedMemory`) keeps the newest
+push until the sampler's side takes it (`take`, between two rounds); a push not yet taken is
+replaced, never sent. The vLLM sinks send what a `VLLMExport` makes of the policy
+(cppo.sampling.vllm's: vLLM's names, LoRA merged), but ServerAdapterFiles, which sends the
+LoRA's factors (cppo.models.lora.save_adapter). A server sink takes `servers`, one (client,
+url) per server (several: vllm_server_base_url lists them), and a push reaches every server
+before any samples with it."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import secrets
 import shutil
 import threading
 import time
@@ -36,12 +42,15 @@ import torch
 from safetensors.torch import save_file
 
 from cppo.errors import VLLMServerError
+from cppo.models.lora import save_adapter
 from cppo.sampling.vllm_process import process_state_kept
 
 
 @runtime_checkable
 class WeightSink(Protocol):
     """Where the trainer's pushes go (one per transport)."""
+
+    pushed_bytes: int   # the bytes of the tensors the last push sent (0 before the first)
 
     def push(self, policy, version: int) -> float:
         """Make the policy's weights the sampler's as `version` (optimizer steps taken; the
@@ -62,6 +71,18 @@ class VLLMExport:
     metadata: Callable
 
 
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def counted(pairs, sink):
+    """(name, tensor) pairs as they are, their bytes summed into sink.pushed_bytes (from 0)."""
+    sink.pushed_bytes = 0
+    for name, tensor in pairs:
+        sink.pushed_bytes += tensor_bytes(tensor)
+        yield name, tensor
+
+
 def refresh_tied_head(model) -> None:
     """(Runs inside vLLM's worker, on vLLM's model.) A tied LM head gets no weights of its own
     in a reload, but vLLM's CPU build keeps a repacked copy of it for the logits GEMM: rebuild
@@ -78,15 +99,17 @@ class EngineReload:
     copy rebuilt from the reloaded embedding (refresh_tied_head), then the prefix cache reset. The
     engine must be awake (its weights held)."""
 
+    pushed_bytes = 0   # the last push's (WeightSink)
+
     def __init__(self, llm, export: VLLMExport) -> None:
-        self.llm, self.export = llm, export
+        self.llm, self.export, self.pushed_bytes = llm, export, 0
 
     def push(self, policy, version: int) -> float:
         start = time.perf_counter()
         with process_state_kept():
             with self.export.weights(policy) as weights:
                 self.llm.collective_rpc("reload_weights", kwargs=dict(
-                    weights_iterator=weights, is_checkpoint_format=True))
+                    weights_iterator=counted(weights, self), is_checkpoint_format=True))
             if getattr(policy.config, "tie_word_embeddings", False):
                 self.llm.apply_model(refresh_tied_head)
             self.llm.reset_prefix_cache()
@@ -103,10 +126,12 @@ class ServerNCCL:
     (update_named_params) and the server's prefix cache reset: every server holds the push when
     it returns. push streams the policy's live weights now."""
 
+    pushed_bytes = 0   # the last push's (WeightSink)
+
     def __init__(self, servers: list[tuple[object, str]], device: torch.device,
                  export: VLLMExport) -> None:
         self.servers, self.device, self.export = list(servers), device, export
-        self.communicating = False
+        self.communicating, self.pushed_bytes = False, 0
 
     def connect(self) -> None:
         """Set up the NCCL communicator with each server (once)."""
@@ -119,10 +144,10 @@ class ServerNCCL:
         """Announce and stream (vLLM name, tensor) pairs to each server (tensors(): a context
         giving them, opened once per server), then reset its prefix cache."""
         self.connect()
-        for client, url in self.servers:
+        for i, (client, url) in enumerate(self.servers):
             try:
-                with tensors() as pairs:
-                    client.update_named_params(metadata, pairs)
+                with tensors() as pairs:   # the bytes: the first server's stream
+                    client.update_named_params(metadata, counted(pairs, self) if i == 0 else pairs)
                 client.reset_prefix_cache()
             except VLLMServerError:
                 raise
@@ -144,10 +169,13 @@ class _Staged:
     """A sink whose push stages the weights (stage(policy, version) -> what to load) for the
     sampler's side to load (load(version, staged)) when it takes them; the newest push only."""
 
+    pushed_bytes = 0   # the last push's (WeightSink)
+
     def __init__(self) -> None:
         # latest: (version, staged) pushed and not yet taken; loaded: the sampler's version (-1:
         # the weights it started with)
         self.lock, self.latest, self.loaded = threading.Lock(), None, -1
+        self.pushed_bytes = 0   # stage's: what the last push staged
 
     def push(self, policy, version: int) -> float:
         start = time.perf_counter()
@@ -183,7 +211,7 @@ class StagedServerNCCL(_Staged):
         export = self.nccl.export
         with export.weights(policy) as weights:
             tensors = [(name, t.detach().to("cpu", copy=True) if self.offload
-                        else t.detach().clone()) for name, t in weights]
+                        else t.detach().clone()) for name, t in counted(weights, self)]
         if tensors and tensors[0][1].is_cuda:   # the sender packs on streams of its own
             torch.cuda.current_stream(tensors[0][1].device).synchronize()
         return export.metadata(policy), tensors
@@ -215,7 +243,7 @@ class ServerFiles(_Staged):
         folder = self.weights_dir / f"version-{version}"
         folder.mkdir(parents=True, exist_ok=True)
         with self.export.weights(policy) as weights:
-            save_file({name: t.detach().contiguous().cpu() for name, t in weights},
+            save_file({name: t.detach().contiguous().cpu() for name, t in counted(weights, self)},
                       str(folder / "model.safetensors"))
         return folder
 
@@ -244,6 +272,75 @@ class ServerFiles(_Staged):
         client.reset_prefix_cache()
 
     def close(self) -> None:
+        shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+
+class ServerAdapterFiles(_Staged):
+    """A vLLM server serving a LoRA run's adapter alone (vllm_push: adapter): a push writes peft's
+    adapter files (adapter_model.safetensors, adapter_config.json: what vLLM's LoRA loader reads)
+    to weights_dir/adapter-<version>/; take has each server of `servers` ((TRL's VLLMClient,
+    url) pairs) load it as a new LoRA adapter (`/v1/load_lora_adapter`, waiting at most
+    `timeout` s), makes the client's requests name it (their model: the client's `model`, which
+    the client's user reads between two rounds, as take runs), unloads the one before and removes
+    the older folders. The adapter's name is new each version (`<prefix>-<version>`, prefix
+    unique to the sink), so no prefix-cache block of an older one is reused. The servers run
+    with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (check_serves_adapter) and read
+    weights_dir (a filesystem they share). close unloads the adapter, gives the clients their
+    base model's name back and removes weights_dir."""
+
+    def __init__(self, servers: list, weights_dir, *, timeout: float) -> None:
+        super().__init__()
+        self.servers, self.timeout = list(servers), timeout
+        self.weights_dir = Path(weights_dir).resolve()   # the servers resolve it, not this process
+        self.prefix = f"cppo-adapter-{secrets.token_hex(4)}"
+        self.base_models = [client.model for client, _ in self.servers]
+        self.served: str | None = None   # the adapter the servers sample with
+
+    def adapter_name(self, version: int) -> str:
+        return f"{self.prefix}-{version}"
+
+    def stage(self, policy, version: int) -> Path:
+        folder = self.weights_dir / f"adapter-{version}"
+        self.pushed_bytes = save_adapter(policy, folder)
+        return folder
+
+    def _post(self, url: str, route: str, body: dict):
+        import requests   # with trl, which the server's client needs (cppo.sampling.vllm_server)
+        return requests.post(f"{url}{route}", json=body, timeout=self.timeout)
+
+    def load(self, version: int, folder: Path) -> None:
+        name = self.adapter_name(version)
+        for client, url in self.servers:
+            reply = self._post(url, "/v1/load_lora_adapter",
+                               {"lora_name": name, "lora_path": str(folder)})
+            if reply.status_code != 200:
+                raise VLLMServerError(
+                    f"the vLLM server at {url} refused the adapter {folder} ({reply.status_code}: "
+                    f"{reply.text[:300]}); vllm_push: adapter needs a server started with "
+                    f"--enable-lora --max-lora-rank >= the LoRA's rank and "
+                    f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment (else the route "
+                    f"is missing: 404 Not Found), reading the trainer's filesystem")
+            client.model = name   # the client's next requests sample with the new adapter
+        self._unload()
+        self.served = name
+        for older in self.weights_dir.glob("adapter-*"):   # older pushes, loaded or skipped
+            if int(older.name.removeprefix("adapter-")) < version:
+                shutil.rmtree(older, ignore_errors=True)
+
+    def _unload(self) -> None:
+        """Unload the adapter served before (none: nothing)."""
+        if self.served is not None:
+            for _, url in self.servers:
+                self._post(url, "/v1/unload_lora_adapter", {"lora_name": self.served})
+
+    def close(self) -> None:
+        try:
+            self._unload()
+        except Exception:   # a server already gone has nothing left to unload
+            pass
+        self.served = None
+        for (client, _), base in zip(self.servers, self.base_models):
+            client.model = base
         shutil.rmtree(self.weights_dir, ignore_errors=True)
 
 
@@ -307,6 +404,8 @@ class SharedMemory:
     made from it and filled parameter by parameter as each is gathered (full_parameters), and
     so is every push; the other processes take part in each gather (drain) at the same time."""
 
+    pushed_bytes = 0   # the last push's (WeightSink)
+
     def __init__(self, policy, ctx, skeleton=None) -> None:
         if skeleton is None:
             staging = copy.deepcopy(policy)
@@ -318,12 +417,16 @@ class SharedMemory:
         self.names = trainable_names(policy)
         self.lock, self.version = ctx.Lock(), ctx.Value("q", -1)
         self.taken = -1   # the version the process's model holds (-1: the staging copy's first)
+        params = dict(self.staging.named_parameters())
+        self.pushed_bytes = 0
+        self.copy_bytes = sum(tensor_bytes(params[name]) for name in self.names)
 
     def push(self, policy, version: int) -> float:
         start = time.perf_counter()
         with self.lock:
             copy_parameters(self.staging, policy, self.names)
             self.version.value = version
+        self.pushed_bytes = self.copy_bytes
         return time.perf_counter() - start
 
     def private_copy(self):
