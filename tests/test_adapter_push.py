@@ -8,9 +8,6 @@ LoRA); the config's and the launch's refusals on their own."""
 import copy
 import importlib.util
 import json
-import os
-import subprocess
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +23,6 @@ from cppo.config import CPPOConfig                            # noqa: E402
 from cppo.errors import ConfigError, VLLMServerError          # noqa: E402
 from cppo.models import load_model, load_tokenizer            # noqa: E402
 from cppo.models.lora import check_adapter_model              # noqa: E402
-from cppo.parallel.processes import free_port                 # noqa: E402
 from cppo.sampling.logprobs import completion_logprobs        # noqa: E402
 from cppo.sampling.sampler import encode_prompts              # noqa: E402
 from cppo.sampling.vllm import VLLMBackend                    # noqa: E402
@@ -50,38 +46,13 @@ SERVER = dict(use_vllm=True, vllm_mode="server", vllm_push="adapter", use_peft=T
 def lora_server(tmp_path_factory):
     """A real vLLM CPU server serving LoRA adapters, on a tiny untied Llama saved to disk."""
     from cppo.models.tokenizer import build_tokenizer
+    from helpers.vllm_servers import vllm_servers
     from test_vllm_engine import save_tiny_model
-    from test_vllm_server import server_command
     path = save_tiny_model(tmp_path_factory.mktemp("served"), build_tokenizer(), tied=False)
-    port = free_port()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
-    log = open(tmp_path_factory.mktemp("server_log") / "server.log", "w")
-    command = [*server_command(path, port), "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK)]
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        import requests
-        deadline = time.time() + 300
-        while time.time() < deadline and process.poll() is None:
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        else:
-            log.flush()
-            pytest.fail(f"the vLLM server did not start: {open(log.name).read()[-3000:]}")
-        yield path, url
-    finally:
-        os.killpg(process.pid, 15)   # the server and its engine process (its own session)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-        log.close()
+    with vllm_servers(path, tmp_path_factory.mktemp("server_log"),
+                      flags=("--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK)),
+                      env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as urls:
+        yield path, urls[0]
 
 
 def lora_policy(path, seed: int = 3):

@@ -44,20 +44,22 @@ def save_served_model(folder: Path) -> str:
 
 @contextlib.contextmanager
 def vllm_servers(model_dir: str, log_dir: Path, count: int = 1, timeout: float = 300.0,
-                 max_model_len: int = 256):
+                 max_model_len: int = 256, flags: tuple = (), env: dict | None = None):
     """`count` servers of `model_dir`, started at once, each on a free port with its log in
-    log_dir/server-<i>.log (prompt + completion tokens at most max_model_len); yields their
+    log_dir/server-<i>.log (prompt + completion tokens at most max_model_len; flags: more of the
+    server's command-line flags, env: more of its environment); yields their
     URLs once every one answers /health, and stops them (with their engine processes) at the
     end."""
     # what `trl vllm-serve` sets, plus a KV cache of 1 GiB (vLLM's CPU build otherwise wants 90 %
     # of the RAM free; on a GPU that is --gpu-memory-utilization)
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     started = []   # (process, log, url)
     try:
         for i in range(count):
             port = free_port()
             log = open(Path(log_dir) / f"server-{i}.log", "w")
-            process = subprocess.Popen(server_command(model_dir, port, max_model_len), env=env, stdout=log,
+            process = subprocess.Popen([*server_command(model_dir, port, max_model_len), *flags],
+                                       env=env, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True)
             started.append((process, log, f"http://127.0.0.1:{port}"))
         deadline = time.time() + timeout
