@@ -29,6 +29,7 @@ class InlineGenerator:
     logs (round, version) per task."""
 
     name = "inline generator"
+    pushed_bytes = 0   # the generators' interface: the last push's bytes
     made: list = []
 
     def __init__(self, policy, build, *, threads, heartbeat_stale_after_s, cpus=None,

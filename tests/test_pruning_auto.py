@@ -160,6 +160,8 @@ class SlowGenerator:
     `seconds` long at least (the trainer waits that long), reporting `seconds` of sampling and
     no idle time: error +1 each round, after the first."""
 
+    pushed_bytes = 0   # the generators' interface: the last push's bytes
+
     def __init__(self, trainer, seconds: float) -> None:
         self.trainer, self.seconds, self.tasks, self.version = trainer, seconds, deque(), 0
 

@@ -158,6 +158,11 @@ class GeneratorPool:
             raise
         return merge_shares(task_id, shares, self.pad_token_id)
 
+    @property
+    def pushed_bytes(self) -> int:
+        """The bytes the last push sent (the shared staging copy's)."""
+        return self.sink.pushed_bytes
+
     def push(self, policy, version: int) -> float:
         """Copy the policy's trainable weights to the shared staging copy as `version`; each
         process takes them before its next share. The seconds it took."""

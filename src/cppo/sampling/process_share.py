@@ -67,7 +67,7 @@ class ProcessShare:
     @property
     def pushed_bytes(self) -> int:
         """The bytes of the first process's last push (its sink's; 0 elsewhere)."""
-        return self.generator.sink.pushed_bytes if self.generator is not None else 0
+        return self.generator.pushed_bytes if self.generator is not None else 0
 
     def join_staging(self, policy) -> None:
         """(fsdp, the processes without the generator.) Take part in the gathers that fill the

@@ -115,7 +115,12 @@ class IdleClock:
 class Generator:
     """What the trainer waits on: a queue of results and a side that may end or fall silent.
     Subclasses set self.results, self.stale_after, self.heartbeat (a Value: 0 until started),
-    self.started, and define _ended() -> str | None, _stop(), close() and `name`."""
+    self.started, self.sink (their WeightSink), and define _ended() -> str | None, _stop(), close() and `name`."""
+
+    @property
+    def pushed_bytes(self) -> int:
+        """The bytes the last push sent (its weight sink's)."""
+        return self.sink.pushed_bytes
 
     def receive(self) -> Sampled:
         """The next sampled round. A generator that ended, failed or went heartbeat_stale_after_s
