@@ -352,9 +352,10 @@ def scale_rows(repeats: int = 1) -> list[dict]:
             speedups = spread([sync["seconds_per_step"] / m["seconds_per_step"]
                                for sync, m in zip(runs["sync"], measured)])
             m = median_run(measured)
+            questions = 2 * m["questions_per_step"]   # questions_per_step: each process's
             rows.append({"algorithm": algorithm, "mode": mode, "trainers": 2,
                          "generators": SCALE_MODES[mode][0], **m,
-                         "seconds_per_question": m["seconds_per_step"] / m["questions_per_step"],
+                         "seconds_per_question": m["seconds_per_step"] / questions,
                          "speedup": speedups["median"], "repeats": repeats,
                          "speedup_range": [speedups["min"], speedups["max"]]})
     return rows
