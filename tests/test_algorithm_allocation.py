@@ -259,3 +259,15 @@ def test_allocation_question_scope_error_says_what_to_change():
                                          r"scope='question'; change the batch or the pruning rate, or "
                                          r"use scope='step'$"):
         plan(10, 8, 0.5, allocation=True, scope="question")
+
+
+@pytest.mark.parametrize("count, parts, sizes", [
+    (5, 2, [3, 2]), (6, 3, [2, 2, 2]), (1, 3, [1, 0, 0]), (7, 4, [2, 2, 2, 1]), (0, 2, [0, 0]),
+])
+def test_even_blocks_cut_the_items_in_order_with_the_extra_ones_first(count, parts, sizes):
+    """Generators share a round's groups in contiguous ranges that cover every item once, in
+    order, their sizes differing by at most one, the first ranges taking the extra items."""
+    from cppo.algorithm.allocation import even_blocks
+    blocks = even_blocks(count, parts)
+    assert [len(b) for b in blocks] == sizes
+    assert [i for b in blocks for i in b] == list(range(count))

@@ -27,7 +27,7 @@ from cppo.parallel.processes import free_port   # noqa: E402
 from cppo.sampling.logprobs import completion_logprobs   # noqa: E402
 from cppo.sampling.sampler import encode_prompts   # noqa: E402
 from cppo.sampling.vllm import VLLMBackend, server_urls   # noqa: E402
-from cppo.sampling.vllm_server import connect_servers, spread_groups   # noqa: E402
+from cppo.sampling.vllm_server import connect_servers   # noqa: E402
 from helpers.vllm_client import FakeClient   # noqa: E402
 from helpers.weights import weights_of   # noqa: E402
 
@@ -212,12 +212,6 @@ def test_groups_go_whole_to_one_server_and_come_back_in_order(tiny_model_dir):
     ids, _ = backend.sample_contexts([[42, 1]], num_generations=3, max_tokens=[4], seeds=[0],
                                      round_index=0)
     assert ids == [[42, 0, g] for g in range(3)] and clients[1].prompts == []
-
-
-def test_spread_groups_is_contiguous_and_balanced():
-    assert spread_groups(5, 2) == [range(0, 3), range(3, 5)]
-    assert spread_groups(1, 3) == [range(0, 1), range(1, 1), range(1, 1)]
-    assert spread_groups(6, 3) == [range(0, 2), range(2, 4), range(4, 6)]
 
 
 def test_a_dead_server_mid_run_is_named(tiny_model_dir):

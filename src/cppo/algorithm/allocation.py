@@ -84,6 +84,18 @@ def questions_per_chunk(chunk_size: int | None, group_size: int, num_questions: 
     return num_questions if chunk_size is None else max(1, chunk_size // group_size)
 
 
+def even_blocks(count: int, parts: int) -> list[range]:
+    """`count` items (a round's groups, or its generation chunks) cut into `parts` contiguous
+    ranges in order, one per generator, of sizes that differ by at most one: the first
+    count % parts ranges get the extra item; a range is empty when count < parts. A group is
+    never split: each item goes whole to one generator."""
+    size, extra = divmod(count, parts)
+    bounds = [0]
+    for k in range(parts):
+        bounds.append(bounds[-1] + size + (k < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def plan_step(
     *,
     completions_per_update: int,

@@ -20,7 +20,7 @@ from collections import deque
 import torch
 import torch.multiprocessing as mp
 
-from cppo.algorithm.allocation import questions_per_chunk
+from cppo.algorithm.allocation import even_blocks, questions_per_chunk
 from cppo.errors import ConfigError, GeneratorError
 from cppo.sampling.batches import PromptBatch, concat_completions
 from cppo.sampling.generator_process import GeneratorProcess
@@ -29,15 +29,9 @@ from cppo.sampling.weight_sinks import SharedMemory
 
 
 def blocks(items: list, n: int) -> list[list]:
-    """`items` cut into n contiguous blocks in order, as even as possible (the first ones one
-    longer when n does not divide them; empty blocks when there are fewer items than n)."""
-    size, extra = divmod(len(items), n)
-    out, start = [], 0
-    for k in range(n):
-        stop = start + size + (k < extra)
-        out.append(items[start:stop])
-        start = stop
-    return out
+    """`items` cut into n contiguous blocks in order (even_blocks: the first ones one longer when
+    n does not divide them; empty blocks when there are fewer items than n)."""
+    return [items[r.start:r.stop] for r in even_blocks(len(items), n)]
 
 
 def round_parts(questions: list[int], unit: int | None) -> list[tuple[int, int, int]]:

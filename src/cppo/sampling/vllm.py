@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cppo.algorithm.allocation import even_blocks
 from cppo.errors import ConfigError, VLLMServerError
 from cppo.models.loading import dense_dtype_and_shape, dense_weight
 from cppo.models.lora import check_dora_push
@@ -37,7 +38,7 @@ from cppo.sampling.vllm_process import (EXPECTED_VLLM_LOGS, LAUNCHER_ENV, PROCES
 from cppo.sampling.vllm_sampling import (completions_with_logprobs, eos_token_ids,
                                          sampled_logprobs, sampling_kwargs)
 from cppo.sampling.vllm_server import (adapter_sink, call_servers, client_url, connect_server,
-                                       connect_servers, server_url, server_urls, spread_groups)
+                                       connect_servers, server_url, server_urls)
 from cppo.sampling.weight_sinks import (EngineReload, ServerNCCL, VLLMExport, full_parameters,
                                         refresh_tied_head)
 
@@ -621,12 +622,12 @@ class VLLMServerBackend(VLLMBackend):
                 max_tokens: list[int], seeds=None) -> tuple[list[list[int]], list[list[float]]]:
         """sample_contexts through the servers (each process asks for its own contexts; a server
         seeds its own sampling): the contexts in contiguous blocks, one per server
-        (spread_groups: a context's num_generations completions all from one server), sent at
+        (even_blocks: a context's num_generations completions all from one server), sent at
         once, the rows put back in the contexts' order."""
         kwargs = {**sampling_kwargs(self.settings.generation, self.sampling), "n": num_generations,
                   "structured_outputs_regex": self.settings.vllm.vllm_structured_outputs_regex}
         blocks = [(server, block) for server, block
-                  in zip(self.servers, spread_groups(len(contexts), len(self.servers))) if block]
+                  in zip(self.servers, even_blocks(len(contexts), len(self.servers))) if block]
 
         def ask(client, block):
             return lambda: client.generate(prompts=[contexts[c] for c in block], **{

@@ -96,17 +96,6 @@ def client_url(client, default: str) -> str:
     return getattr(client, "base_url", None) or default
 
 
-def spread_groups(count: int, servers: int) -> list[range]:
-    """The contexts each server samples: `count` contexts (each one question's G completions, a
-    group) in contiguous blocks, one per server, of sizes that differ by at most one (the first
-    servers get the extra ones; a block may be empty). A group never straddles two servers."""
-    size, extra = divmod(count, servers)
-    bounds = [0]
-    for s in range(servers):
-        bounds.append(bounds[-1] + size + (s < extra))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
 def call_servers(calls: list[tuple[str, Callable[[], object]]], timeout: float | None,
                  what: str = "a request") -> list:
     """Run each (url, call) at once, one thread each, and return their results in order. The
