@@ -226,6 +226,19 @@ class StagedServerNCCL(_Staged):
         self.nccl.close()
 
 
+def post_to_server(url: str, route: str, body: dict, *, timeout: float, what: str):
+    """POST `body` (JSON) to a vLLM server's `route`, waiting at most `timeout` s; its reply. A
+    server that cannot be reached, or does not answer in time, is a VLLMServerError naming it and
+    `what` it was asked to do."""
+    import requests   # with trl, which the server's client needs (cppo.sampling.vllm_server)
+    try:
+        return requests.post(f"{url}{route}", json=body, timeout=timeout)
+    except requests.RequestException as err:
+        raise VLLMServerError(f"the vLLM server at {url} did not {what} ({type(err).__name__}: "
+                              f"{err}); check that it still runs, or remove it from "
+                              f"vllm_server_base_url") from err
+
+
 class ServerFiles(_Staged):
     """vLLM servers reloading from files, one (client, url) per server in `servers`: a push writes
     weights_dir/version-<version>/model.safetensors; take has each server reload it in place
@@ -256,15 +269,10 @@ class ServerFiles(_Staged):
 
     def reload(self, client, url: str, folder: Path) -> None:
         """One server reloads the weights in `folder` and resets its prefix cache."""
-        import requests   # with trl, which the server's client needs (cppo.sampling.vllm_server)
-        try:
-            reply = requests.post(f"{url}/collective_rpc", timeout=self.timeout, json={
-                "method": "reload_weights",
-                "kwargs": {"weights_path": str(folder), "is_checkpoint_format": True}})
-        except requests.RequestException as err:
-            raise VLLMServerError(f"the vLLM server at {url} did not reload the weights "
-                                  f"({type(err).__name__}: {err}); check that it still runs, or "
-                                  f"remove it from vllm_server_base_url") from err
+        reply = post_to_server(url, "/collective_rpc", {
+            "method": "reload_weights",
+            "kwargs": {"weights_path": str(folder), "is_checkpoint_format": True}},
+            timeout=self.timeout, what="reload the weights")
         if reply.status_code != 200:
             raise VLLMServerError(f"the vLLM server at {url} refused the weights "
                                   f"({reply.status_code}: {reply.text[:300]}); start it with "
@@ -304,15 +312,12 @@ class ServerAdapterFiles(_Staged):
         self.pushed_bytes = save_adapter(policy, folder)
         return folder
 
-    def _post(self, url: str, route: str, body: dict):
-        import requests   # with trl, which the server's client needs (cppo.sampling.vllm_server)
-        return requests.post(f"{url}{route}", json=body, timeout=self.timeout)
-
     def load(self, version: int, folder: Path) -> None:
         name = self.adapter_name(version)
         for client, url in self.servers:
-            reply = self._post(url, "/v1/load_lora_adapter",
-                               {"lora_name": name, "lora_path": str(folder)})
+            reply = post_to_server(url, "/v1/load_lora_adapter",
+                                   {"lora_name": name, "lora_path": str(folder)},
+                                   timeout=self.timeout, what="load the adapter")
             if reply.status_code != 200:
                 raise VLLMServerError(
                     f"the vLLM server at {url} refused the adapter {folder} ({reply.status_code}: "
@@ -331,7 +336,8 @@ class ServerAdapterFiles(_Staged):
         """Unload the adapter served before (none: nothing)."""
         if self.served is not None:
             for _, url in self.servers:
-                self._post(url, "/v1/unload_lora_adapter", {"lora_name": self.served})
+                post_to_server(url, "/v1/unload_lora_adapter", {"lora_name": self.served},
+                               timeout=self.timeout, what="unload the adapter")
 
     def close(self) -> None:
         try:
