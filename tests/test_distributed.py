@@ -661,6 +661,7 @@ def test_async_rollout_with_two_trainers_at_max_staleness_0_is_the_synchronous_r
     for rank in (0, 1):
         assert json.loads((run / f"questions-rank{rank}.json").read_text()) == \
             json.loads((sync / f"questions-rank{rank}.json").read_text())
+    assert_same_rewarded(sync, run)
     assert_same_training(sync, run)
 
 
@@ -671,7 +672,17 @@ def test_two_trainers_with_two_generator_processes_at_max_staleness_0_are_the_sy
     reaches both: the synchronous 2-process run's losses and weights (float64 round-off)."""
     (sync, _), (run, log) = async_runs["sync"], async_runs["async0_pool"]
     assert "2 generator processes" in log.read_text() and "2 training processes" in log.read_text()
+    assert_same_rewarded(sync, run)
     assert_same_training(sync, run)
+
+
+def assert_same_rewarded(sync: Path, run: Path) -> None:
+    """Each process scored the same prompts and completions as in the synchronous run (the
+    reward here reads only the completions' lengths, so parts swapped between processes would
+    leave the losses and weights as they are: this catches them)."""
+    for rank in (0, 1):
+        assert json.loads((run / f"rewarded-rank{rank}.json").read_text()) == \
+            json.loads((sync / f"rewarded-rank{rank}.json").read_text()), rank
 
 
 def assert_same_training(sync: Path, run: Path) -> None:

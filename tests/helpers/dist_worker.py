@@ -9,7 +9,8 @@ rank's first reward call at that step writes parked-rank<r> and waits, up to 300
 signal or stop-rank<r>; only on a launcher's first start), "plain_init": bool (benchmarks/
 restarts.py's "before" rows: the group started by a plain init_process_group under the launcher's
 shared keys, as before cppo.parallel.processes.start_group)}. Each process writes to <output_dir>:
-questions-rank<r>.json (the questions it drew), summary-rank<r>.json (train()'s summary),
+questions-rank<r>.json (the questions it drew), rewarded-rank<r>.json (each reward call's prompt
+and completion texts), summary-rank<r>.json (train()'s summary),
 bytes-rank<r>.json (the parameter, gradient and optimizer bytes it holds at the end), pid-rank<r>
 (its process id, written before training), reductions-rank<r>.json (how many gradient reductions
 the engine ran, and how many optimizer steps), roles-rank<r>.json (its global and local rank and
@@ -33,13 +34,15 @@ import time
 import torch
 
 WORKER_FILES = re.compile(r"(questions|summary|bytes|reductions|roles|lean|writes|pid|exit|parked"
-                          r"|stop|group)-rank\d+(\.json)?|logits\.pt")   # this helper's, not the trainer's
+                          r"|stop|group|rewarded)-rank\d+(\.json)?|logits\.pt")   # this helper's, not the trainer's
 TRAINER = None   # the running trainer (the park hook reads its stop flag)
 PARK: dict = {}
+REWARDED: list = []   # each reward call's (prompt, completion) texts, in order
 
 
 def length_reward(prompts, completions, completion_ids=None, **kw):
     park()
+    REWARDED.append([[str(p), str(c)] for p, c in zip(prompts, completions)])
     return [float(len(c) % 2) + 0.1 * (len(c) % 3) for c in completions]
 
 
@@ -144,6 +147,7 @@ def run(spec: dict) -> dict:
              "is_world_process_zero": trainer.callbacks.state.is_world_process_zero,
              "is_local_process_zero": trainer.callbacks.state.is_local_process_zero}
     for name, value in (("questions", drawn), ("summary", summary), ("reductions", reductions),
+                        ("rewarded", REWARDED),
                         ("bytes", local_bytes(trainer.policy, trainer.optimizer)),
                         ("roles", roles)):
         with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
